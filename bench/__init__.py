@@ -1,0 +1,1 @@
+"""memopt benchmarks: `python -m bench` runs the default comparison."""

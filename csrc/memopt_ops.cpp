@@ -1,0 +1,49 @@
+// The schemas of every C++ op in memopt, in one place. Kernels register per backend beside
+// their source (TORCH_LIBRARY_IMPL(memopt, CPU, m) in <family>.cpp, CUDA in <family>_cuda.cu);
+// fake impls for torch.compile and the autograd functions live in memopt/ops/<family>.py.
+//
+// Conventions:
+// * Outputs that were not asked for come back as empty tensors (a schema cannot return None).
+// * Per-row statistics (mean, rstd) are float32, or float64 for float64 input.
+// * Parameter gradients are reduced over rows in float32 (float64 for float64 input).
+// * rng_key is an int64 CPU tensor (seed, offset); see philox.h for the mask it defines.
+#include <Python.h>
+#include <torch/library.h>
+
+#include "common.h"
+
+TORCH_LIBRARY(memopt, m) {
+  // out = residual + dropout(x, p) (residual optional). The mask is a function of rng_key and the
+  // element index, never stored: the backward regenerates it.
+  m.def("dropout_add_fwd(Tensor x, Tensor? residual, float p, Tensor rng_key) -> Tensor out");
+  m.def("dropout_add_bwd(Tensor grad_out, float p, Tensor rng_key) -> Tensor grad_x");
+}
+
+namespace {
+
+// setup.py passes these as bare tokens (quotes do not survive ninja's shell).
+#define MEMOPT_STRINGIFY_(...) #__VA_ARGS__
+#define MEMOPT_STRINGIFY(...) MEMOPT_STRINGIFY_(__VA_ARGS__)
+
+PyObject* build_info(PyObject*, PyObject*) {
+#ifdef MEMOPT_WITH_CUDA
+  PyObject* with_cuda = Py_True;
+#else
+  PyObject* with_cuda = Py_False;
+#endif
+  return Py_BuildValue("{s:O,s:s,s:s}", "with_cuda", with_cuda, "cuda_archs",
+                       MEMOPT_STRINGIFY(MEMOPT_CUDA_ARCHS), "torch_version",
+                       MEMOPT_STRINGIFY(MEMOPT_TORCH_VERSION));
+}
+
+PyMethodDef methods[] = {
+    {"build_info", build_info, METH_NOARGS, "What this build of memopt._C contains."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "memopt native kernels", -1, methods};
+
+}  // namespace
+
+// Importing memopt._C runs the static registrations above and in every kernel file.
+PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&module); }

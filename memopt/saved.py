@@ -1,0 +1,86 @@
+"""Count the bytes a computation saves for backward, on any device.
+
+The count goes through ``torch.autograd.graph.saved_tensors_hooks``: every tensor that autograd
+keeps for the backward pass is seen once, deduplicated by storage (views of one buffer count
+once), so the figure is exact and needs no GPU. Parameters and the inputs themselves are left
+out by default: they exist whether or not anything is saved.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable, Iterable
+
+import torch
+
+
+def _storage_key(t: torch.Tensor) -> tuple[int, str]:
+    return t.untyped_storage().data_ptr(), str(t.device)
+
+
+class SavedTensorCounter:
+    """Context manager that records every tensor saved for backward inside it.
+
+    Example::
+
+        with memopt.SavedTensorCounter(exclude=model.parameters()) as counter:
+            loss = model(x).sum()
+        print(counter.total_bytes)
+
+    Attributes:
+        total_bytes: bytes of distinct storages saved (excluded ones left out).
+        bytes_by_device: the same split by device string (``"cpu"``, ``"cuda:0"``).
+        num_tensors: saved tensors seen, before deduplication (excluded ones left out).
+    """
+
+    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
+        self._excluded = {_storage_key(t) for t in exclude if isinstance(t, torch.Tensor)}
+        self._storages: dict[tuple[int, str], int] = {}
+        self.num_tensors = 0
+        self._hooks = None
+
+    def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
+        self._excluded.update(_storage_key(t) for t in tensors if isinstance(t, torch.Tensor))
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in self._excluded:
+            self.num_tensors += 1
+            self._storages[key] = t.untyped_storage().nbytes()
+        return t
+
+    def __enter__(self) -> "SavedTensorCounter":
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+        self._hooks = None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self._storages.values())
+
+    @property
+    def bytes_by_device(self) -> dict[str, int]:
+        out: dict[str, int] = defaultdict(int)
+        for (_, device), nbytes in self._storages.items():
+            out[device] += nbytes
+        return dict(out)
+
+
+def saved_bytes(fn: Callable, *args, exclude: Iterable[torch.Tensor] = (), **kwargs) -> int:
+    """Bytes saved for backward by ``fn(*args, **kwargs)``, deduplicated by storage.
+
+    Tensor arguments, the parameters and buffers of ``fn`` when it is an ``nn.Module``, and the
+    tensors in ``exclude`` are not counted. The result of ``fn`` is discarded; use
+    :class:`SavedTensorCounter` to keep it.
+    """
+    excluded = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+    excluded += list(exclude)
+    if isinstance(fn, torch.nn.Module):
+        excluded += list(fn.parameters()) + list(fn.buffers())
+    with SavedTensorCounter(exclude=excluded) as counter:
+        fn(*args, **kwargs)
+    return counter.total_bytes

@@ -1,0 +1,38 @@
+"""The extension loads, reports what it was built with, and every op has its kernels."""
+
+import os
+
+import pytest
+import torch
+
+import memopt
+
+
+def memopt_cpp_ops():
+    names = [n for n in torch._C._dispatch_get_all_op_names() if n.startswith("memopt::")]
+    return sorted(n for n in names if torch._C._dispatch_has_kernel_for_dispatch_key(n, "CPU"))
+
+
+def test_build_info_shape():
+    info = memopt.build_info()
+    assert set(info) == {"with_cuda", "cuda_archs", "torch_version"}
+    assert info["torch_version"].split("+")[0] == torch.__version__.split("+")[0]
+    assert bool(info["cuda_archs"]) == info["with_cuda"]
+
+
+@pytest.mark.skipif(os.environ.get("MEMOPT_EXPECT_CUDA_BUILD") != "1", reason="only where a CUDA build is required")
+def test_cuda_kernels_were_compiled():
+    info = memopt.build_info()
+    assert info["with_cuda"], "CI requires the CUDA sources to be compiled"
+    assert {"8.0", "9.0"} <= set(info["cuda_archs"]) or os.environ.get("TORCH_CUDA_ARCH_LIST")
+
+
+def test_every_op_has_cpu_and_cuda_kernels_and_a_fake_impl():
+    ops = memopt_cpp_ops()
+    assert "memopt::dropout_add_fwd" in ops
+    with_cuda = memopt.build_info()["with_cuda"]
+    for name in ops:
+        if with_cuda:
+            assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA"), f"{name} has no CUDA kernel"
+        fake = torch._library.simple_registry.singleton.find(name).fake_impl.kernel
+        assert fake is not None, f"{name} has no fake impl (torch.library.register_fake)"

@@ -5,9 +5,18 @@ Importing memopt loads the native extension (``memopt._C``) and registers every 
 """
 
 from memopt._extension import build_info
+from memopt.block import EagerTransformerBlock, FusedCheckpointBlock, FusedCheckpointStack
 from memopt.ops.dropout import dropout_add
 from memopt.saved import SavedTensorCounter, saved_bytes
 
 __version__ = "0.1.0"
 
-__all__ = ["SavedTensorCounter", "build_info", "dropout_add", "saved_bytes"]
+__all__ = [
+    "EagerTransformerBlock",
+    "FusedCheckpointBlock",
+    "FusedCheckpointStack",
+    "SavedTensorCounter",
+    "build_info",
+    "dropout_add",
+    "saved_bytes",
+]

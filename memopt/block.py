@@ -1,0 +1,469 @@
+"""Transformer blocks: ``FusedCheckpointBlock`` (memopt's fused ops, a recompute policy) and
+``EagerTransformerBlock`` (the same block in plain PyTorch ops: test reference, bench baseline).
+
+Both hold the same parameters under the same names, so their ``state_dict`` s load into each
+other::
+
+    norm1.weight, norm1.bias, qkv.weight, qkv.bias, out_proj.weight, out_proj.bias,
+    norm2.weight, norm2.bias, fc1.weight, fc1.bias, fc2.weight, fc2.bias
+
+(``*.bias`` of linears and layer norms exist when ``bias=True``; RMSNorm has no bias.) ``qkv``
+rows are ``[q; k; v]`` like ``nn.MultiheadAttention.in_proj_weight``; with grouped-query
+attention k and v have ``n_kv_heads * head_dim`` rows each. For ``activation="swiglu"`` fc1 is
+``2 * d_ff`` wide, rows ``[gate; up]``.
+
+Dropout sites (GPT-2 style): attention probabilities and the two residual branches (attention
+output projection, FFN output). There is no dropout inside the FFN.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from memopt import _extension
+from memopt.block_functions import PARAM_NAMES, POLICIES, BlockSpec, FusedBlockFunction, saved_names
+from memopt.ops._rng import new_rng_key
+
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu")
+NORMS = ("layernorm", "rmsnorm")
+
+__all__ = [
+    "EagerTransformerBlock",
+    "FusedCheckpointBlock",
+    "FusedCheckpointStack",
+    "saved_bytes_per_layer",
+    "saved_bytes_per_token",
+]
+
+
+def _check_choice(value, choices, name: str, owner: str) -> None:
+    if value not in choices:
+        raise ValueError(f"{owner}: {name} must be one of {list(choices)}, got {value!r}")
+
+
+def _stat_bytes(dtype: torch.dtype) -> int:
+    return 8 if dtype == torch.float64 else 4
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared parameters and configuration.
+
+
+class _TransformerBlockBase(nn.Module):
+    """Parameters and configuration shared by the eager and the fused block."""
+
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int | None = None,
+        *,
+        n_kv_heads: int | None = None,
+        dropout: float = 0.0,
+        activation: str = "gelu",
+        norm: str = "layernorm",
+        norm_first: bool = True,
+        causal: bool = False,
+        bias: bool = True,
+        eps: float = 1e-5,
+        batch_first: bool = True,
+        device=None,
+        dtype=None,
+    ):
+        super().__init__()
+        owner = type(self).__name__
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        d_ff = 4 * d_model if d_ff is None else d_ff
+        for name, value in (("d_model", d_model), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads), ("d_ff", d_ff)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
+        if d_model % n_heads:
+            raise ValueError(f"{owner}: d_model ({d_model}) must be divisible by n_heads ({n_heads})")
+        if n_heads % n_kv_heads:
+            raise ValueError(f"{owner}: n_heads ({n_heads}) must be divisible by n_kv_heads ({n_kv_heads})")
+        if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"{owner}: dropout must be a float in [0, 1), got {dropout!r}")
+        _check_choice(activation, ACTIVATIONS, "activation", owner)
+        _check_choice(norm, NORMS, "norm", owner)
+        self.d_model, self.n_heads, self.n_kv_heads, self.d_ff = d_model, n_heads, n_kv_heads, d_ff
+        self.head_dim = d_model // n_heads
+        self.dropout, self.activation, self.norm = float(dropout), activation, norm
+        self.norm_first, self.causal, self.bias, self.eps = bool(norm_first), bool(causal), bool(bias), float(eps)
+        self.batch_first = bool(batch_first)
+
+        factory = {"device": device, "dtype": dtype}
+        qkv_width = (n_heads + 2 * n_kv_heads) * self.head_dim
+        fc1_width = 2 * d_ff if activation == "swiglu" else d_ff
+        self.norm1 = self._make_norm(factory)
+        self.qkv = nn.Linear(d_model, qkv_width, bias=bias, **factory)
+        self.out_proj = nn.Linear(d_model, d_model, bias=bias, **factory)
+        self.norm2 = self._make_norm(factory)
+        self.fc1 = nn.Linear(d_model, fc1_width, bias=bias, **factory)
+        self.fc2 = nn.Linear(d_ff, d_model, bias=bias, **factory)
+
+    def _make_norm(self, factory) -> nn.Module:
+        if self.norm == "layernorm":
+            return nn.LayerNorm(self.d_model, eps=self.eps, bias=self.bias, **factory)
+        return nn.RMSNorm(self.d_model, eps=self.eps, **factory)
+
+    def config(self) -> dict:
+        """Constructor keyword arguments that rebuild this block's shape (not its weights)."""
+        return {
+            "d_model": self.d_model, "n_heads": self.n_heads, "d_ff": self.d_ff,
+            "n_kv_heads": self.n_kv_heads, "dropout": self.dropout, "activation": self.activation,
+            "norm": self.norm, "norm_first": self.norm_first, "causal": self.causal,
+            "bias": self.bias, "eps": self.eps, "batch_first": self.batch_first,
+        }  # fmt: skip
+
+    def _factory(self) -> dict:
+        weight = self.qkv.weight
+        return {"device": weight.device, "dtype": weight.dtype}
+
+    def _resolve_causal(self, attn_mask, is_causal: bool, seq: int, device) -> bool:
+        """Whether attention is causal for this call. Only causal masks are supported."""
+        if attn_mask is None:
+            if is_causal and not self.causal:
+                raise ValueError(
+                    f"{type(self).__name__}: is_causal=True needs the causal attn_mask it describes "
+                    "(as in nn.TransformerEncoderLayer), or construct the block with causal=True"
+                )
+            return self.causal
+        if attn_mask.dim() != 2 or tuple(attn_mask.shape) != (seq, seq):
+            raise ValueError(
+                f"{type(self).__name__}: attn_mask must be a ({seq}, {seq}) causal mask (or None), "
+                f"got shape {tuple(attn_mask.shape)}; arbitrary and padding masks are not supported"
+            )
+        if not is_causal and not _is_causal_mask(attn_mask):
+            raise ValueError(
+                f"{type(self).__name__}: attn_mask must be causal: a bool mask True strictly above the "
+                "diagonal (nn.Transformer convention: True = not allowed) or a float mask with -inf "
+                "strictly above the diagonal and 0 elsewhere (nn.Transformer.generate_square_subsequent_mask); "
+                "other masks are not supported"
+            )
+        return True
+
+    def extra_repr(self) -> str:
+        return ", ".join(f"{k}={v!r}" for k, v in self.config().items())
+
+
+def _is_causal_mask(mask: torch.Tensor) -> bool:
+    """True for a bool mask True exactly above the diagonal, or float 0 / -inf likewise (one sync)."""
+    seq = mask.shape[0]
+    above = torch.ones(seq, seq, dtype=torch.bool, device=mask.device).triu(1)
+    if mask.dtype == torch.bool:
+        return bool(torch.equal(mask, above))
+    if not mask.is_floating_point():
+        return False
+    blocked = torch.isneginf(mask)
+    return bool(torch.equal(blocked, above) and torch.all(mask.masked_fill(blocked, 0.0) == 0))
+
+
+def _to_batch_first(block, x: torch.Tensor) -> torch.Tensor:
+    if x.dim() != 3 or x.shape[-1] != block.d_model:
+        layout = "(batch, seq, d_model)" if block.batch_first else "(seq, batch, d_model)"
+        raise ValueError(
+            f"{type(block).__name__}: x must be {layout} with d_model={block.d_model}, got {tuple(x.shape)}"
+        )
+    return x if block.batch_first else x.transpose(0, 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# The eager reference.
+
+
+class EagerTransformerBlock(_TransformerBlockBase):
+    """The block in plain PyTorch ops (``F.layer_norm``, ``F.linear``, SDPA): reference and baseline.
+
+    Same constructor, parameters and ``forward`` as :class:`FusedCheckpointBlock`, minus the
+    policy. Attention uses ``F.scaled_dot_product_attention`` (its dropout masks differ from
+    memopt's Philox masks, so with dropout > 0 only distributions match).
+    """
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, *, is_causal: bool = False):
+        """``x`` (B, S, d_model) (``(S, B, d_model)`` when ``batch_first=False``) -> same shape."""
+        x_bf = _to_batch_first(self, x)
+        causal = self._resolve_causal(attn_mask, is_causal, x_bf.shape[1], x.device)
+        if self.norm_first:
+            h = x_bf + self._residual_dropout(self._attention(self.norm1(x_bf), causal))
+            y = h + self._residual_dropout(self._ffn(self.norm2(h)))
+        else:
+            h = self.norm1(x_bf + self._residual_dropout(self._attention(x_bf, causal)))
+            y = self.norm2(h + self._residual_dropout(self._ffn(h)))
+        return y if self.batch_first else y.transpose(0, 1)
+
+    def _residual_dropout(self, branch):
+        return F.dropout(branch, self.dropout, self.training)
+
+    def _attention(self, x, causal: bool):
+        batch, seq, _ = x.shape
+        heads = self.qkv(x).view(batch, seq, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
+        q, k, v = heads.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+            dropout_p=self.dropout if self.training else 0.0, is_causal=causal,
+            enable_gqa=self.n_kv_heads != self.n_heads,
+        )  # fmt: skip
+        return self.out_proj(out.transpose(1, 2).reshape(batch, seq, self.d_model))
+
+    def _ffn(self, x):
+        u = self.fc1(x)
+        if self.activation == "swiglu":
+            gate, up = u.chunk(2, dim=-1)
+            g = F.silu(gate) * up
+        elif self.activation == "relu":
+            g = F.relu(u)
+        elif self.activation == "silu":
+            g = F.silu(u)
+        else:
+            g = F.gelu(u, approximate="tanh" if self.activation == "gelu_tanh" else "none")
+        return self.fc2(g)
+
+    def to_fused(self, policy: str = "selective") -> "FusedCheckpointBlock":
+        """A :class:`FusedCheckpointBlock` with this block's configuration and weights."""
+        block = FusedCheckpointBlock(**self.config(), policy=policy, **self._factory())
+        block.load_state_dict(self.state_dict())
+        return block
+
+
+# ----------------------------------------------------------------------------------------------
+# The fused block.
+
+
+class FusedCheckpointBlock(_TransformerBlockBase):
+    """A transformer encoder block that saves little for backward and recomputes the rest.
+
+    ``FusedCheckpointBlock(d_model, n_heads, d_ff=4*d_model, *, n_kv_heads=n_heads, dropout=0.0,
+    activation="gelu", norm="layernorm", norm_first=True, causal=False, bias=True, eps=1e-5,
+    policy="selective", batch_first=True, device=None, dtype=None)``
+
+    Args:
+        activation: ``"relu"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"`` or ``"swiglu"``
+            (fc1 is then ``2 * d_ff`` wide: ``[gate; up]``, ``silu(gate) * up``).
+        norm: ``"layernorm"`` or ``"rmsnorm"``; ``norm_first`` selects pre-norm (GPT-2/LLaMA)
+            or post-norm (original Transformer, ``nn.TransformerEncoderLayer`` default).
+        dropout: probability at the three dropout sites (attention probabilities, the attention
+            and FFN residual branches); active in training mode only.
+        policy: what is saved for backward; switchable at any time through ``block.policy``:
+
+            * ``"none"``: what the fused backward kernels need (norm and activation outputs,
+              matmul outputs, attention out + lse); attention probabilities and dropout
+              masks are still rebuilt inside kernels.
+            * ``"selective"``: matmul outputs and attention out + lse only; norms, activations,
+              dropout masks and attention probabilities are rebuilt in the backward kernels.
+              No extra matmul.
+            * ``"full"``: only the block input and the RNG key; the backward reruns the forward
+              up to what it needs (pre-norm skips fc2, whose output only feeds the block output).
+            * ``"offload"``: ``"selective"`` with the saved tensors in host memory (needs the
+              ``memopt.offload`` engine).
+        batch_first: input layout, ``(B, S, d_model)`` when True, else ``(S, B, d_model)`` (as
+            ``nn.TransformerEncoderLayer(batch_first=False)``; costs a transpose copy).
+
+    ``forward(x, attn_mask=None, *, is_causal=False)``: ``attn_mask`` may be None or a causal
+    ``(S, S)`` mask (bool True above the diagonal, or float ``-inf`` above the diagonal and 0
+    elsewhere); it is checked on the host (one device sync) unless ``is_causal=True`` vouches
+    for it. Other masks raise ``ValueError``.
+    """
+
+    def __init__(self, d_model: int, n_heads: int, d_ff: int | None = None, *, policy: str = "selective", **kwargs):
+        super().__init__(d_model, n_heads, d_ff, **kwargs)
+        self.policy = policy
+
+    @property
+    def policy(self) -> str:
+        return self._policy
+
+    @policy.setter
+    def policy(self, value: str) -> None:
+        _check_choice(value, POLICIES, "policy", type(self).__name__)
+        self._policy = value
+
+    def config(self) -> dict:
+        return {**super().config(), "policy": self.policy}
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, *, is_causal: bool = False):
+        """``x`` (B, S, d_model) (``(S, B, d_model)`` when ``batch_first=False``) -> same shape."""
+        x_bf = _to_batch_first(self, x)
+        batch, seq, _ = x_bf.shape
+        causal = self._resolve_causal(attn_mask, is_causal, seq, x.device)
+        if self.policy == "offload":
+            raise NotImplementedError(
+                "FusedCheckpointBlock: policy='offload' needs the activation offload engine "
+                "(memopt.offload), which this build of memopt does not have yet"
+            )
+        _extension.require_cuda_kernels("FusedCheckpointBlock", x)
+        residual_dtype = x_bf.dtype
+        compute_dtype = residual_dtype
+        if torch.is_autocast_enabled(x.device.type):
+            compute_dtype = torch.get_autocast_dtype(x.device.type)
+        drop = self.dropout if self.training else 0.0
+        spec = BlockSpec(
+            policy=self.policy, norm=self.norm, norm_first=self.norm_first, activation=self.activation,
+            n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, causal=causal,
+            eps=self.eps, attention_dropout=drop, residual_dropout=drop, compute_dtype=compute_dtype,
+        )  # fmt: skip
+        rng_key = new_rng_key() if spec.uses_rng else None
+        params = [_param(self, name) for name in PARAM_NAMES]
+        y = FusedBlockFunction.apply(spec, x_bf.reshape(batch * seq, self.d_model).contiguous(), rng_key, batch, seq, *params)
+        y = y.view(batch, seq, self.d_model)
+        return y if self.batch_first else y.transpose(0, 1)
+
+    def to_eager(self) -> EagerTransformerBlock:
+        """An :class:`EagerTransformerBlock` with this block's configuration and weights."""
+        config = self.config()
+        config.pop("policy")
+        block = EagerTransformerBlock(**config, **self._factory())
+        block.load_state_dict(self.state_dict())
+        return block.train(self.training)
+
+    @classmethod
+    def from_eager(cls, block: EagerTransformerBlock, policy: str = "selective") -> "FusedCheckpointBlock":
+        return block.to_fused(policy).train(block.training)
+
+    @classmethod
+    def from_torch(cls, layer: nn.TransformerEncoderLayer, policy: str = "selective") -> "FusedCheckpointBlock":
+        """A block with ``layer``'s configuration and weights (copied, not shared).
+
+        ``layer`` is an ``nn.TransformerEncoderLayer`` with relu or gelu activation, norm_first
+        True or False, batch_first True or False (the block keeps that layout: it takes the same
+        input as ``layer``). In eval mode or with dropout 0 the outputs match the layer's. In
+        training the block applies ``layer``'s dropout at its three sites (attention
+        probabilities, both residual branches) but not inside the FFN, where torch's layer has a
+        fourth dropout: there is no dropout between the activation and fc2.
+        """
+        if not isinstance(layer, nn.TransformerEncoderLayer):
+            raise TypeError(f"FusedCheckpointBlock.from_torch: layer must be an nn.TransformerEncoderLayer, got {type(layer).__name__}")
+        attn = layer.self_attn
+        if not attn._qkv_same_embed_dim:
+            raise ValueError("FusedCheckpointBlock.from_torch: layer.self_attn must have kdim == vdim == embed_dim")
+        activation = _torch_activation_name(layer.activation)
+        bias = layer.linear1.bias is not None
+        block = cls(
+            attn.embed_dim, attn.num_heads, layer.linear1.out_features, dropout=layer.dropout.p,
+            activation=activation, norm="layernorm", norm_first=layer.norm_first, bias=bias,
+            eps=layer.norm1.eps, batch_first=attn.batch_first, policy=policy,
+            device=attn.in_proj_weight.device, dtype=attn.in_proj_weight.dtype,
+        )  # fmt: skip
+        state = {
+            "qkv.weight": attn.in_proj_weight, "out_proj.weight": attn.out_proj.weight,
+            "fc1.weight": layer.linear1.weight, "fc2.weight": layer.linear2.weight,
+            "norm1.weight": layer.norm1.weight, "norm2.weight": layer.norm2.weight,
+        }  # fmt: skip
+        if bias:
+            state.update({
+                "qkv.bias": attn.in_proj_bias, "out_proj.bias": attn.out_proj.bias,
+                "fc1.bias": layer.linear1.bias, "fc2.bias": layer.linear2.bias,
+                "norm1.bias": layer.norm1.bias, "norm2.bias": layer.norm2.bias,
+            })  # fmt: skip
+        block.load_state_dict({k: v.detach() for k, v in state.items()})
+        return block.train(layer.training)
+
+
+def _param(block: nn.Module, name: str) -> torch.Tensor | None:
+    """The parameter ``name`` (``"norm1.bias"``) of ``block``, None when the block has none."""
+    module, attr = name.split(".")
+    return getattr(getattr(block, module), attr, None)
+
+
+def _torch_activation_name(activation) -> str:
+    if activation is F.relu or isinstance(activation, nn.ReLU):
+        return "relu"
+    if activation is F.gelu:
+        return "gelu"
+    if isinstance(activation, nn.GELU):
+        return "gelu_tanh" if activation.approximate == "tanh" else "gelu"
+    raise ValueError(
+        f"FusedCheckpointBlock.from_torch: layer.activation must be relu or gelu (function or module), got {activation!r}"
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# A stack of blocks.
+
+
+class FusedCheckpointStack(nn.Module):
+    """``n_layers`` :class:`FusedCheckpointBlock` s applied in order.
+
+    ``FusedCheckpointStack(n_layers, d_model, n_heads, d_ff=None, *, policy="selective", **block_kwargs)``:
+    ``policy`` is one name for every layer or a list of ``n_layers`` names (mixable, e.g.
+    ``["full"] * 4 + ["selective"] * 8``). ``stack.policy`` reads and sets the same way.
+    """
+
+    def __init__(self, n_layers: int, d_model: int, n_heads: int, d_ff: int | None = None, *, policy="selective", **block_kwargs):
+        super().__init__()
+        if not isinstance(n_layers, int) or n_layers <= 0:
+            raise ValueError(f"FusedCheckpointStack: n_layers must be a positive int, got {n_layers!r}")
+        self.layers = nn.ModuleList(FusedCheckpointBlock(d_model, n_heads, d_ff, **block_kwargs) for _ in range(n_layers))
+        self.policy = policy
+
+    @property
+    def policy(self) -> list[str]:
+        return [layer.policy for layer in self.layers]
+
+    @policy.setter
+    def policy(self, value) -> None:
+        policies = [value] * len(self.layers) if isinstance(value, str) else list(value)
+        if len(policies) != len(self.layers):
+            raise ValueError(f"FusedCheckpointStack: policy must be a name or a list of {len(self.layers)} names, got {len(policies)}")
+        for layer, name in zip(self.layers, policies):
+            layer.policy = name
+
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, *, is_causal: bool = False):
+        for layer in self.layers:
+            x = layer(x, attn_mask, is_causal=is_causal)
+        return x
+
+
+# ----------------------------------------------------------------------------------------------
+# How many bytes each policy saves.
+
+
+def saved_bytes_per_token(
+    policy: str,
+    d_model: int,
+    n_heads: int,
+    d_ff: int | None = None,
+    *,
+    n_kv_heads: int | None = None,
+    activation: str = "gelu",
+    norm: str = "layernorm",
+    norm_first: bool = True,
+    dtype: torch.dtype = torch.float32,
+) -> int:
+    """Bytes one :class:`FusedCheckpointBlock` saves for backward per token, input excluded.
+
+    For a block whose parameters and input are ``dtype`` (no autocast). Norm statistics are
+    float32 (float64 for float64), the attention log-sum-exp float32. The RNG key (16 bytes per block
+    call when dropout is active) is not per token: see :func:`saved_bytes_per_layer`.
+    """
+    _check_choice(policy, POLICIES, "policy", "saved_bytes_per_token")
+    _check_choice(activation, ACTIVATIONS, "activation", "saved_bytes_per_token")
+    _check_choice(norm, NORMS, "norm", "saved_bytes_per_token")
+    n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+    d_ff = 4 * d_model if d_ff is None else d_ff
+    head_dim = d_model // n_heads
+    widths = {
+        "x": 0,  # the block input is not counted
+        "n1": d_model, "n2": d_model, "h": d_model, "s1": d_model, "s2": d_model,
+        "qkv": (n_heads + 2 * n_kv_heads) * head_dim, "attn_out": n_heads * head_dim,
+        "u": 2 * d_ff if activation == "swiglu" else d_ff, "g": d_ff,
+    }  # fmt: skip
+    elem, stat = torch.empty((), dtype=dtype).element_size(), _stat_bytes(dtype)
+    total = 0
+    for name in saved_names(policy, norm_first, norm):
+        if name == "lse":
+            total += n_heads * 4  # float32 for every input dtype
+        elif name.startswith("norm"):
+            total += stat
+        else:
+            total += widths[name] * elem
+    return total
+
+
+def saved_bytes_per_layer(policy: str, *args, batch: int, seq: int, dropout: float = 0.0, **kwargs) -> int:
+    """Bytes one block call on ``(batch, seq, d_model)`` saves, input excluded: tokens times
+    :func:`saved_bytes_per_token` (same arguments), plus the 16-byte RNG key when dropout > 0."""
+    return batch * seq * saved_bytes_per_token(policy, *args, **kwargs) + (16 if dropout > 0 else 0)

@@ -1,0 +1,411 @@
+"""FusedCheckpointBlock: against the eager reference block and nn.TransformerEncoderLayer, per
+policy and configuration; saved bytes equal to the formula; determinism; interop; errors."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import memopt
+from memopt.block import EagerTransformerBlock, saved_bytes_per_layer, saved_bytes_per_token
+
+from helpers import gpu
+import _standin_ops  # noqa: F401  TEMPORARY until norm/activation/attention land
+
+POLICIES = ["none", "selective", "full"]
+
+# Small shapes: attention may run in the Triton interpreter. Each config exercises a different
+# corner: pre/post norm, both norms, every activation, GQA, causal, bias on and off.
+CONFIGS = {
+    "pre-ln-gelu": dict(d_ff=48, activation="gelu", norm="layernorm", norm_first=True),
+    "post-ln-relu-causal": dict(d_ff=40, activation="relu", norm="layernorm", norm_first=False, causal=True),
+    "pre-rms-swiglu-gqa-causal-nobias": dict(
+        d_ff=24, n_kv_heads=2, activation="swiglu", norm="rmsnorm", causal=True, bias=False
+    ),
+    "post-rms-gelu_tanh-gqa": dict(d_ff=48, n_kv_heads=1, activation="gelu_tanh", norm="rmsnorm", norm_first=False),
+    "pre-ln-silu-nobias-causal": dict(d_ff=32, activation="silu", bias=False, causal=True),
+}
+D_MODEL, N_HEADS = 32, 4
+
+# float64 on CPU: the block and the eager reference differ only in summation order.
+F64_TOL = {"atol": 1e-10, "rtol": 1e-9}
+
+
+def _make(config, policy="selective", dtype=torch.float64, device="cpu", **overrides):
+    kwargs = {**config, **overrides}
+    return memopt.FusedCheckpointBlock(D_MODEL, N_HEADS, policy=policy, dtype=dtype, device=device, **kwargs)
+
+
+def _run(block, x, grad, *args, **kwargs):
+    """Output, input gradient and parameter gradients (by name) of one forward + backward."""
+    x = x.detach().clone().requires_grad_()
+    out = block(x, *args, **kwargs)
+    names, params = zip(*[(n, p) for n, p in block.named_parameters()])
+    grads = torch.autograd.grad(out, (x, *params), grad)
+    return out.detach(), grads[0], dict(zip(names, grads[1:]))
+
+
+def _assert_runs_close(got, expected, **tol):
+    out, grad_x, grads = got
+    out_e, grad_x_e, grads_e = expected
+    torch.testing.assert_close(out, out_e, **tol)
+    torch.testing.assert_close(grad_x, grad_x_e, **tol)
+    assert len(grads) == len(grads_e)
+    for name, name_e in zip(grads, grads_e):
+        assert name.removeprefix("_orig_mod.") == name_e
+        torch.testing.assert_close(grads[name], grads_e[name_e], **tol, msg=lambda m: f"{name}: {m}")
+
+
+def _assert_runs_equal(got, expected):
+    assert torch.equal(got[0], expected[0])
+    assert torch.equal(got[1], expected[1])
+    for name in got[2]:
+        assert torch.equal(got[2][name], expected[2][name]), name
+    assert got[2].keys() == expected[2].keys()
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
+def test_matches_eager_block_float64(config, policy):
+    block = _make(config, policy)
+    x = torch.randn(2, 11, D_MODEL, dtype=torch.float64)
+    grad = torch.randn_like(x)
+    _assert_runs_close(_run(block, x, grad), _run(block.to_eager(), x, grad), **F64_TOL)
+
+
+def test_parameter_names_and_shapes():
+    block = memopt.FusedCheckpointBlock(64, 8, 96, n_kv_heads=2, activation="swiglu")
+    shapes = {name: tuple(p.shape) for name, p in block.named_parameters()}
+    assert shapes == {
+        "norm1.weight": (64,), "norm1.bias": (64,), "qkv.weight": ((8 + 2 * 2) * 8, 64), "qkv.bias": (96,),
+        "out_proj.weight": (64, 64), "out_proj.bias": (64,), "norm2.weight": (64,), "norm2.bias": (64,),
+        "fc1.weight": (192, 64), "fc1.bias": (192,), "fc2.weight": (64, 96), "fc2.bias": (64,),
+    }  # fmt: skip
+    rms = memopt.FusedCheckpointBlock(64, 8, norm="rmsnorm", bias=False)
+    assert [n for n, _ in rms.named_parameters()] == [
+        "norm1.weight", "qkv.weight", "out_proj.weight", "norm2.weight", "fc1.weight", "fc2.weight"
+    ]
+
+
+# ----------------------------------------------------------------------------------------------
+# Interop with nn.TransformerEncoderLayer and the eager block.
+
+
+def _torch_layer_grads(layer):
+    attn = layer.self_attn
+    return {
+        "qkv.weight": attn.in_proj_weight.grad, "qkv.bias": attn.in_proj_bias.grad,
+        "out_proj.weight": attn.out_proj.weight.grad, "out_proj.bias": attn.out_proj.bias.grad,
+        "fc1.weight": layer.linear1.weight.grad, "fc1.bias": layer.linear1.bias.grad,
+        "fc2.weight": layer.linear2.weight.grad, "fc2.bias": layer.linear2.bias.grad,
+        "norm1.weight": layer.norm1.weight.grad, "norm1.bias": layer.norm1.bias.grad,
+        "norm2.weight": layer.norm2.weight.grad, "norm2.bias": layer.norm2.bias.grad,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "norm_first,batch_first,activation,causal",
+    [(True, True, "gelu", False), (False, True, "relu", True), (False, False, "gelu", False), (True, False, "relu", True)],
+)
+def test_from_torch_matches_transformer_encoder_layer(norm_first, batch_first, activation, causal):
+    layer = nn.TransformerEncoderLayer(
+        D_MODEL, N_HEADS, 48, dropout=0.1, activation=activation, batch_first=batch_first,
+        norm_first=norm_first, dtype=torch.float64,
+    ).eval()  # fmt: skip
+    block = memopt.FusedCheckpointBlock.from_torch(layer, policy="selective")
+    assert not block.training and block.dropout == 0.1 and block.batch_first == batch_first
+    seq, batch = 9, 3
+    x = torch.randn((batch, seq, D_MODEL) if batch_first else (seq, batch, D_MODEL), dtype=torch.float64)
+    mask = nn.Transformer.generate_square_subsequent_mask(seq, dtype=torch.float64) if causal else None
+
+    x_torch = x.clone().requires_grad_()
+    out_torch = layer(x_torch, src_mask=mask, is_causal=causal)
+    grad = torch.randn_like(out_torch)
+    out_torch.backward(grad)
+    got = _run(block, x, grad, mask)
+    _assert_runs_close(got, (out_torch.detach(), x_torch.grad, _torch_layer_grads(layer)), **F64_TOL)
+
+
+def test_from_torch_rejects_unsupported_activation():
+    layer = nn.TransformerEncoderLayer(D_MODEL, N_HEADS, 48, activation=nn.Tanh())
+    with pytest.raises(ValueError, match="activation must be relu or gelu"):
+        memopt.FusedCheckpointBlock.from_torch(layer)
+
+
+def test_state_dict_round_trip_with_eager_block():
+    config = CONFIGS["pre-rms-swiglu-gqa-causal-nobias"]
+    eager = EagerTransformerBlock(D_MODEL, N_HEADS, dtype=torch.float64, **config)
+    fused = memopt.FusedCheckpointBlock(D_MODEL, N_HEADS, dtype=torch.float64, policy="full", **config)
+    fused.load_state_dict(eager.state_dict())
+    back = fused.to_eager()
+    assert back.state_dict().keys() == eager.state_dict().keys()
+    for name, value in eager.state_dict().items():
+        assert torch.equal(back.state_dict()[name], value)
+        assert torch.equal(fused.state_dict()[name], value)
+    x = torch.randn(2, 7, D_MODEL, dtype=torch.float64)
+    torch.testing.assert_close(fused(x), eager(x), **F64_TOL)
+    again = memopt.FusedCheckpointBlock.from_eager(back, policy="none")
+    assert again.policy == "none" and torch.equal(again(x), fused(x))
+
+
+def test_batch_first_false_takes_seq_first_input():
+    block = _make(CONFIGS["pre-ln-gelu"], batch_first=False)
+    reference = _make(CONFIGS["pre-ln-gelu"])
+    reference.load_state_dict(block.state_dict())
+    x = torch.randn(2, 5, D_MODEL, dtype=torch.float64)
+    torch.testing.assert_close(block(x.transpose(0, 1)), reference(x).transpose(0, 1), **F64_TOL)
+
+
+@pytest.mark.parametrize("mask_kind", ["float", "bool"])
+def test_causal_masks_match_causal_flag(mask_kind):
+    block = _make(CONFIGS["pre-ln-gelu"])
+    causal = _make(CONFIGS["pre-ln-gelu"], causal=True)
+    causal.load_state_dict(block.state_dict())
+    seq = 6
+    mask = nn.Transformer.generate_square_subsequent_mask(seq, dtype=torch.float64)
+    if mask_kind == "bool":
+        mask = torch.isneginf(mask)
+    x = torch.randn(2, seq, D_MODEL, dtype=torch.float64)
+    expected = causal(x)
+    assert torch.equal(block(x, mask), expected)
+    assert torch.equal(block(x, mask, is_causal=True), expected)
+    assert not torch.allclose(block(x), expected)
+
+
+# ----------------------------------------------------------------------------------------------
+# Determinism and policy switching.
+
+
+@pytest.mark.parametrize("config", [CONFIGS["pre-ln-gelu"], CONFIGS["post-rms-gelu_tanh-gqa"]], ids=["pre", "post"])
+def test_same_seed_bit_identical_across_policies_with_dropout(config):
+    block = _make(config, dtype=torch.float32, dropout=0.2, causal=True)
+    x = torch.randn(2, 9, D_MODEL)
+    grad = torch.randn_like(x)
+    runs = {}
+    for policy in POLICIES:
+        block.policy = policy
+        torch.manual_seed(123)
+        runs[policy] = _run(block, x, grad)
+    for policy in POLICIES[1:]:
+        _assert_runs_equal(runs[policy], runs["none"])
+    torch.manual_seed(124)
+    other_seed = _run(block, x, grad)
+    assert not torch.equal(other_seed[0], runs["none"][0])
+    block.eval()
+    assert not torch.allclose(block(x), runs["none"][0])  # dropout was active in training
+
+
+def test_eval_mode_draws_no_random_numbers():
+    block = _make(CONFIGS["pre-ln-gelu"], dropout=0.3).eval()
+    x = torch.randn(2, 5, D_MODEL, dtype=torch.float64)
+    state = torch.get_rng_state()
+    block(x)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def _train(model, schedule, steps=4, seed=7):
+    torch.manual_seed(seed)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(steps):
+        model.policy = schedule[step % len(schedule)]
+        x = torch.randn(2, 8, D_MODEL)
+        loss = model(x).square().mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return model
+
+
+def test_policy_switching_mid_training_gives_same_trajectory():
+    torch.manual_seed(0)
+    model = memopt.FusedCheckpointStack(2, D_MODEL, N_HEADS, 48, dropout=0.1, causal=True)
+    steady = _train(copy.deepcopy(model), ["selective"])
+    switched = _train(copy.deepcopy(model), ["selective", "full", "none", ["full", "none"]])
+    for (name, a), (_, b) in zip(steady.named_parameters(), switched.named_parameters()):
+        assert torch.equal(a, b), name
+    assert not torch.equal(steady.layers[0].qkv.weight, model.layers[0].qkv.weight)
+
+
+def test_stack_mixed_policies_and_sequential():
+    torch.manual_seed(0)
+    stack = memopt.FusedCheckpointStack(3, D_MODEL, N_HEADS, 48, policy=["full", "selective", "none"], dtype=torch.float64)
+    assert stack.policy == ["full", "selective", "none"]
+    eager_sequential = nn.Sequential(*[layer.to_eager() for layer in stack.layers])
+    x = torch.randn(2, 6, D_MODEL, dtype=torch.float64)
+    grad = torch.randn_like(x)
+    got = _run(stack, x, grad)
+    for reference in (nn.Sequential(*stack.layers), eager_sequential):
+        expected = _run(reference, x, grad)
+        torch.testing.assert_close(got[0], expected[0], **F64_TOL)
+        torch.testing.assert_close(got[1], expected[1], **F64_TOL)
+        for a, b in zip(got[2].values(), expected[2].values(), strict=True):
+            torch.testing.assert_close(a, b, **F64_TOL)
+    with pytest.raises(ValueError, match="list of 3 names"):
+        stack.policy = ["full", "none"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Saved bytes.
+
+SAVED_CASES = [
+    ("pre-ln-gelu", torch.float32, 0.0),
+    ("post-ln-relu-causal", torch.float32, 0.1),
+    ("pre-rms-swiglu-gqa-causal-nobias", torch.float64, 0.1),
+    ("post-rms-gelu_tanh-gqa", torch.float64, 0.0),
+]
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("name,dtype,dropout", SAVED_CASES, ids=[c[0] for c in SAVED_CASES])
+def test_saved_bytes_equal_formula(name, dtype, dropout, policy):
+    config = CONFIGS[name]
+    block = _make(config, policy, dtype=dtype, dropout=dropout)
+    batch, seq = 3, 10
+    x = torch.randn(batch, seq, D_MODEL, dtype=dtype, requires_grad=True)
+    counted = memopt.saved_bytes(block, x)
+    formula_args = {k: v for k, v in config.items() if k in ("d_ff", "n_kv_heads", "activation", "norm", "norm_first")}
+    expected = saved_bytes_per_layer(
+        policy, D_MODEL, N_HEADS, batch=batch, seq=seq, dropout=dropout, dtype=dtype, **formula_args
+    )
+    assert counted == expected
+
+
+def test_saved_bytes_formula_by_hand_and_ordering():
+    # Pre-norm layernorm, d_model 2048, 16 heads, d_ff 8192, bf16: qkv 3*2048, attention out
+    # 2048 and h 2048 values of 2 bytes, fc1 output 8192, lse 16 floats, 2 x (mean, rstd).
+    kwargs = dict(d_ff=8192, dtype=torch.bfloat16)
+    selective = saved_bytes_per_token("selective", 2048, 16, **kwargs)
+    assert selective == 2 * (3 * 2048 + 2048 + 2048 + 8192) + 16 * 4 + 2 * 2 * 4
+    assert saved_bytes_per_token("none", 2048, 16, **kwargs) == selective + 2 * (2048 + 2048 + 8192)
+    assert saved_bytes_per_token("full", 2048, 16, **kwargs) == 0
+
+
+def test_selective_saves_less_than_eager():
+    # d_ff = 4 d_model. About 0.60x here; the 0.6x target is for the GPU at d_model 2048, where
+    # the eager block's flash attention saves no probabilities but norm stats weigh less.
+    block = memopt.FusedCheckpointBlock(64, 4, 256)
+    x = torch.randn(2, 16, 64, requires_grad=True)
+    fused = memopt.saved_bytes(block, x)
+    eager = memopt.saved_bytes(block.to_eager(), x)
+    assert 0 < fused < 0.62 * eager
+
+
+# ----------------------------------------------------------------------------------------------
+# autocast, torch.compile.
+
+
+def test_autocast_bf16_cpu_matches_eager_under_autocast():
+    block = _make(CONFIGS["pre-ln-gelu"], dtype=torch.float32)
+    eager = block.to_eager()
+    x = torch.randn(2, 8, D_MODEL)
+    grad = torch.randn_like(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _run(block, x, grad)
+        expected = _run(eager, x, grad)
+    assert got[0].dtype == expected[0].dtype == torch.float32
+    assert all(g.dtype == torch.float32 for g in got[2].values())
+    # Both round the matmul inputs and outputs to bf16 (8 mantissa bits): compare at bf16 scale.
+    _assert_runs_close(got, expected, atol=5e-2, rtol=5e-2)
+    full_precision = _run(block, x, grad)
+    assert not torch.allclose(got[0], full_precision[0], atol=1e-4, rtol=0)  # matmuls really ran in bf16
+
+
+def test_torch_compile_fullgraph_aot_eager(compile_cache):
+    block = _make(CONFIGS["pre-rms-swiglu-gqa-causal-nobias"], dtype=torch.float32, dropout=0.1, policy="full")
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    x = torch.randn(2, 8, D_MODEL)
+    grad = torch.randn_like(x)
+    torch.manual_seed(5)
+    expected = _run(block, x, grad)
+    torch.manual_seed(5)
+    got = _run(compiled, x, grad)
+    _assert_runs_close(got, expected, atol=1e-6, rtol=1e-6)
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors.
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        (dict(d_model=30, n_heads=4), "d_model \\(30\\) must be divisible by n_heads \\(4\\)"),
+        (dict(n_kv_heads=3), "n_heads \\(4\\) must be divisible by n_kv_heads \\(3\\)"),
+        (dict(policy="sometimes"), "policy must be one of \\['none', 'selective', 'full', 'offload'\\]"),
+        (dict(activation="tanh"), "activation must be one of"),
+        (dict(norm="batchnorm"), "norm must be one of"),
+        (dict(dropout=1.0), "dropout must be a float in \\[0, 1\\)"),
+    ],
+)
+def test_bad_configuration_raises(kwargs, match):
+    args = {"d_model": D_MODEL, "n_heads": N_HEADS, **kwargs}
+    with pytest.raises(ValueError, match=match):
+        memopt.FusedCheckpointBlock(args.pop("d_model"), args.pop("n_heads"), **args)
+
+
+def test_bad_policy_assignment_raises():
+    block = _make(CONFIGS["pre-ln-gelu"])
+    with pytest.raises(ValueError, match="policy must be one of"):
+        block.policy = "most"
+    assert block.policy == "selective"
+
+
+def test_unsupported_masks_and_inputs_raise():
+    block = _make(CONFIGS["pre-ln-gelu"])
+    x = torch.randn(2, 5, D_MODEL, dtype=torch.float64)
+    with pytest.raises(ValueError, match="attn_mask must be causal"):
+        block(x, torch.zeros(5, 5, dtype=torch.bool).fill_diagonal_(True))
+    with pytest.raises(ValueError, match="attn_mask must be a \\(5, 5\\) causal mask"):
+        block(x, torch.zeros(2, 5, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="is_causal=True needs"):
+        block(x, is_causal=True)
+    with pytest.raises(ValueError, match="x must be \\(batch, seq, d_model\\) with d_model=32"):
+        block(torch.randn(2, 5, 16, dtype=torch.float64))
+
+
+def test_offload_policy_reports_missing_engine():
+    block = _make(CONFIGS["pre-ln-gelu"], policy="offload")
+    with pytest.raises(NotImplementedError, match="memopt.offload"):
+        block(torch.randn(1, 4, D_MODEL, dtype=torch.float64))
+
+
+# ----------------------------------------------------------------------------------------------
+# GPU: low precision against a float32 reference, GradScaler.
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("config", [CONFIGS["pre-ln-gelu"], CONFIGS["post-rms-gelu_tanh-gqa"]], ids=["pre", "post"])
+def test_gpu_low_precision_matches_float32_reference(config, policy, dtype):
+    block = memopt.FusedCheckpointBlock(64, 4, policy=policy, device="cuda", dtype=dtype, **config)
+    reference = block.to_eager().float()
+    x = torch.randn(2, 128, 64, device="cuda", dtype=dtype)
+    grad = torch.randn_like(x)
+    got = _run(block, x, grad)
+    expected = _run(reference, x.float(), grad.float())
+    low = _run(block.to_eager(), x, grad)  # plain PyTorch in the same precision
+    for a, e, l in [(got[0], expected[0], low[0]), (got[1], expected[1], low[1])] + [
+        (got[2][n], expected[2][n], low[2][n]) for n in got[2]
+    ]:
+        torch_error = (l.float() - e).abs().max().item()
+        assert (a.float() - e).abs().max().item() <= 2 * torch_error + 1e-3
+
+
+@gpu
+def test_gpu_autocast_fp16_with_grad_scaler():
+    block = memopt.FusedCheckpointBlock(64, 4, 128, device="cuda", dropout=0.1, causal=True)
+    optimizer = torch.optim.SGD(block.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cuda")
+    x = torch.randn(2, 64, 64, device="cuda")
+    with torch.autocast("cuda", dtype=torch.float16):
+        loss = block(x).float().square().mean()
+    scaler.scale(loss).backward()
+    grads = [p.grad.clone() for p in block.parameters()]
+    assert all(torch.isfinite(g).all() and g.dtype == torch.float32 for g in grads)
+    scaler.step(optimizer)
+    scaler.update()
+    block.eval()
+    with torch.autocast("cuda", dtype=torch.float16):
+        torch.testing.assert_close(block(x), block.to_eager()(x), atol=2e-2, rtol=2e-2)

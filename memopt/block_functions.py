@@ -169,25 +169,35 @@ def _split_heads(spec: BlockSpec, qkv: torch.Tensor, batch: int, seq: int):
     return q, k, v
 
 
+# The CPU attention paths compute in float32 or float64: under CPU autocast to a half type, q, k,
+# v go in as float32 and attention's output comes back in the compute dtype (GPUs run it in half).
+_CPU_HALF_TYPES = (torch.float16, torch.bfloat16)
+
+
+def _attention_upcast(t: torch.Tensor) -> torch.Tensor:
+    return t.float() if t.device.type == "cpu" and t.dtype in _CPU_HALF_TYPES else t
+
+
 def _attention_fwd(spec, qkv, batch, seq, rng_key):
     """Returns ``(attn_out (B, H, S, hd) view of a (B, S, H, hd) buffer, lse (B, H, S))``."""
-    q, k, v = _split_heads(spec, qkv, batch, seq)
-    return torch.ops.memopt.attention_fwd(
+    q, k, v = (_attention_upcast(t) for t in _split_heads(spec, qkv, batch, seq))
+    out, lse = torch.ops.memopt.attention_fwd(
         q, k, v, spec.causal, spec.attention_dropout, spec.scale, _site_key(rng_key, _ATTENTION_SITE)
     )
+    return out.to(qkv.dtype), lse  # keeps the (B, S, H, hd) layout
 
 
 def _attention_bwd(spec, grad_attn, qkv, attn_out, lse, batch, seq, rng_key):
     """Gradient of ``qkv`` (N, (H + 2 Hkv) hd) from the gradient of attn_out (N, H hd)."""
-    q, k, v = _split_heads(spec, qkv, batch, seq)
+    q, k, v = (_attention_upcast(t) for t in _split_heads(spec, qkv, batch, seq))
     grad_out = grad_attn.view(batch, seq, spec.n_heads, spec.head_dim).transpose(1, 2)
     grad_q, grad_k, grad_v = torch.ops.memopt.attention_bwd(
-        grad_out, q, k, v, attn_out, lse, spec.causal, spec.attention_dropout, spec.scale,
-        _site_key(rng_key, _ATTENTION_SITE),
+        _attention_upcast(grad_out), q, k, v, _attention_upcast(attn_out), lse, spec.causal,
+        spec.attention_dropout, spec.scale, _site_key(rng_key, _ATTENTION_SITE),
     )  # fmt: skip
     # One copy assembles the three gradients head-interleaved as qkv is laid out.
     grad_qkv = torch.cat([grad_q.transpose(1, 2), grad_k.transpose(1, 2), grad_v.transpose(1, 2)], dim=2)
-    return grad_qkv.view(batch * seq, -1)
+    return grad_qkv.view(batch * seq, -1).to(qkv.dtype)
 
 
 def _dropout_add(p: float, branch: torch.Tensor, residual: torch.Tensor, rng_key, site: int) -> torch.Tensor:

@@ -143,21 +143,35 @@ def _norm_bwd(spec, grad_y, x, weight, bias, index, t, grad_extra, return_y):
     return grad_x, grad_w.to(weight.dtype), grad_b, (y if return_y else None)
 
 
+# The CPU kernels compute in float32 or float64: under CPU autocast to a half type the
+# activation and attention inputs go in as float32 and their outputs come back in the compute
+# dtype (the matmuls still run in the half type, as in the eager block). GPUs run them in half.
+_CPU_HALF_TYPES = (torch.float16, torch.bfloat16)
+
+
+def _cpu_upcast(t: torch.Tensor | None) -> torch.Tensor | None:
+    if t is not None and t.device.type == "cpu" and t.dtype in _CPU_HALF_TYPES:
+        return t.float()
+    return t
+
+
 def _act_fwd(spec: BlockSpec, u: torch.Tensor, bias) -> torch.Tensor:
     if spec.activation == "swiglu":
-        return torch.ops.memopt.swiglu_fwd(u, bias)
-    return torch.ops.memopt.bias_act_fwd(u, bias, spec.activation)
+        g = torch.ops.memopt.swiglu_fwd(_cpu_upcast(u), _cpu_upcast(bias))
+    else:
+        g = torch.ops.memopt.bias_act_fwd(_cpu_upcast(u), _cpu_upcast(bias), spec.activation)
+    return g.to(u.dtype)
 
 
 def _act_bwd(spec, grad_g, u, bias, return_y):
     """Returns ``(grad_u, grad_bias or None, g or None)``; grad_u is the pre-bias gradient."""
-    grad_g = grad_g.contiguous()
+    args = (_cpu_upcast(grad_g.contiguous()), _cpu_upcast(u), _cpu_upcast(bias))
     if spec.activation == "swiglu":
-        grad_u, grad_b, g = torch.ops.memopt.swiglu_bwd(grad_g, u, bias, return_y)
+        grad_u, grad_b, g = torch.ops.memopt.swiglu_bwd(*args, return_y)
     else:
-        grad_u, grad_b, g = torch.ops.memopt.bias_act_bwd(grad_g, u, bias, spec.activation, return_y)
+        grad_u, grad_b, g = torch.ops.memopt.bias_act_bwd(*args, spec.activation, return_y)
     grad_b = grad_b.to(bias.dtype) if bias is not None else None
-    return grad_u, grad_b, (g if return_y else None)
+    return grad_u.to(u.dtype), grad_b, (g.to(u.dtype) if return_y else None)
 
 
 def _split_heads(spec: BlockSpec, qkv: torch.Tensor, batch: int, seq: int):
@@ -169,18 +183,9 @@ def _split_heads(spec: BlockSpec, qkv: torch.Tensor, batch: int, seq: int):
     return q, k, v
 
 
-# The CPU attention paths compute in float32 or float64: under CPU autocast to a half type, q, k,
-# v go in as float32 and attention's output comes back in the compute dtype (GPUs run it in half).
-_CPU_HALF_TYPES = (torch.float16, torch.bfloat16)
-
-
-def _attention_upcast(t: torch.Tensor) -> torch.Tensor:
-    return t.float() if t.device.type == "cpu" and t.dtype in _CPU_HALF_TYPES else t
-
-
 def _attention_fwd(spec, qkv, batch, seq, rng_key):
     """Returns ``(attn_out (B, H, S, hd) view of a (B, S, H, hd) buffer, lse (B, H, S))``."""
-    q, k, v = (_attention_upcast(t) for t in _split_heads(spec, qkv, batch, seq))
+    q, k, v = (_cpu_upcast(t) for t in _split_heads(spec, qkv, batch, seq))
     out, lse = torch.ops.memopt.attention_fwd(
         q, k, v, spec.causal, spec.attention_dropout, spec.scale, _site_key(rng_key, _ATTENTION_SITE)
     )
@@ -189,10 +194,10 @@ def _attention_fwd(spec, qkv, batch, seq, rng_key):
 
 def _attention_bwd(spec, grad_attn, qkv, attn_out, lse, batch, seq, rng_key):
     """Gradient of ``qkv`` (N, (H + 2 Hkv) hd) from the gradient of attn_out (N, H hd)."""
-    q, k, v = (_attention_upcast(t) for t in _split_heads(spec, qkv, batch, seq))
+    q, k, v = (_cpu_upcast(t) for t in _split_heads(spec, qkv, batch, seq))
     grad_out = grad_attn.view(batch, seq, spec.n_heads, spec.head_dim).transpose(1, 2)
     grad_q, grad_k, grad_v = torch.ops.memopt.attention_bwd(
-        _attention_upcast(grad_out), q, k, v, _attention_upcast(attn_out), lse, spec.causal,
+        _cpu_upcast(grad_out), q, k, v, _cpu_upcast(attn_out), lse, spec.causal,
         spec.attention_dropout, spec.scale, _site_key(rng_key, _ATTENTION_SITE),
     )  # fmt: skip
     # One copy assembles the three gradients head-interleaved as qkv is laid out.

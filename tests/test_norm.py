@@ -323,6 +323,26 @@ def test_compile_fullgraph(norm, compile_cache):
         torch.testing.assert_close(g, e)
 
 
+@pytest.mark.parametrize("norm", NORMS)
+def test_compile_fullgraph_norm_linear_under_autocast(norm, compile_cache):
+    x, _, norm_weight, norm_bias = make_inputs((2, 8, 33), "cpu", torch.float32, "weight_bias", False, norm=norm)
+    linear_weight = torch.randn(16, 33, requires_grad=True)
+    params = [t for t in (x, norm_weight, norm_bias, linear_weight) if t is not None]
+
+    def fn(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return memopt.norm_linear(x, norm_weight, norm_bias, linear_weight, norm=norm)
+
+    out = torch.compile(fn, backend="aot_eager", fullgraph=True)(x)
+    expected = fn(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected)
+    got = torch.autograd.grad(out.float().sum(), params)
+    wanted = torch.autograd.grad(expected.float().sum(), params)
+    for g, e in zip(got, wanted):
+        torch.testing.assert_close(g, e, **tolerances(torch.bfloat16))
+
+
 def stats_bytes(rows, norm):
     per_stat = rows * 4  # float32 per row
     return 2 * per_stat if norm == "layernorm" else per_stat

@@ -355,3 +355,40 @@ def test_mixed_devices_raise_at_op_level():
     _raises(lambda: torch.ops.memopt.swiglu_fwd(x, torch.randn(4)), "bias must be on x's device")
     _raises(lambda: torch.ops.memopt.bias_act_bwd(torch.randn(3, 4), x, None, "gelu", False), "grad_y must be on x's device")
     _raises(lambda: torch.ops.memopt.bias_act_fwd(x.double(), None, "gelu"), "float64 on CUDA")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_bias_gradient_over_many_row_chunks_is_deterministic(dtype, activation):
+    # 5000 rows span many row chunks of the CUDA bias-gradient kernel; no atomics, so two runs agree bitwise.
+    x = torch.randn(5000, 1026, device="cuda", dtype=dtype)
+    bias = torch.randn(1026, device="cuda", dtype=torch.float32)
+    out_width = 513 if activation == "swiglu" else 1026
+    grad = torch.randn(5000, out_width, device="cuda", dtype=dtype)
+    if activation == "swiglu":
+        run = lambda: torch.ops.memopt.swiglu_bwd(grad, x, bias, False)  # noqa: E731
+        ref_fn = swiglu_ref
+    else:
+        run = lambda: torch.ops.memopt.bias_act_bwd(grad, x, bias, activation, False)  # noqa: E731
+        ref_fn = lambda a, b: bias_act_ref(a, b, activation)  # noqa: E731
+    grad_x, grad_bias, _ = run()
+    grad_x_again, grad_bias_again, _ = run()
+    assert torch.equal(grad_x, grad_x_again) and torch.equal(grad_bias, grad_bias_again)
+    _, (ref_dx, ref_db) = _reference_grads(ref_fn, (x, bias), grad)
+    torch.testing.assert_close(grad_x.double(), ref_dx, **tolerances(dtype))
+    # A float32 sum over 5000 rows of values rounded to dtype: relative to the sum of magnitudes.
+    scale = (ref_dx.abs().sum(0)).max().item()
+    torch.testing.assert_close(grad_bias.double(), ref_db, atol=tolerances(dtype)["atol"] * scale, rtol=0)
+
+
+@gpu
+def test_cuda_matches_cpu_float32():
+    x = torch.randn(97, 66)
+    bias = torch.randn(66)
+    grad = torch.randn(97, 66)
+    for activation in ACTIVATIONS:
+        cpu = torch.ops.memopt.bias_act_bwd(grad, x, bias, activation, True)
+        cuda = torch.ops.memopt.bias_act_bwd(grad.cuda(), x.cuda(), bias.cuda(), activation, True)
+        for a, b in zip(cpu, cuda):
+            torch.testing.assert_close(b.cpu(), a, **tolerances(torch.float32))

@@ -22,6 +22,10 @@ SHAPES = [(1, 33), (97, 33), (123, 1025), (2, 5, 33), (7,)]
 SWIGLU_SHAPES = [(1, 66), (97, 66), (123, 2050), (2, 5, 34), (8,)]
 
 
+def _shape_id(shape):
+    return "x".join(map(str, shape))
+
+
 def _bias(n, device, dtype, with_bias):
     return torch.randn(n, device=device, dtype=dtype, requires_grad=True) if with_bias else None
 
@@ -36,7 +40,7 @@ def _reference_grads(ref_fn, inputs, grad):
 
 @pytest.mark.parametrize("device,dtype", device_dtype_params())
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bias_act_matches_reference(device, dtype, activation, shape, with_bias):
     x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
@@ -54,7 +58,7 @@ def test_bias_act_matches_reference(device, dtype, activation, shape, with_bias)
 
 
 @pytest.mark.parametrize("device,dtype", device_dtype_params())
-@pytest.mark.parametrize("shape", SWIGLU_SHAPES)
+@pytest.mark.parametrize("shape", SWIGLU_SHAPES, ids=_shape_id)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_swiglu_matches_reference(device, dtype, shape, with_bias):
     x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)

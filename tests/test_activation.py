@@ -22,6 +22,10 @@ SHAPES = [(1, 33), (97, 33), (123, 1025), (2, 5, 33), (7,)]
 SWIGLU_SHAPES = [(1, 66), (97, 66), (123, 2050), (2, 5, 34), (8,)]
 
 
+def _shape_id(shape):
+    return "x".join(map(str, shape))
+
+
 def _bias(n, device, dtype, with_bias):
     return torch.randn(n, device=device, dtype=dtype, requires_grad=True) if with_bias else None
 
@@ -36,7 +40,7 @@ def _reference_grads(ref_fn, inputs, grad):
 
 @pytest.mark.parametrize("device,dtype", device_dtype_params())
 @pytest.mark.parametrize("activation", ACTIVATIONS)
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_bias_act_matches_reference(device, dtype, activation, shape, with_bias):
     x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
@@ -54,7 +58,7 @@ def test_bias_act_matches_reference(device, dtype, activation, shape, with_bias)
 
 
 @pytest.mark.parametrize("device,dtype", device_dtype_params())
-@pytest.mark.parametrize("shape", SWIGLU_SHAPES)
+@pytest.mark.parametrize("shape", SWIGLU_SHAPES, ids=_shape_id)
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_swiglu_matches_reference(device, dtype, shape, with_bias):
     x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
@@ -355,3 +359,40 @@ def test_mixed_devices_raise_at_op_level():
     _raises(lambda: torch.ops.memopt.swiglu_fwd(x, torch.randn(4)), "bias must be on x's device")
     _raises(lambda: torch.ops.memopt.bias_act_bwd(torch.randn(3, 4), x, None, "gelu", False), "grad_y must be on x's device")
     _raises(lambda: torch.ops.memopt.bias_act_fwd(x.double(), None, "gelu"), "float64 on CUDA")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_bias_gradient_over_many_row_chunks_is_deterministic(dtype, activation):
+    # 5000 rows span many row chunks of the CUDA bias-gradient kernel; no atomics, so two runs agree bitwise.
+    x = torch.randn(5000, 1026, device="cuda", dtype=dtype)
+    bias = torch.randn(1026, device="cuda", dtype=torch.float32)
+    out_width = 513 if activation == "swiglu" else 1026
+    grad = torch.randn(5000, out_width, device="cuda", dtype=dtype)
+    if activation == "swiglu":
+        run = lambda: torch.ops.memopt.swiglu_bwd(grad, x, bias, False)  # noqa: E731
+        ref_fn = swiglu_ref
+    else:
+        run = lambda: torch.ops.memopt.bias_act_bwd(grad, x, bias, activation, False)  # noqa: E731
+        ref_fn = lambda a, b: bias_act_ref(a, b, activation)  # noqa: E731
+    grad_x, grad_bias, _ = run()
+    grad_x_again, grad_bias_again, _ = run()
+    assert torch.equal(grad_x, grad_x_again) and torch.equal(grad_bias, grad_bias_again)
+    _, (ref_dx, ref_db) = _reference_grads(ref_fn, (x, bias), grad)
+    torch.testing.assert_close(grad_x.double(), ref_dx, **tolerances(dtype))
+    # A float32 sum over 5000 rows of values rounded to dtype: relative to the sum of magnitudes.
+    scale = (ref_dx.abs().sum(0)).max().item()
+    torch.testing.assert_close(grad_bias.double(), ref_db, atol=tolerances(dtype)["atol"] * scale, rtol=0)
+
+
+@gpu
+def test_cuda_matches_cpu_float32():
+    x = torch.randn(97, 66)
+    bias = torch.randn(66)
+    grad = torch.randn(97, 66)
+    for activation in ACTIVATIONS:
+        cpu = torch.ops.memopt.bias_act_bwd(grad, x, bias, activation, True)
+        cuda = torch.ops.memopt.bias_act_bwd(grad.cuda(), x.cuda(), bias.cuda(), activation, True)
+        for a, b in zip(cpu, cuda):
+            torch.testing.assert_close(b.cpu(), a, **tolerances(torch.float32))

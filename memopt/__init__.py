@@ -12,5 +12,15 @@ from memopt.saved import SavedTensorCounter, saved_bytes
 
 __version__ = "0.1.0"
 
-__all__ = ["SavedTensorCounter", "build_info", "dropout_add", "layer_norm", "norm_linear", "rms_norm", "saved_bytes"]
-__all__ = ["SavedTensorCounter", "act_linear", "bias_act", "build_info", "dropout_add", "saved_bytes", "swiglu"]
+__all__ = [
+    "SavedTensorCounter",
+    "act_linear",
+    "bias_act",
+    "build_info",
+    "dropout_add",
+    "layer_norm",
+    "norm_linear",
+    "rms_norm",
+    "saved_bytes",
+    "swiglu",
+]

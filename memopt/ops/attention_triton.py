@@ -46,35 +46,37 @@ def interpreter_enabled() -> bool:
 # Read once, when the decorators below run (Triton reads TRITON_INTERPRET at that moment too).
 INTERPRETED = interpreter_enabled()
 
-# GPU launch configurations, tuned by hand for Hopper (H100/H200, 228 KB shared memory per SM,
-# 227 KB per block): nothing can be measured on the build machine, so this is a table, and
+# GPU launch configurations, tuned by hand for Hopper (H100/H200, 227 KB shared memory per block):
+# nothing can be measured on the build machine, so this is a table, and
 # tests/test_attention_aot.py proves that every entry compiles for sm_90 without spilling.
-#   kernel -> head_dim -> (BLOCK_M, BLOCK_N, num_warps, num_stages)
-# BLOCK_M tiles queries and BLOCK_N keys in every kernel. The same entry serves float16 and
-# bfloat16, causal or not, with or without dropout.
+#   kernel -> (head_dim, dropout) -> (BLOCK_M, BLOCK_N, num_warps, num_stages)
+# BLOCK_M tiles queries and BLOCK_N keys in every kernel; one entry serves float16 and bfloat16,
+# causal or not. Dropout gets smaller tiles: Philox keeps four 32-bit words of state per element of
+# the score tile while it runs, which spills the plain tiles.
 GPU_CONFIGS = {
     "fwd": {
-        16: (128, 64, 4, 3),
-        32: (128, 64, 4, 3),
-        64: (128, 64, 4, 3),
-        128: (128, 64, 8, 3),
-        256: (64, 64, 8, 2),
+        (16, False): (128, 64, 4, 3), (16, True): (64, 64, 4, 3),
+        (32, False): (128, 64, 4, 3), (32, True): (64, 64, 4, 3),
+        (64, False): (128, 64, 4, 3), (64, True): (64, 64, 4, 3),
+        (128, False): (128, 64, 8, 3), (128, True): (64, 64, 8, 3),
+        (256, False): (64, 32, 8, 2), (256, True): (64, 32, 8, 2),
     },
     "bwd_dkdv": {
-        16: (32, 128, 4, 3),
-        32: (32, 128, 4, 3),
-        64: (32, 128, 8, 3),
-        128: (32, 64, 4, 3),
-        256: (32, 32, 4, 2),
+        (16, False): (32, 128, 4, 3), (16, True): (32, 64, 4, 3),
+        (32, False): (32, 128, 4, 3), (32, True): (32, 64, 4, 3),
+        (64, False): (32, 128, 8, 3), (64, True): (32, 128, 8, 3),
+        (128, False): (32, 128, 8, 2), (128, True): (32, 64, 8, 2),
+        (256, False): (32, 32, 8, 1), (256, True): (32, 32, 8, 1),
     },
     "bwd_dq": {
-        16: (128, 32, 4, 3),
-        32: (128, 32, 4, 3),
-        64: (128, 32, 8, 3),
-        128: (64, 32, 4, 3),
-        256: (32, 32, 4, 2),
+        (16, False): (128, 32, 4, 3), (16, True): (64, 32, 4, 3),
+        (32, False): (128, 32, 4, 3), (32, True): (64, 32, 4, 3),
+        (64, False): (128, 32, 4, 3), (64, True): (64, 32, 4, 3),
+        (128, False): (128, 32, 8, 2), (128, True): (64, 32, 4, 3),
+        (256, False): (64, 32, 8, 2), (256, True): (64, 32, 8, 2),
     },
-    "bwd_delta": {d: (64, 0, 4, 1) for d in SUPPORTED_HEAD_DIMS},
+    # rowsum(dout * out): no dropout variant, BLOCK_N unused.
+    "bwd_delta": {(d, False): (64, 0, 4, 1) for d in SUPPORTED_HEAD_DIMS},
 }
 
 # Under the interpreter the blocks are small so CPU tests stay fast, and tile edges are crossed
@@ -82,11 +84,11 @@ GPU_CONFIGS = {
 INTERPRETER_CONFIG = (16, 16, 1, 1)
 
 
-def launch_config(kernel: str, head_dim: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``kernel`` at ``head_dim`` on this backend."""
+def launch_config(kernel: str, head_dim: int, dropout: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``kernel`` on this backend."""
     if INTERPRETED:
         return INTERPRETER_CONFIG
-    return GPU_CONFIGS[kernel][head_dim]
+    return GPU_CONFIGS[kernel][(head_dim, dropout and kernel != "bwd_delta")]
 
 
 @triton.jit
@@ -386,7 +388,7 @@ def attention_fwd_triton(q, k, v, causal: bool, dropout_p: float, scale: float, 
     out = torch.empty((batch, seq_q, heads, head_dim), device=q.device, dtype=q.dtype).transpose(1, 2)
     lse = torch.empty((batch, heads, seq_q), device=q.device, dtype=torch.float32)
     seed, offset, threshold, keep_scale = _dropout_args(dropout_p, rng_key)
-    block_m, block_n, num_warps, num_stages = launch_config("fwd", head_dim)
+    block_m, block_n, num_warps, num_stages = launch_config("fwd", head_dim, dropout_p > 0.0)
     grid = (triton.cdiv(seq_q, block_m), batch * heads)
     _attn_fwd_kernel[grid](
         q, k, v, out, lse,
@@ -430,7 +432,7 @@ def attention_bwd_triton(grad_out, q, k, v, out, lse, causal: bool, dropout_p: f
         v.stride(0), v.stride(1), v.stride(2),
         grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
     )
-    block_m, block_n, num_warps, num_stages = launch_config("bwd_dkdv", head_dim)
+    block_m, block_n, num_warps, num_stages = launch_config("bwd_dkdv", head_dim, dropout)
     _attn_bwd_dkdv_kernel[(triton.cdiv(seq_k, block_n), batch * kv_heads)](
         q, k, v, grad_out, lse, delta, dk, dv,
         *strides,
@@ -440,7 +442,7 @@ def attention_bwd_triton(grad_out, q, k, v, out, lse, causal: bool, dropout_p: f
         CAUSAL=causal, DROPOUT=dropout, UPCAST_DOT=INTERPRETED,
         num_warps=num_warps, num_stages=num_stages,
     )
-    block_m, block_n, num_warps, num_stages = launch_config("bwd_dq", head_dim)
+    block_m, block_n, num_warps, num_stages = launch_config("bwd_dq", head_dim, dropout)
     _attn_bwd_dq_kernel[(triton.cdiv(seq_q, block_m), batch * heads)](
         q, k, v, grad_out, lse, delta, dq,
         *strides,

@@ -76,28 +76,33 @@ def _ptxas_usage(ptx: str) -> dict:
 
 
 def configurations(full: bool = False):
-    """(kernel name, head_dim, dtype, causal, dropout) to compile.
+    """(kernel name, head_dim, dtype, causal, dropout, grouped_rng) to compile.
 
-    Every table entry is compiled. ``full`` adds every dtype x causal combination; the default
-    pairs the heaviest variant of a dropout entry (bfloat16, causal) and the plainest of the
-    other (float16, not causal): dtype and causal change instruction types and loop bounds, not
-    register pressure, which is set by the tile and dropout.
+    Every table entry is compiled; dropout entries in both RNG variants (``grouped_rng``: one
+    Philox call per four probabilities when seq_k % 4 == 0, else one per probability). ``full``
+    adds every dtype x causal combination; the default pairs the heaviest variant of a dropout
+    entry (bfloat16, causal) and the plainest of the other (float16, not causal): dtype and
+    causal change instruction types and loop bounds, not register pressure, which is set by the
+    tile and dropout.
     """
     from memopt.ops import attention_triton
 
     for kernel_name, table in attention_triton.GPU_CONFIGS.items():
         for head_dim, dropout in sorted(table):
+            rng_variants = (True, False) if dropout else (False,)
             if full:
                 for dtype in ("float16", "bfloat16"):
                     for causal in ((False,) if kernel_name == "bwd_delta" else (False, True)):
-                        yield kernel_name, head_dim, dtype, causal, dropout
+                        for grouped in rng_variants:
+                            yield kernel_name, head_dim, dtype, causal, dropout, grouped
             elif dropout:
-                yield kernel_name, head_dim, "bfloat16", True, True
+                for grouped in rng_variants:
+                    yield kernel_name, head_dim, "bfloat16", True, True, grouped
             else:
-                yield kernel_name, head_dim, "float16", False, False
+                yield kernel_name, head_dim, "float16", False, False, False
 
 
-def compile_one(kernel_name: str, head_dim: int, dtype: str, causal: bool, dropout: bool) -> dict:
+def compile_one(kernel_name: str, head_dim: int, dtype: str, causal: bool, dropout: bool, grouped_rng: bool = False) -> dict:
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -112,7 +117,7 @@ def compile_one(kernel_name: str, head_dim: int, dtype: str, causal: bool, dropo
     block_m, block_n, num_warps, num_stages = attention_triton.GPU_CONFIGS[kernel_name][(head_dim, dropout)]
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_M": block_m}
     if kernel_name != "bwd_delta":
-        constexprs.update(BLOCK_N=block_n, CAUSAL=causal, DROPOUT=dropout, UPCAST_DOT=False)
+        constexprs.update(BLOCK_N=block_n, CAUSAL=causal, DROPOUT=dropout, GROUPED_RNG=grouped_rng, UPCAST_DOT=False)
     signature, attrs = _signature(kernel, dtype, constexprs)
     source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     target = GPUTarget("cuda", 90, 32)
@@ -120,6 +125,7 @@ def compile_one(kernel_name: str, head_dim: int, dtype: str, causal: bool, dropo
     compiled = triton.compile(source, target=target, options={"num_warps": num_warps, "num_stages": num_stages})
     row = {
         "kernel": kernel_name, "head_dim": head_dim, "dtype": dtype, "causal": causal, "dropout": dropout,
+        "grouped_rng": grouped_rng,
         "block_m": block_m, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages,
         "shared_bytes": int(compiled.metadata.shared),
         "wgmma": "wgmma" in compiled.asm["ptx"],
@@ -164,11 +170,11 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
-    print("| kernel | head_dim | dtype | causal | dropout | BM x BN | warps | stages | regs | spills (st/ld) | smem (B) |")
-    print("|---|---:|---|---|---|---|---:|---:|---:|---|---:|")
+    print("| kernel | head_dim | dtype | causal | dropout | grouped rng | BM x BN | warps | stages | regs | spills (st/ld) | smem (B) |")
+    print("|---|---:|---|---|---|---|---|---:|---:|---:|---|---:|")
     for r in rows:
         print(
-            f"| {r['kernel']} | {r['head_dim']} | {r['dtype']} | {r['causal']} | {r['dropout']} | "
+            f"| {r['kernel']} | {r['head_dim']} | {r['dtype']} | {r['causal']} | {r['dropout']} | {r['grouped_rng']} | "
             f"{r['block_m']}x{r['block_n']} | {r['num_warps']} | {r['num_stages']} | {r['registers']} | "
             f"{r['spill_stores']}/{r['spill_loads']} | {r['shared_bytes']} |"
         )

@@ -86,7 +86,7 @@ def test_forward_and_gradients_match_reference(backend, causal, shape):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("shape", [(1, 2, 2, 19, 19, 32), (1, 4, 2, 40, 23, 64)], ids=_shape_id)
+@pytest.mark.parametrize("shape", [(1, 2, 2, 19, 19, 32), (1, 4, 2, 40, 24, 64)], ids=_shape_id)
 def test_dropout_matches_reference_with_regenerated_mask(backend, causal, shape):
     q, k, v = _inputs(shape)
     key = rng_key(2024, 12)
@@ -104,17 +104,20 @@ def test_native_float64_matches_reference_tightly():
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("p", [0.1, 0.5])
-def test_dropout_mask_is_the_documented_philox_mask(backend, p):
-    # q = 0 gives uniform probabilities 1/Sk; v = identity (Sk = head_dim) copies each row of the
+@pytest.mark.parametrize("seq_k", [32, 30], ids=["seqk-mult4", "seqk-odd"])
+def test_dropout_mask_is_the_documented_philox_mask(backend, p, seq_k):
+    # q = 0 gives uniform probabilities 1/Sk; v = identity (Sk <= head_dim) copies each row of the
     # dropped probabilities into the output, so out * Sk * (1 - p) is the keep-mask itself.
-    batch, heads, seq_q, seq_k = 1, 2, 48, 32
-    q = torch.zeros(batch, heads, seq_q, seq_k)
-    k = torch.randn(batch, heads, seq_k, seq_k)
-    v = torch.eye(seq_k).expand(batch, heads, seq_k, seq_k).contiguous()
+    # seq_k % 4 == 0 takes the kernels' four-words-per-Philox-call path, 30 the per-element one.
+    batch, heads, seq_q, head_dim = 1, 2, 48, 32
+    q = torch.zeros(batch, heads, seq_q, head_dim)
+    k = torch.randn(batch, heads, seq_k, head_dim)
+    v = torch.eye(seq_k, head_dim).expand(batch, heads, seq_k, head_dim).contiguous()
     key = rng_key(77, 1000)
     with cpu_backend(backend):
         out = memopt.attention(q, k, v, dropout_p=p, rng_key=key)
-    mask = out * (seq_k * (1 - p))
+    assert torch.all(out[..., seq_k:] == 0)
+    mask = out[..., :seq_k] * (seq_k * (1 - p))
     expected = dropout_keep_mask((batch, heads, seq_q, seq_k), p, 77, 1000)
     torch.testing.assert_close(mask, expected.float(), atol=1e-5, rtol=0)
     n = expected.numel()
@@ -148,7 +151,7 @@ def test_same_key_is_bit_identical_and_seed_controls_it(backend):
 @needs_interpreter
 @pytest.mark.parametrize("dropout_p", [0.0, 0.2])
 def test_triton_and_native_paths_agree(dropout_p):
-    q, k, v = _inputs((1, 4, 2, 45, 38, 64))
+    q, k, v = _inputs((1, 4, 2, 45, 36, 64))
     grad = torch.randn(1, 4, 45, 64)
     results = {}
     for backend in ("triton", "native"):
@@ -329,15 +332,16 @@ def test_gpu_matches_sdpa(dtype, causal, shape):
 
 @gpu
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
-def test_gpu_dropout_mask_and_replay(dtype):
-    batch, heads, seq_q, seq_k = 2, 4, 1030, 64
-    q = torch.zeros(batch, heads, seq_q, seq_k, dtype=dtype, device="cuda")
-    k = torch.randn(batch, heads, seq_k, seq_k, dtype=dtype, device="cuda")
-    v = torch.eye(seq_k, dtype=dtype, device="cuda").expand(batch, heads, seq_k, seq_k).contiguous()
+@pytest.mark.parametrize("seq_k", [64, 62], ids=["seqk-mult4", "seqk-odd"])
+def test_gpu_dropout_mask_and_replay(dtype, seq_k):
+    batch, heads, seq_q, head_dim = 2, 4, 1030, 64
+    q = torch.zeros(batch, heads, seq_q, head_dim, dtype=dtype, device="cuda")
+    k = torch.randn(batch, heads, seq_k, head_dim, dtype=dtype, device="cuda")
+    v = torch.eye(seq_k, head_dim, dtype=dtype, device="cuda").expand(batch, heads, seq_k, head_dim).contiguous()
     key = rng_key(123, 77)
     out = memopt.attention(q, k, v, dropout_p=0.2, rng_key=key)
     expected = dropout_keep_mask((batch, heads, seq_q, seq_k), 0.2, 123, 77).cuda()
-    assert torch.equal(out.float() > 0.5 / (seq_k * 0.8), expected)
+    assert torch.equal(out[..., :seq_k].float() > 0.5 / (seq_k * 0.8), expected)
 
     qr, kr, vr = _inputs((1, 4, 2, 700, 700, 64), dtype=dtype, device="cuda")
     grad = torch.randn(1, 4, 700, 64, dtype=dtype, device="cuda")

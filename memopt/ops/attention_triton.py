@@ -22,6 +22,9 @@ the linear index ``idx = ((b * H + h) * Sq + i) * Sk + j`` and draws the word ``
 it is kept iff that uint32 word is ``>= floor(p * 2^32)`` and kept values are scaled by
 ``1 / (1 - p)``. This is the convention of ``csrc/philox.h`` applied to the probability tensor, so
 ``memopt.ops._philox.dropout_keep_mask((B, H, Sq, Sk), p, seed, offset)`` rebuilds the same mask.
+When ``Sk % 4 == 0`` each row starts at a multiple of 4, so four adjacent probabilities share one
+counter and one Philox call yields all four (``GROUPED_RNG``); otherwise each probability makes
+its own call and keeps one word. Both give the same mask.
 """
 
 from __future__ import annotations
@@ -92,6 +95,37 @@ def launch_config(kernel: str, head_dim: int, dropout: bool = False) -> tuple[in
 
 
 @triton.jit
+def _dropout_keep(
+    seed, rng_offset, drop_threshold,
+    row_index,       # (BLOCK_M,) int64: index of each row's column 0 in the (B, H, Sq, Sk) tensor
+    start_n,         # first column of the tile
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUPED: tl.constexpr,  # Sk % 4 == 0: four adjacent columns share one Philox call
+):
+    """(BLOCK_M, BLOCK_N) keep-mask: element idx keeps iff word idx % 4 of Philox(offset + idx // 4)
+    is >= drop_threshold."""
+    if GROUPED:
+        # Rows start at multiples of 4 and so does start_n: columns 4c..4c+3 are words 0..3 of
+        # one counter, so each call yields four elements instead of one.
+        counter = rng_offset + (row_index[:, None] + start_n) // 4 + tl.arange(0, BLOCK_N // 4)[None, :].to(tl.int64)
+        r0, r1, r2, r3 = tl.randint4x(seed, counter)
+        k0 = (r0.to(tl.int64) >= drop_threshold).to(tl.int8)
+        k1 = (r1.to(tl.int64) >= drop_threshold).to(tl.int8)
+        k2 = (r2.to(tl.int64) >= drop_threshold).to(tl.int8)
+        k3 = (r3.to(tl.int64) >= drop_threshold).to(tl.int8)
+        # tl.join adds a new minor dim, so the outer join interleaves: [k0, k1, k2, k3] per group.
+        keep = tl.reshape(tl.join(tl.join(k0, k2), tl.join(k1, k3)), (BLOCK_M, BLOCK_N)) != 0
+    else:
+        index = row_index[:, None] + (start_n + tl.arange(0, BLOCK_N))[None, :].to(tl.int64)
+        r0, r1, r2, r3 = tl.randint4x(seed, rng_offset + index // 4)
+        word = index % 4
+        r = tl.where(word == 0, r0, tl.where(word == 1, r1, tl.where(word == 2, r2, r3)))
+        keep = r.to(tl.int64) >= drop_threshold
+    return keep
+
+
+@triton.jit
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse,
     stride_qb, stride_qh, stride_qm,
@@ -110,6 +144,7 @@ def _attn_fwd_kernel(
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     DROPOUT: tl.constexpr,
+    GROUPED_RNG: tl.constexpr,  # seq_k % 4 == 0: one Philox call per four probabilities
     UPCAST_DOT: tl.constexpr,  # interpreter only: its low-precision tl.dot is wrong
 ):
     pid_m = tl.program_id(0)
@@ -157,11 +192,8 @@ def _attn_fwd_kernel(
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            index = row_index[:, None] + offs_n[None, :].to(tl.int64)
-            r0, r1, r2, r3 = tl.randint4x(seed, rng_offset + index // 4)
-            word = index % 4
-            r = tl.where(word == 0, r0, tl.where(word == 1, r1, tl.where(word == 2, r2, r3)))
-            p = tl.where(r.to(tl.int64) >= drop_threshold, p * keep_scale, 0.0)
+            keep = _dropout_keep(seed, rng_offset, drop_threshold, row_index, start_n, BLOCK_M, BLOCK_N, GROUPED_RNG)
+            p = tl.where(keep, p * keep_scale, 0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
 
@@ -218,6 +250,7 @@ def _attn_bwd_dkdv_kernel(
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     DROPOUT: tl.constexpr,
+    GROUPED_RNG: tl.constexpr,  # seq_k % 4 == 0: one Philox call per four probabilities
     UPCAST_DOT: tl.constexpr,
 ):
     # Transposed tiles throughout: rows are keys (BLOCK_N), columns are queries (BLOCK_M).
@@ -272,11 +305,10 @@ def _attn_bwd_dkdv_kernel(
             p_t = tl.where(valid, tl.exp2(scores_t - lse[None, :]), 0.0)
             dp_t = tl.dot(v, tl.trans(do))
             if DROPOUT:
-                index = (bh.to(tl.int64) * seq_q + offs_m[None, :].to(tl.int64)) * seq_k + offs_n[:, None].to(tl.int64)
-                r0, r1, r2, r3 = tl.randint4x(seed, rng_offset + index // 4)
-                word = index % 4
-                r = tl.where(word == 0, r0, tl.where(word == 1, r1, tl.where(word == 2, r2, r3)))
-                keep = r.to(tl.int64) >= drop_threshold
+                row_index = (bh.to(tl.int64) * seq_q + offs_m.to(tl.int64)) * seq_k
+                keep = tl.trans(
+                    _dropout_keep(seed, rng_offset, drop_threshold, row_index, pid_n * BLOCK_N, BLOCK_M, BLOCK_N, GROUPED_RNG)
+                )
                 p_dropped_t = tl.where(keep, p_t * keep_scale, 0.0)
                 dp_t = tl.where(keep, dp_t * keep_scale, 0.0)
             else:
@@ -308,6 +340,7 @@ def _attn_bwd_dq_kernel(
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
     DROPOUT: tl.constexpr,
+    GROUPED_RNG: tl.constexpr,  # seq_k % 4 == 0: one Philox call per four probabilities
     UPCAST_DOT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -357,11 +390,8 @@ def _attn_bwd_dq_kernel(
         p = tl.where(valid, tl.exp2(scores - lse[:, None]), 0.0)
         dp = tl.dot(do, v_t)
         if DROPOUT:
-            index = row_index[:, None] + offs_n[None, :].to(tl.int64)
-            r0, r1, r2, r3 = tl.randint4x(seed, rng_offset + index // 4)
-            word = index % 4
-            r = tl.where(word == 0, r0, tl.where(word == 1, r1, tl.where(word == 2, r2, r3)))
-            dp = tl.where(r.to(tl.int64) >= drop_threshold, dp * keep_scale, 0.0)
+            keep = _dropout_keep(seed, rng_offset, drop_threshold, row_index, start_n, BLOCK_M, BLOCK_N, GROUPED_RNG)
+            dp = tl.where(keep, dp * keep_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
 
@@ -399,7 +429,7 @@ def attention_fwd_triton(q, k, v, causal: bool, dropout_p: float, scale: float, 
         heads, heads // kv_heads, seq_q, seq_k,
         scale * LOG2E, seed, offset, threshold, keep_scale,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        CAUSAL=causal, DROPOUT=dropout_p > 0.0, UPCAST_DOT=INTERPRETED,
+        CAUSAL=causal, DROPOUT=dropout_p > 0.0, GROUPED_RNG=seq_k % 4 == 0, UPCAST_DOT=INTERPRETED,
         num_warps=num_warps, num_stages=num_stages,
     )
     return out, lse
@@ -439,7 +469,7 @@ def attention_bwd_triton(grad_out, q, k, v, out, lse, causal: bool, dropout_p: f
         heads, kv_heads, group, seq_q, seq_k,
         scale * LOG2E, scale, seed, offset, threshold, keep_scale,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        CAUSAL=causal, DROPOUT=dropout, UPCAST_DOT=INTERPRETED,
+        CAUSAL=causal, DROPOUT=dropout, GROUPED_RNG=seq_k % 4 == 0, UPCAST_DOT=INTERPRETED,
         num_warps=num_warps, num_stages=num_stages,
     )
     block_m, block_n, num_warps, num_stages = launch_config("bwd_dq", head_dim, dropout)
@@ -449,7 +479,7 @@ def attention_bwd_triton(grad_out, q, k, v, out, lse, causal: bool, dropout_p: f
         heads, group, seq_q, seq_k,
         scale * LOG2E, scale, seed, offset, threshold, keep_scale,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        CAUSAL=causal, DROPOUT=dropout, UPCAST_DOT=INTERPRETED,
+        CAUSAL=causal, DROPOUT=dropout, GROUPED_RNG=seq_k % 4 == 0, UPCAST_DOT=INTERPRETED,
         num_warps=num_warps, num_stages=num_stages,
     )
     return dq, dk, dv

@@ -21,7 +21,7 @@ import os
 import statistics
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -227,8 +227,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     if args.seqs:
         seqs = tuple(int(s) for s in args.seqs.split(","))
-        for case in PRESETS[args.preset]["cases"]:
-            case.seqs = seqs
+        PRESETS[args.preset]["cases"] = [replace(case, seqs=seqs) for case in PRESETS[args.preset]["cases"]]
     rows = run(args.preset)
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"attention_{args.preset}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

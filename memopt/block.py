@@ -18,14 +18,19 @@ output projection, FFN output). There is no dropout inside the FFN.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from memopt import _extension
-from memopt.block_functions import PARAM_NAMES, POLICIES, BlockSpec, FusedBlockFunction, saved_names
+from memopt.block_functions import (
+    PARAM_NAMES,
+    POLICIES,
+    SUPPORTED_HEAD_DIMS,
+    BlockSpec,
+    FusedBlockFunction,
+    saved_names,
+)
 from memopt.ops._rng import new_rng_key
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu")
@@ -123,7 +128,7 @@ class _TransformerBlockBase(nn.Module):
         weight = self.qkv.weight
         return {"device": weight.device, "dtype": weight.dtype}
 
-    def _resolve_causal(self, attn_mask, is_causal: bool, seq: int, device) -> bool:
+    def _resolve_causal(self, attn_mask, is_causal: bool, seq: int) -> bool:
         """Whether attention is causal for this call. Only causal masks are supported."""
         if attn_mask is None:
             if is_causal and not self.causal:
@@ -186,7 +191,7 @@ class EagerTransformerBlock(_TransformerBlockBase):
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, *, is_causal: bool = False):
         """``x`` (B, S, d_model) (``(S, B, d_model)`` when ``batch_first=False``) -> same shape."""
         x_bf = _to_batch_first(self, x)
-        causal = self._resolve_causal(attn_mask, is_causal, x_bf.shape[1], x.device)
+        causal = self._resolve_causal(attn_mask, is_causal, x_bf.shape[1])
         if self.norm_first:
             h = x_bf + self._residual_dropout(self._attention(self.norm1(x_bf), causal))
             y = h + self._residual_dropout(self._ffn(self.norm2(h)))
@@ -270,6 +275,11 @@ class FusedCheckpointBlock(_TransformerBlockBase):
 
     def __init__(self, d_model: int, n_heads: int, d_ff: int | None = None, *, policy: str = "selective", **kwargs):
         super().__init__(d_model, n_heads, d_ff, **kwargs)
+        if self.head_dim not in SUPPORTED_HEAD_DIMS:
+            raise ValueError(
+                f"FusedCheckpointBlock: head_dim = d_model / n_heads = {self.head_dim} must be one of "
+                f"{SUPPORTED_HEAD_DIMS} (the sizes memopt.attention's kernels take)"
+            )
         self.policy = policy
 
     @property
@@ -288,7 +298,7 @@ class FusedCheckpointBlock(_TransformerBlockBase):
         """``x`` (B, S, d_model) (``(S, B, d_model)`` when ``batch_first=False``) -> same shape."""
         x_bf = _to_batch_first(self, x)
         batch, seq, _ = x_bf.shape
-        causal = self._resolve_causal(attn_mask, is_causal, seq, x.device)
+        causal = self._resolve_causal(attn_mask, is_causal, seq)
         if self.policy == "offload":
             raise NotImplementedError(
                 "FusedCheckpointBlock: policy='offload' needs the activation offload engine "

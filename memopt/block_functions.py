@@ -33,6 +33,14 @@ from dataclasses import dataclass
 
 import torch
 
+# The op families this Function calls: importing them registers their fake impls (torch.compile).
+from memopt.ops import activation as _activation_ops  # noqa: F401
+from memopt.ops import attention as _attention_ops
+from memopt.ops import dropout as _dropout_ops  # noqa: F401
+from memopt.ops import norm as _norm_ops  # noqa: F401
+
+SUPPORTED_HEAD_DIMS = _attention_ops.SUPPORTED_HEAD_DIMS
+
 POLICIES = ("none", "selective", "full", "offload")
 
 # Philox counter offset of each dropout site inside one block's key. Sites are 2^50 counters
@@ -370,6 +378,7 @@ class FusedBlockFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         spec, batch, seq = ctx.spec, ctx.batch, ctx.seq
+        grad_y = grad_y.contiguous()  # y.sum().backward() hands in a stride-0 expanded tensor
         saved = ctx.saved_tensors
         count = len(ctx.saved_tensor_names)
         t = dict(zip(ctx.saved_tensor_names, saved[:count]))

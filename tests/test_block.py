@@ -12,7 +12,6 @@ from memopt.ops.attention import cpu_backend
 from memopt.block import EagerTransformerBlock, saved_bytes_per_layer, saved_bytes_per_token
 
 from helpers import gpu
-import _standin_ops  # noqa: F401  TEMPORARY until norm/activation/attention land
 
 POLICIES = ["none", "selective", "full"]
 
@@ -359,6 +358,7 @@ def test_torch_compile_fullgraph_aot_eager(compile_cache):
         (dict(activation="tanh"), "activation must be one of"),
         (dict(norm="batchnorm"), "norm must be one of"),
         (dict(dropout=1.0), "dropout must be a float in \\[0, 1\\)"),
+        (dict(d_model=48, n_heads=4), "head_dim = d_model / n_heads = 12 must be one of"),
     ],
 )
 def test_bad_configuration_raises(kwargs, match):
@@ -414,6 +414,32 @@ def test_gpu_low_precision_matches_float32_reference(config, policy, dtype):
     ]:
         torch_error = (l.float() - e).abs().max().item()
         assert (a.float() - e).abs().max().item() <= 2 * torch_error + 1e-3
+
+
+@gpu
+def test_gpu_same_seed_bit_identical_across_policies_with_dropout():
+    block = memopt.FusedCheckpointBlock(128, 4, n_kv_heads=2, dropout=0.2, causal=True, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2, 200, 128, device="cuda", dtype=torch.bfloat16)
+    grad = torch.randn_like(x)
+    runs = {}
+    for policy in POLICIES:
+        block.policy = policy
+        torch.manual_seed(11)
+        runs[policy] = _run(block, x, grad)
+    for policy in POLICIES[1:]:
+        _assert_runs_equal(runs[policy], runs["none"])
+
+
+@gpu
+def test_gpu_autocast_bf16_matches_eager_under_autocast():
+    block = memopt.FusedCheckpointBlock(128, 4, 256, norm="rmsnorm", activation="swiglu", device="cuda")
+    x = torch.randn(2, 96, 128, device="cuda")
+    grad = torch.randn_like(x)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = _run(block, x, grad)
+        expected = _run(block.to_eager(), x, grad)
+    assert got[0].dtype == expected[0].dtype == torch.float32
+    _assert_runs_close(got, expected, atol=5e-2, rtol=5e-2)
 
 
 @gpu

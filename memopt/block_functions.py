@@ -299,7 +299,12 @@ def _block_forward(spec, x, rng_key, p, batch, seq, t, need_output=True):
 
 
 def _block_backward(spec, grad_y, t, p, rng_key, batch, seq):
-    """Gradients of x and of every parameter; rebuilds n1, n2, h, g when ``t`` lacks them."""
+    """Gradients of x and of every parameter; rebuilds n1, n2, h, g when ``t`` lacks them.
+
+    Entries of ``t`` are popped and temporaries deleted at their last use, so that (as autograd
+    does for an eager graph) the attention half's backward does not run on top of the FFN
+    half's buffers; under "full" the recomputed tensors live only in ``t``.
+    """
     dtype = spec.compute_dtype
     grads = {}
     drop = spec.residual_dropout
@@ -310,43 +315,54 @@ def _block_backward(spec, grad_y, t, p, rng_key, batch, seq):
         grad_s2 = grad_y
     else:
         grad_s2, grads["norm2.weight"], grads["norm2.bias"], _ = _norm_bwd(
-            spec, grad_y, t["s2"], p["norm2.weight"], p["norm2.bias"], 2, t, None, False
+            spec, grad_y, t.pop("s2"), p["norm2.weight"], p["norm2.bias"], 2, t, None, False
         )
     grad_f = _dropout_bwd(drop, grad_s2, rng_key, _FFN_RESIDUAL_SITE).to(dtype)
     grads["fc2.bias"] = _bias_grad(grad_f, p["fc2.bias"])
     grad_g = grad_f @ p["fc2.weight"].to(dtype)
-    grad_u, grads["fc1.bias"], g = _act_bwd(spec, grad_g, t["u"], fc1_b, return_y="g" not in t)
-    grads["fc2.weight"] = _weight_grad(grad_f, t.get("g", g), p["fc2.weight"])
+    grad_u, grads["fc1.bias"], g = _act_bwd(spec, grad_g, t.pop("u"), fc1_b, return_y="g" not in t)
+    del grad_g
+    grads["fc2.weight"] = _weight_grad(grad_f, t.pop("g", g), p["fc2.weight"])
+    del grad_f, g
     if spec.norm_first:
         grad_n2 = grad_u @ p["fc1.weight"].to(dtype)
         grad_h, grads["norm2.weight"], grads["norm2.bias"], n2 = _norm_bwd(
-            spec, grad_n2, t["h"], p["norm2.weight"], p["norm2.bias"], 2, t, grad_s2, "n2" not in t
+            spec, grad_n2, t.pop("h"), p["norm2.weight"], p["norm2.bias"], 2, t, grad_s2, "n2" not in t
         )
-        grads["fc1.weight"] = _weight_grad(grad_u, t.get("n2", n2), p["fc1.weight"])
+        del grad_n2
+        grads["fc1.weight"] = _weight_grad(grad_u, t.pop("n2", n2), p["fc1.weight"])
+        del n2
     else:
-        grads["fc1.weight"] = _weight_grad(grad_u, t["h"], p["fc1.weight"])
+        grads["fc1.weight"] = _weight_grad(grad_u, t.pop("h"), p["fc1.weight"])
         grad_h = _input_grad(grad_u, p["fc1.weight"], grad_s2)
+    del grad_u, grad_s2
 
     # Attention half.
     if spec.norm_first:
         grad_s1 = grad_h
     else:
         grad_s1, grads["norm1.weight"], grads["norm1.bias"], _ = _norm_bwd(
-            spec, grad_h, t["s1"], p["norm1.weight"], p["norm1.bias"], 1, t, None, False
+            spec, grad_h, t.pop("s1"), p["norm1.weight"], p["norm1.bias"], 1, t, None, False
         )
+    del grad_h
     grad_o = _dropout_bwd(drop, grad_s1, rng_key, _ATTENTION_RESIDUAL_SITE).to(dtype)
-    attn_flat = t["attn_out"].transpose(1, 2).reshape(batch * seq, -1)
-    grads["out_proj.weight"] = _weight_grad(grad_o, attn_flat, p["out_proj.weight"])
+    attn_out = t.pop("attn_out")
+    grads["out_proj.weight"] = _weight_grad(
+        grad_o, attn_out.transpose(1, 2).reshape(batch * seq, -1), p["out_proj.weight"]
+    )
     grads["out_proj.bias"] = _bias_grad(grad_o, p["out_proj.bias"])
     grad_attn = grad_o @ p["out_proj.weight"].to(dtype)
-    grad_qkv = _attention_bwd(spec, grad_attn, t["qkv"], t["attn_out"], t["lse"], batch, seq, rng_key)
+    del grad_o
+    grad_qkv = _attention_bwd(spec, grad_attn, t.pop("qkv"), attn_out, t.pop("lse"), batch, seq, rng_key)
+    del grad_attn, attn_out
     grads["qkv.bias"] = _bias_grad(grad_qkv, p["qkv.bias"])
     if spec.norm_first:
         grad_n1 = grad_qkv @ p["qkv.weight"].to(dtype)
         grad_x, grads["norm1.weight"], grads["norm1.bias"], n1 = _norm_bwd(
             spec, grad_n1, t["x"], p["norm1.weight"], p["norm1.bias"], 1, t, grad_s1, "n1" not in t
         )
-        grads["qkv.weight"] = _weight_grad(grad_qkv, t.get("n1", n1), p["qkv.weight"])
+        del grad_n1
+        grads["qkv.weight"] = _weight_grad(grad_qkv, t.pop("n1", n1), p["qkv.weight"])
     else:
         grads["qkv.weight"] = _weight_grad(grad_qkv, t["x"], p["qkv.weight"])
         grad_x = _input_grad(grad_qkv, p["qkv.weight"], grad_s1)

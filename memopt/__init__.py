@@ -7,10 +7,11 @@ Importing memopt loads the native extension (``memopt._C``) and registers every 
 from memopt._extension import build_info
 from memopt.ops.dropout import dropout_add
 from memopt.saved import SavedTensorCounter, saved_bytes
+from memopt.adaptive import AdaptiveBatch, MicroBatchFloorError
 from memopt.estimate import ModelConfig, estimate, max_micro_batch, max_seq_len
 from memopt.estimate import PRESETS as estimate_presets
 
 __version__ = "0.1.0"
 
 __all__ = ["SavedTensorCounter", "build_info", "dropout_add", "saved_bytes"]
-__all__ += ["ModelConfig", "estimate", "estimate_presets", "max_micro_batch", "max_seq_len"]
+__all__ += ["AdaptiveBatch", "MicroBatchFloorError", "ModelConfig", "estimate", "estimate_presets", "max_micro_batch", "max_seq_len"]

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import memopt
 from memopt.adaptive import MicroBatchFloorError
+from tests.helpers import gpu
 
 DT = torch.float64
 
@@ -309,3 +310,41 @@ def test_ddp_two_ranks_agree_and_match_global_gradient(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for rank in (0, 1):
         assert (tmp_path / f"rank{rank}.ok").read_text() == "micro_batch=1 retries=2"  # 6 -> 3 -> 1 on both ranks
+
+
+@gpu
+def test_real_cuda_oom_is_recovered_from():
+    """A 512 MiB cap: micro-batch 16384 (about 1 GiB of activations) cannot fit, smaller ones do."""
+    torch.cuda.empty_cache()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 8192), torch.nn.GELU(), torch.nn.Linear(8192, 1))
+    x, y = torch.randn(16384, 256), torch.randn(16384)
+    ref = copy.deepcopy(model).double()
+    F.mse_loss(ref(x.double()).squeeze(-1), y.double()).backward()
+
+    model = model.cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    stepper = memopt.AdaptiveBatch(model, opt, lambda m, b: F.mse_loss(m(b[0]).squeeze(-1), b[1]), micro_batch=16384)
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(512 * 2**20 / total)
+    try:
+        batch = (x.cuda(), y.cuda())
+        result = stepper.step(batch)
+        report = memopt.memory_report()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    assert result.oom_retries >= 1 and result.micro_batch < 16384
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.double().cpu(), q.grad, rtol=1e-4, atol=1e-6)
+    assert report.allocated <= report.reserved and report.largest_free_block <= report.reserved
+
+
+@gpu
+def test_diagnose_a_real_cuda_oom():
+    total = torch.cuda.get_device_properties(0).total_memory
+    try:
+        torch.empty(2 * total, dtype=torch.uint8, device="cuda")
+    except torch.OutOfMemoryError as err:
+        diag = memopt.diagnose_oom(err)
+    assert diag.requested_bytes is not None and diag.requested_bytes >= 1.9 * total

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import memopt
+from tests.helpers import gpu
 from memopt.estimate import ModelConfig, register_policy_formula, registered_policies
 from tests.gpt_reference import EagerBlock, EagerGPT
 
@@ -226,3 +227,48 @@ def test_bad_policy_and_memory():
         memopt.estimate(ModelConfig(**SMALL, policy="nope"))
     with pytest.raises(ValueError, match="memory_bytes must be a positive"):
         memopt.max_micro_batch(-5, ModelConfig(**SMALL))
+
+
+def measure_training_peak(cfg: ModelConfig, model_dtype=torch.float32) -> tuple[int, int]:
+    """(estimated total, measured max_memory_allocated) for one accumulation micro-step of the
+    reference GPT on CUDA, with gradients and Adam state resident (as the estimate assumes)."""
+    model = EagerGPT(cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.vocab_size, cfg.seq_len, d_ff=cfg.d_ff,
+                     dropout=cfg.dropout, checkpoint=cfg.policy == "checkpoint").to("cuda", model_dtype)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    ids = torch.randint(cfg.vocab_size, (cfg.micro_batch, cfg.seq_len), device="cuda")
+    targets = torch.randint(cfg.vocab_size, (cfg.micro_batch, cfg.seq_len), device="cuda")
+
+    def micro_step():
+        with torch.autocast("cuda", dtype=cfg.low_dtype, enabled=cfg.precision == "autocast"):
+            loss = F.cross_entropy(model(ids).flatten(0, 1), targets.flatten())
+        loss.backward()
+
+    micro_step()
+    opt.step()  # Adam state exists from here on; gradients stay (accumulation)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    micro_step()
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated()
+    del model, opt
+    torch.cuda.empty_cache()
+    return memopt.estimate(cfg).total_bytes, measured
+
+
+GPU_CONFIGS = [
+    pytest.param(dict(), torch.float32, id="fp32-eager"),
+    pytest.param(dict(policy="checkpoint"), torch.float32, id="fp32-checkpoint"),
+    pytest.param(dict(precision="autocast"), torch.float32, id="autocast-bf16"),
+    pytest.param(dict(precision="pure"), torch.bfloat16, id="pure-bf16"),
+]
+
+
+@gpu
+@pytest.mark.parametrize("changes,model_dtype", GPU_CONFIGS)
+def test_estimate_within_10_percent_of_measured_peak_on_cuda(changes, model_dtype):
+    torch.cuda.empty_cache()
+    cfg = ModelConfig(n_layers=4, d_model=512, n_heads=8, vocab_size=8192, seq_len=512, micro_batch=8, **changes)
+    estimated, measured = measure_training_peak(cfg, model_dtype)
+    print(f"\n{changes or 'fp32 eager'}: estimated {estimated / 2**20:.1f} MiB, "
+          f"measured {measured / 2**20:.1f} MiB, ratio {estimated / measured:.3f}")
+    assert abs(estimated - measured) <= 0.10 * measured, (estimated, measured)

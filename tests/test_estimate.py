@@ -11,7 +11,7 @@ import torch.utils.checkpoint
 
 import memopt
 from tests.helpers import gpu
-from memopt.estimate import ModelConfig, register_policy_formula, registered_policies
+from memopt.estimate import _POLICY_FORMULAS, ModelConfig, register_policy_formula, registered_policies
 from tests.gpt_reference import EagerBlock, EagerGPT
 
 SMALL = dict(n_layers=2, d_model=64, n_heads=4, vocab_size=101, seq_len=48, micro_batch=3)
@@ -195,9 +195,12 @@ def test_registry_plugs_in_a_policy():
         return {"saved": 7 * cfg.micro_batch * cfg.seq_len, "attention_scores": 0}
 
     register_policy_formula("test-policy", half_eager)
-    assert "test-policy" in registered_policies()
-    cfg = ModelConfig(**SMALL, policy="test-policy")
-    assert memopt.estimate(cfg).breakdown["activations"] == cfg.n_layers * 7 * cfg.micro_batch * cfg.seq_len
+    try:
+        assert "test-policy" in registered_policies()
+        cfg = ModelConfig(**SMALL, policy="test-policy")
+        assert memopt.estimate(cfg).breakdown["activations"] == cfg.n_layers * 7 * cfg.micro_batch * cfg.seq_len
+    finally:
+        _POLICY_FORMULAS.pop("test-policy")
 
 
 def test_block_policies_need_memopt_block():

@@ -263,6 +263,8 @@ GPU_CONFIGS = [
     pytest.param(dict(policy="checkpoint"), torch.float32, id="fp32-checkpoint"),
     pytest.param(dict(precision="autocast"), torch.float32, id="autocast-bf16"),
     pytest.param(dict(precision="pure"), torch.bfloat16, id="pure-bf16"),
+    pytest.param(dict(precision="autocast", seq_len=1024, micro_batch=2, d_ff=1536), torch.float32,
+                 id="autocast-bf16-seq1024"),
 ]
 
 
@@ -270,7 +272,8 @@ GPU_CONFIGS = [
 @pytest.mark.parametrize("changes,model_dtype", GPU_CONFIGS)
 def test_estimate_within_10_percent_of_measured_peak_on_cuda(changes, model_dtype):
     torch.cuda.empty_cache()
-    cfg = ModelConfig(n_layers=4, d_model=512, n_heads=8, vocab_size=8192, seq_len=512, micro_batch=8, **changes)
+    base = dict(n_layers=4, d_model=512, n_heads=8, vocab_size=8192, seq_len=512, micro_batch=8)
+    cfg = ModelConfig(**{**base, **changes})
     estimated, measured = measure_training_peak(cfg, model_dtype)
     print(f"\n{changes or 'fp32 eager'}: estimated {estimated / 2**20:.1f} MiB, "
           f"measured {measured / 2**20:.1f} MiB, ratio {estimated / measured:.3f}")

@@ -8,11 +8,13 @@ from memopt._extension import build_info
 from memopt.ops.dropout import dropout_add
 from memopt.saved import SavedTensorCounter, saved_bytes
 from memopt.adaptive import AdaptiveBatch, MicroBatchFloorError
-from memopt.estimate import ModelConfig, estimate, max_micro_batch, max_seq_len
+from memopt.estimate import ModelConfig, estimate, max_micro_batch, max_seq_len, register_policy_formula
 from memopt.estimate import PRESETS as estimate_presets
 from memopt.report import diagnose_oom, memory_report
 
 __version__ = "0.1.0"
 
 __all__ = ["SavedTensorCounter", "build_info", "dropout_add", "saved_bytes"]
-__all__ += ["AdaptiveBatch", "MicroBatchFloorError", "ModelConfig", "diagnose_oom", "memory_report", "estimate", "estimate_presets", "max_micro_batch", "max_seq_len"]
+__all__ += ["AdaptiveBatch", "MicroBatchFloorError", "ModelConfig", "diagnose_oom", "memory_report", "estimate",
+            "estimate_presets", "max_micro_batch", "max_seq_len",
+            "register_policy_formula"]

@@ -507,9 +507,9 @@ def _module_estimate(model: torch.nn.Module, example_input, micro_batch: int | N
     return Estimate(breakdown=breakdown, num_parameters=sum(p.numel() for p in params), notes=notes)
 
 
-def estimate(config=None, example_input=None, *, micro_batch: int | None = None, optimizer: str = "adam",
-             loss_fn: Callable | None = None, precision: str = "fp32",
-             low_dtype: torch.dtype = torch.bfloat16, **config_fields) -> Estimate:
+def estimate(config=None, example_input=None, *, micro_batch: int | None = None, optimizer: str | None = None,
+             loss_fn: Callable | None = None, precision: str | None = None,
+             low_dtype: torch.dtype | None = None, **config_fields) -> Estimate:
     """Peak memory of one training step.
 
     Three ways to call it::
@@ -519,6 +519,10 @@ def estimate(config=None, example_input=None, *, micro_batch: int | None = None,
         memopt.estimate(ModelConfig(...))                                # formula
         memopt.estimate(model, example_input, micro_batch=64)            # measured
 
+    ``optimizer`` (default ``"adam"``), ``precision`` (default ``"fp32"``), ``low_dtype``
+    (default ``torch.bfloat16``), ``micro_batch`` and any other ``ModelConfig`` field given as a
+    keyword override the ``ModelConfig``'s.
+
     The measured form runs ``model(example_input)`` (``loss_fn(output)`` too, if given) once at
     the example's batch size, counts the bytes saved for backward with
     :class:`memopt.SavedTensorCounter` and scales them linearly to ``micro_batch``.
@@ -527,15 +531,17 @@ def estimate(config=None, example_input=None, *, micro_batch: int | None = None,
         :class:`Estimate` with ``breakdown``, ``total_bytes``, a table as ``str()`` and
         ``to_dict()``.
     """
+    overrides = {k: v for k, v in dict(optimizer=optimizer, precision=precision, low_dtype=low_dtype,
+                                           micro_batch=micro_batch).items() if v is not None}
     if isinstance(config, torch.nn.Module):
         if example_input is None:
             raise ValueError("example_input is required to estimate an nn.Module")
-        return _module_estimate(config, example_input, micro_batch, optimizer, loss_fn, precision,
-                                _as_dtype(low_dtype, "low_dtype"))
+        if config_fields:
+            raise TypeError(f"unexpected keyword arguments for an nn.Module estimate: {sorted(config_fields)}")
+        return _module_estimate(config, example_input, micro_batch, optimizer or "adam", loss_fn,
+                                precision or "fp32", _as_dtype(low_dtype or torch.bfloat16, "low_dtype"))
     if config is None:
-        fields = dict(config_fields, optimizer=optimizer, precision=precision, low_dtype=low_dtype)
-        if micro_batch is not None:
-            fields["micro_batch"] = micro_batch
+        fields = dict(config_fields, **overrides)
         missing = [f for f in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "micro_batch")
                    if f not in fields]
         if missing:
@@ -543,8 +549,8 @@ def estimate(config=None, example_input=None, *, micro_batch: int | None = None,
         config = ModelConfig(**fields)
     elif not isinstance(config, ModelConfig):
         raise TypeError(f"config must be a ModelConfig or an nn.Module, got {type(config).__name__}")
-    elif micro_batch is not None or config_fields:
-        config = config.replace(**config_fields, **({"micro_batch": micro_batch} if micro_batch else {}))
+    elif overrides or config_fields:
+        config = config.replace(**config_fields, **overrides)
     return _config_estimate(config)
 
 

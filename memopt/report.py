@@ -93,7 +93,8 @@ def memory_report(device=None) -> MemoryReport:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
     if device.type == "cpu":
-        return MemoryReport(device="cpu", allocated=_current_rss(), peak_allocated=_peak_rss(),
+        rss = _current_rss()
+        return MemoryReport(device="cpu", allocated=rss, peak_allocated=max(rss, _peak_rss()),
                             notes=["CPU tensors come from the system allocator: figures are the whole "
                                    "process's resident memory, not tensor bytes"])
     if device.type != "cuda":

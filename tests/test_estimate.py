@@ -168,6 +168,13 @@ def test_measured_module_estimate_scales_linearly():
     assert small.num_parameters == n
 
 
+def test_keywords_override_a_config():
+    cfg = ModelConfig(**SMALL)
+    est = memopt.estimate(cfg, optimizer="sgd", micro_batch=5, precision="master")
+    assert est.config == cfg.replace(optimizer="sgd", micro_batch=5, precision="master")
+    assert est.breakdown["optimizer_state"] == 0
+
+
 def test_total_is_sum_and_str_and_dict():
     est = memopt.estimate(ModelConfig(**SMALL))
     assert est.total_bytes == sum(est.breakdown.values())

@@ -19,9 +19,11 @@ What the snippets people copy get wrong, and what this does instead:
   only records the failure; references are dropped, ``gc.collect()`` and
   ``torch.cuda.empty_cache()`` run, and then the retry starts.
 
-Rollback is exact because a micro-step after the first backpropagates into fresh ``.grad``
-tensors while the accumulated ones are held aside, and adds them only once the micro-step has
-succeeded; this costs one transient gradient-sized buffer during those micro-steps.
+Rollback is exact because every micro-step backpropagates into fresh ``.grad`` tensors while
+the gradients accumulated so far are held aside, and is added to them only once it has
+succeeded; after the first micro-step this costs one transient gradient-sized buffer. Out of
+memory in ``optimizer.step()`` itself (Adam allocating its state on the first step) is not
+retried: it propagates.
 
 Under ``DistributedDataParallel`` every micro-step runs in ``no_sync()`` (a rank that ran out of
 memory halfway through a synchronising backward would leave the other ranks waiting in the
@@ -29,10 +31,14 @@ bucket all-reduce forever); after each attempt the ranks all-reduce an OOM flag 
 the new micro-batch (MIN) and retry together, and the gradients are summed across ranks once,
 after the last micro-step. Sample and token shares are taken of the global batch, so the result
 is the gradient of the global mean loss (equal to DDP's averaging when ranks hold equal batches).
+Every rank must pass a batch of the same size. An exception other than OOM on one rank leaves
+the others waiting in the next all-reduce, as it would in plain DDP. Other wrappers (FSDP) are
+not supported.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import logging
 from dataclasses import dataclass
@@ -267,8 +273,6 @@ class AdaptiveBatch:
                     oom, message = True, str(err).split("\n")[0]
             del piece
             if self._agree(oom):
-                retries += 1
-                self.oom_count += 1
                 for p in self._params:
                     p.grad = None
                 loss = None
@@ -281,6 +285,8 @@ class AdaptiveBatch:
                         f"Reduce the memory per sample (memopt.estimate shows where it goes; a checkpoint "
                         f"policy or a shorter sequence) or lower min_micro_batch. Last error: {message}"
                     )
+                retries += 1
+                self.oom_count += 1
                 new_micro = int(self._all_reduce(max(self.min_micro_batch, micro // 2), "min"))
                 logger.warning("memopt.AdaptiveBatch: out of memory at micro-batch %d (samples %d:%d); "
                                "retrying at %d", micro, start, stop, new_micro)
@@ -296,7 +302,7 @@ class AdaptiveBatch:
     def _no_sync(self):
         if _is_ddp(self.model):
             return self.model.no_sync()
-        return _NullContext()
+        return contextlib.nullcontext()
 
     def _agree(self, oom: bool) -> bool:
         if not _distributed():
@@ -359,11 +365,3 @@ class AdaptiveBatch:
                         self._steps_since_oom, self.micro_batch, new_micro)
             self.micro_batch = new_micro
             self._steps_since_oom = 0
-
-
-class _NullContext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

@@ -34,12 +34,13 @@ def test_eager_layer_formula_matches_counted_bytes(dtype, dropout, d_ff):
     counted = _counted(block, block, x)
     est = memopt.estimate(cfg)
     per_layer = sum(v for k, v in est.per_layer.items() if k != "workspace")
-    assert abs(per_layer - counted) <= 0.05 * counted, (per_layer, counted)
+    assert abs(per_layer - counted) <= 0.01 * counted, (per_layer, counted)
     assert est.breakdown["activations"] + est.breakdown["attention_scores"] == cfg.n_layers * per_layer
 
 
 @pytest.mark.parametrize("dropout", [0.1, 0.0])
-def test_eager_model_formula_within_5_percent(dropout):
+def test_eager_model_formula_within_1_percent(dropout):
+    """The issue asks for 5%; the formula is exact up to nll_loss's 4-byte total weight."""
     cfg = ModelConfig(**SMALL, dropout=dropout, device="cpu")
     model = EagerGPT(cfg.n_layers, cfg.d_model, cfg.n_heads, cfg.vocab_size, cfg.seq_len, dropout=dropout)
     ids = torch.randint(cfg.vocab_size, (cfg.micro_batch, cfg.seq_len))
@@ -54,7 +55,7 @@ def test_eager_model_formula_within_5_percent(dropout):
     saved_log_probs = tokens * cfg.vocab_size * 4
     b = est.breakdown
     predicted = b["activations"] + b["attention_scores"] + b["embeddings_head"] + saved_log_probs
-    assert abs(predicted - counted) <= 0.05 * counted, (predicted, counted)
+    assert abs(predicted - counted) <= 0.01 * counted, (predicted, counted)
 
 
 def test_checkpoint_formula_exact():

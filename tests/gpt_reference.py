@@ -1,4 +1,4 @@
-"""A plain PyTorch GPT-2 (pre-LN, matmul + softmax attention, GELU MLP, dropout, tied LM head).
+"""A plain PyTorch GPT-2 (pre-LN, matmul + softmax attention or SDPA, GELU MLP, dropout, tied head).
 
 The estimator's eager formula describes exactly this model; the tests count what it saves.
 """
@@ -14,9 +14,9 @@ import torch.utils.checkpoint
 
 
 class EagerBlock(nn.Module):
-    def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float, max_seq: int):
+    def __init__(self, d_model: int, n_heads: int, d_ff: int, dropout: float, max_seq: int, sdpa: bool = False):
         super().__init__()
-        self.n_heads, self.dropout = n_heads, dropout
+        self.n_heads, self.dropout, self.sdpa = n_heads, dropout, sdpa
         self.ln_1 = nn.LayerNorm(d_model)
         self.c_attn = nn.Linear(d_model, 3 * d_model)
         self.c_proj = nn.Linear(d_model, d_model)
@@ -29,10 +29,15 @@ class EagerBlock(nn.Module):
         b, s, d = x.shape
         hd = d // self.n_heads
         q, k, v = self.c_attn(self.ln_1(x)).view(b, s, 3, self.n_heads, hd).permute(2, 0, 3, 1, 4)
-        scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
-        probs = scores.masked_fill(self.causal[:s, :s], float("-inf")).softmax(-1)
-        probs = F.dropout(probs, self.dropout, self.training)
-        o = (probs @ v).transpose(1, 2).reshape(b, s, d)
+        if self.sdpa:
+            p = self.dropout if self.training else 0.0
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=p)
+        else:
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(hd))
+            probs = scores.masked_fill(self.causal[:s, :s], float("-inf")).softmax(-1)
+            probs = F.dropout(probs, self.dropout, self.training)
+            o = probs @ v
+        o = o.transpose(1, 2).reshape(b, s, d)
         x = x + F.dropout(self.c_proj(o), self.dropout, self.training)
         h = self.c_fc2(F.gelu(self.c_fc(self.ln_2(x))))
         return x + F.dropout(h, self.dropout, self.training)

@@ -111,3 +111,12 @@ def test_diagnose_oom_when_nothing_fits():
 def test_diagnose_oom_without_config():
     diag = memopt.diagnose_oom(torch.OutOfMemoryError("CUDA out of memory."))
     assert "pass config=" in str(diag)
+
+
+def test_bench_passes_arguments_through(monkeypatch):
+    calls = []
+    monkeypatch.setattr(subprocess, "call", lambda argv: calls.append(argv) or 0)
+    assert main(["bench", "--preset", "quick", "--json"]) == 0
+    assert main(["bench", "--", "--help"]) == 0
+    assert calls == [[sys.executable, "-m", "bench", "--preset", "quick", "--json"],
+                     [sys.executable, "-m", "bench", "--help"]]

@@ -79,6 +79,16 @@ def test_checkpoint_formula_exact():
     assert est.breakdown["attention_scores"] == 0
 
 
+def test_flash_formula_matches_counted_sdpa_block():
+    """SDPA's CPU flash kernel (taken without dropout) saves q, k, v, its output and a fp32
+    log-sum-exp per row: the attention="flash" formula, exactly."""
+    cfg = ModelConfig(**SMALL, dropout=0.0, attention="flash", device="cpu")
+    block = EagerBlock(cfg.d_model, cfg.n_heads, cfg.d_ff, 0.0, cfg.seq_len, sdpa=True)
+    x = torch.randn(cfg.micro_batch, cfg.seq_len, cfg.d_model, requires_grad=True)
+    per_layer = sum(v for k, v in memopt.estimate(cfg).per_layer.items() if k != "workspace")
+    assert per_layer == _counted(block, block, x)
+
+
 def test_flash_attention_drops_the_quadratic_term():
     math_cfg = ModelConfig(**SMALL, attention="math")
     flash_cfg = math_cfg.replace(attention="flash")

@@ -316,11 +316,17 @@ def _block_policy(policy: str) -> PolicyFormula:
                 f"memopt.block.saved_bytes_per_token, which this build does not have ({err}). "
                 f"Use policy='eager' or 'checkpoint', or register_policy_formula({policy!r}, fn)."
             ) from None
-        per_token = saved_bytes_per_token(
-            policy, d_model=cfg.d_model, n_heads=cfg.n_heads, d_ff=cfg.d_ff,
-            seq_len=cfg.seq_len, dtype=cfg.low_dtype if cfg.precision != "fp32" else cfg.dtype,
-        )
-        return {"block_saved": int(per_token) * cfg.micro_batch * cfg.seq_len, "attention_scores": 0}
+        # The block's formula is for a block whose parameters and input have one dtype (no
+        # autocast) and leaves the block input out; the input is added here as for every policy.
+        tokens = cfg.micro_batch * cfg.seq_len
+        per_token = saved_bytes_per_token(policy, d_model=cfg.d_model, n_heads=cfg.n_heads, d_ff=cfg.d_ff,
+                                          dtype=cfg.dtype if cfg.precision == "fp32" else cfg.low_dtype)
+        return {
+            "layer_input": tokens * cfg.d_model * cfg.residual_bytes,
+            "block_saved": int(per_token) * tokens,
+            "rng_key": 16 if cfg.dropout > 0 else 0,
+            "attention_scores": 0,
+        }
 
     return formula
 

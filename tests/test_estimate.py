@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import pytest
 import torch
@@ -227,6 +228,25 @@ def test_block_policies_need_memopt_block():
             memopt.estimate(ModelConfig(**SMALL, policy="selective"))
     else:
         assert memopt.estimate(ModelConfig(**SMALL, policy="selective")).total_bytes > 0
+
+
+def test_block_policies_call_memopt_block_with_its_signature(monkeypatch):
+    """A stand-in with the signature of memopt.block.saved_bytes_per_token (FusedCheckpointBlock)."""
+    import types
+
+    calls = []
+
+    def saved_bytes_per_token(policy, d_model, n_heads, d_ff=None, *, n_kv_heads=None, activation="gelu",
+                              norm="layernorm", norm_first=True, dtype=torch.float32):
+        calls.append((policy, d_model, n_heads, d_ff, dtype))
+        return 10 * d_model
+
+    monkeypatch.setitem(sys.modules, "memopt.block", types.SimpleNamespace(saved_bytes_per_token=saved_bytes_per_token))
+    cfg = ModelConfig(**SMALL, policy="selective", precision="pure")
+    est = memopt.estimate(cfg)
+    assert calls[0] == ("selective", 64, 4, 256, torch.bfloat16)
+    tokens = cfg.micro_batch * cfg.seq_len
+    assert est.breakdown["activations"] == cfg.n_layers * (tokens * 64 * 2 + tokens * 640 + 16)
 
 
 @pytest.mark.parametrize("field,value,match", [

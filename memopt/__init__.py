@@ -6,6 +6,7 @@ Importing memopt loads the native extension (``memopt._C``) and registers every 
 
 from memopt._extension import build_info
 from memopt.ops.dropout import dropout_add
+from memopt.ops.norm import layer_norm, norm_linear, rms_norm
 from memopt.saved import SavedTensorCounter, saved_bytes
 from memopt.adaptive import AdaptiveBatch, MicroBatchFloorError
 from memopt.estimate import ModelConfig, estimate, max_micro_batch, max_seq_len, register_policy_formula
@@ -14,7 +15,6 @@ from memopt.report import diagnose_oom, memory_report
 
 __version__ = "0.1.0"
 
-__all__ = ["SavedTensorCounter", "build_info", "dropout_add", "saved_bytes"]
+__all__ = ["SavedTensorCounter", "build_info", "dropout_add", "layer_norm", "norm_linear", "rms_norm", "saved_bytes"]
 __all__ += ["AdaptiveBatch", "MicroBatchFloorError", "ModelConfig", "diagnose_oom", "memory_report", "estimate",
-            "estimate_presets", "max_micro_batch", "max_seq_len",
-            "register_policy_formula"]
+            "estimate_presets", "max_micro_batch", "max_seq_len", "register_policy_formula"]

@@ -243,7 +243,9 @@ def register_policy_formula(name: str, fn: PolicyFormula) -> None:
     ``fn(config) -> dict[str, int]``: bytes saved for backward by one layer, by component.
     The key ``"attention_scores"`` (the O(seq^2) part, if any) is reported separately; the key
     ``"workspace"``, if present, is the transient of that layer's backward (default: the eager
-    layer's). Registering an existing name replaces it.
+    layer's); keys starting with ``"host_"`` are bytes kept in host memory (offload), reported in
+    ``Estimate.host_bytes`` and left out of the device total. Registering an existing name
+    replaces it.
     """
     if not isinstance(name, str) or not name:
         raise ValueError(f"name must be a non-empty str, got {name!r}")
@@ -321,12 +323,17 @@ def _block_policy(policy: str) -> PolicyFormula:
         tokens = cfg.micro_batch * cfg.seq_len
         per_token = saved_bytes_per_token(policy, d_model=cfg.d_model, n_heads=cfg.n_heads, d_ff=cfg.d_ff,
                                           dtype=cfg.dtype if cfg.precision == "fp32" else cfg.low_dtype)
-        return {
-            "layer_input": tokens * cfg.d_model * cfg.residual_bytes,
-            "block_saved": int(per_token) * tokens,
-            "rng_key": 16 if cfg.dropout > 0 else 0,
-            "attention_scores": 0,
-        }
+        saved = int(per_token) * tokens
+        out = {"layer_input": tokens * cfg.d_model * cfg.residual_bytes,
+               "rng_key": 16 if cfg.dropout > 0 else 0, "attention_scores": 0}
+        if policy == "offload":
+            # The saved set lives in host memory; one layer's copy is on the device while it is
+            # produced or brought back for its backward.
+            out["host_block_saved"] = saved
+            out["workspace"] = saved + _eager_workspace(cfg)
+        else:
+            out["block_saved"] = saved
+        return out
 
     return formula
 
@@ -350,6 +357,7 @@ class Estimate:
         transients: the short-lived peaks, in full: ``logits_loss`` (the loss),
             ``layer_backward`` (one layer's backward) and ``library`` (cuBLAS workspace); the
             total counts the larger of the first two plus the third.
+        host_bytes: activations kept in host memory (offload policies), not in the total.
     """
 
     breakdown: dict[str, int]
@@ -358,6 +366,7 @@ class Estimate:
     num_parameters: int = 0
     notes: list[str] = field(default_factory=list)
     transients: dict[str, int] = field(default_factory=dict)
+    host_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
@@ -374,6 +383,7 @@ class Estimate:
             "num_parameters": self.num_parameters,
             "notes": list(self.notes),
             "transients": dict(self.transients),
+            "host_bytes": self.host_bytes,
         }
         if self.config is not None:
             out["config"] = {
@@ -400,6 +410,8 @@ class Estimate:
             share = nbytes / total if total else 0.0
             lines.append(f"{name:{width}}{nbytes / 2**30:10.3f} {share:7.1%}")
         lines.append(f"{'total':{width}}{total / 2**30:10.3f}")
+        if self.host_bytes:
+            lines.append(f"{'host (offloaded)':{width}}{self.host_bytes / 2**30:10.3f}")
         return "\n".join(lines)
 
 
@@ -423,7 +435,8 @@ def _config_estimate(cfg: ModelConfig) -> Estimate:
     if workspace is None:
         workspace = _eager_workspace(cfg)
     scores = layer.get("attention_scores", 0)
-    per_layer_total = sum(layer.values())
+    host = sum(v for k, v in layer.items() if k.startswith("host_"))
+    per_layer_total = sum(layer.values()) - host
 
     tokens = cfg.micro_batch * cfg.seq_len
     n = cfg.num_parameters
@@ -457,7 +470,7 @@ def _config_estimate(cfg: ModelConfig) -> Estimate:
         "excludes the CUDA context and allocator rounding",
     ]
     return Estimate(breakdown=breakdown, per_layer=layer | {"workspace": workspace}, config=cfg,
-                    num_parameters=n, notes=notes,
+                    num_parameters=n, notes=notes, host_bytes=cfg.n_layers * host,
                     transients={"logits_loss": logits_loss, "layer_backward": workspace, "library": library})
 
 

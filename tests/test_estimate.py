@@ -247,6 +247,10 @@ def test_block_policies_call_memopt_block_with_its_signature(monkeypatch):
     assert calls[0] == ("selective", 64, 4, 256, torch.bfloat16)
     tokens = cfg.micro_batch * cfg.seq_len
     assert est.breakdown["activations"] == cfg.n_layers * (tokens * 64 * 2 + tokens * 640 + 16)
+    assert est.host_bytes == 0
+    offload = memopt.estimate(cfg.replace(policy="offload"))
+    assert offload.host_bytes == cfg.n_layers * tokens * 640
+    assert offload.breakdown["activations"] == cfg.n_layers * (tokens * 64 * 2 + 16)
 
 
 @pytest.mark.parametrize("field,value,match", [

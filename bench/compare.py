@@ -24,6 +24,7 @@ scaling curves.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import math
@@ -65,31 +66,34 @@ class Settings:
     preset: str = "default"
     device: str = "auto"
     dtype: str = "float32"
-    d_model: int = 256
+    d_model: int = 128
     n_heads: int = 4
-    d_ff: int = 1024
+    d_ff: int = 512
     seq: int = 128
-    batch: int = 4
+    batch: int = 2
     layers: int = 4
     dropout: float = 0.1
     warmup: int = 2
     repeats: int = 5
     compile: bool = False
-    max_config_seconds: float = 20.0
+    max_config_seconds: float = 5.0
     seed: int = 0
+    # CPU intra-op threads. One by default: on a shared machine a second OpenMP thread that gets
+    # descheduled stalls every parallel region (measured here: 11 ms steps became 1100 ms).
+    threads: int | None = 1
     sweep: str | None = None
     sweep_values: tuple[int, ...] = ()
 
 
 PRESETS: dict[str, Settings] = {
-    "default": Settings(sweep_values=()),
+    "default": Settings(),
     "tiny": Settings(
         preset="tiny", d_model=32, n_heads=2, d_ff=64, seq=16, batch=2, layers=2, warmup=1, repeats=2,
         max_config_seconds=5.0,
     ),
     "h200": Settings(
         preset="h200", device="cuda", dtype="bfloat16", d_model=2048, n_heads=16, d_ff=8192, seq=2048, batch=4,
-        layers=4, warmup=3, repeats=10, compile=True, max_config_seconds=30.0,
+        layers=4, warmup=3, repeats=10, compile=True, max_config_seconds=30.0, threads=None,
     ),
 }
 
@@ -119,7 +123,7 @@ def git_commit() -> str:
     return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
-def environment(device: torch.device) -> dict:
+def environment(device: torch.device, threads: int | None = None) -> dict:
     """Versions, device, commit and date: the header of every results file."""
     try:
         import triton
@@ -130,7 +134,7 @@ def environment(device: torch.device) -> dict:
     if device.type == "cuda":
         device_name = torch.cuda.get_device_name(device)
     else:
-        device_name = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads)"
+        device_name = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {threads or torch.get_num_threads()} torch threads)"
     return {
         "torch": torch.__version__,
         "triton": triton_version,
@@ -351,7 +355,23 @@ def run_comparison(
     The first configuration that runs provides the gradient reference when ``eager-math`` is
     not among ``configs``.
     """
-    configs = default_configs() if configs is None else configs
+    with cpu_threads(settings.threads):
+        return _run_comparison(settings, default_configs() if configs is None else configs, progress)
+
+
+@contextlib.contextmanager
+def cpu_threads(threads: int | None):
+    """Run with ``threads`` torch intra-op threads (unchanged when None), then restore."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run_comparison(settings: Settings, configs: list[BenchConfig], progress: bool) -> list[dict]:
     device = resolve_device(settings.device)
     dtype = DTYPES[settings.dtype]
     blocks = make_reference_blocks(settings.layers, settings.d_model, settings.n_heads, settings.d_ff, settings.dropout, settings.seed)
@@ -434,7 +454,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default", help="sizes and repeats (default: a CPU run of about a minute)")
     parser.add_argument("--device", help="cpu, cuda, cuda:1 or auto")
     parser.add_argument("--dtype", choices=sorted(DTYPES))
-    for name in ("d_model", "n_heads", "d_ff", "seq", "batch", "layers", "warmup", "repeats", "seed"):
+    for name in ("d_model", "n_heads", "d_ff", "seq", "batch", "layers", "warmup", "repeats", "seed", "threads"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
     parser.add_argument("--dropout", type=float)
     parser.add_argument("--max-config-seconds", type=float, dest="max_config_seconds", help="fewer timed steps for slower configurations")
@@ -449,7 +469,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     settings = PRESETS[args.preset]
     overrides = {
         k: getattr(args, k)
-        for k in ("device", "dtype", "d_model", "n_heads", "d_ff", "seq", "batch", "layers", "warmup", "repeats", "seed", "dropout", "max_config_seconds", "compile", "sweep")
+        for k in ("device", "dtype", "d_model", "n_heads", "d_ff", "seq", "batch", "layers", "warmup", "repeats", "seed", "threads", "dropout", "max_config_seconds", "compile", "sweep")
         if getattr(args, k) is not None
     }
     settings = replace(settings, **overrides)
@@ -478,6 +498,7 @@ def select_configs(names: str | None) -> list[BenchConfig]:
 def run(settings: Settings, configs: list[BenchConfig] | None = None, progress: bool = True) -> dict:
     """The whole run (one comparison, or one per sweep value) as the JSON-ready result."""
     device = resolve_device(settings.device)
+    env = environment(device, settings.threads)
     if settings.sweep:
         rows = []
         for value in settings.sweep_values:
@@ -487,7 +508,7 @@ def run(settings: Settings, configs: list[BenchConfig] | None = None, progress: 
     return {
         "kind": f"sweep-{settings.sweep}" if settings.sweep else "compare",
         "schema": "memopt-bench/1",
-        "environment": environment(device),
+        "environment": env,
         "arguments": asdict(settings),
         "columns": list(ROW_COLUMNS),
         "rows": rows,

@@ -2,7 +2,6 @@
 
 import sys
 
-from bench import _setup  # noqa: F401  (before memopt: chooses how Triton kernels run)
 from bench.compare import main
 
 if __name__ == "__main__":

@@ -207,3 +207,27 @@ def test_quantile_interpolates_like_numpy():
 def test_unknown_config_name_is_rejected():
     with pytest.raises(SystemExit, match="unknown names \\['nope'\\]"):
         compare.select_configs("eager-math,nope")
+
+
+def test_kernel_benchmarks_run_on_tiny_shapes_and_list_missing_ops(tmp_path, monkeypatch):
+    from bench import kernels
+
+    monkeypatch.delattr(memopt, "layer_norm", raising=False)
+    argv = ["--preset", "tiny", "--device", "cpu", "--ops", "dropout_add,layer_norm", "--out", str(tmp_path), "--no-progress"]
+    assert kernels.main(argv) == 0
+    (json_path,) = tmp_path.glob("kernels-tiny-cpu-*.json")
+    result = json.loads(json_path.read_text())
+    rows = {(r["op"], r["provider"], r["metric"]): r for r in result["rows"]}
+    for key in ("op", "provider", "mode", "metric", "unit", "x", "median", "p20", "p80", "device", "versions", "commit", "date"):
+        assert all(key in r for r in result["rows"]), key
+    for provider in ("memopt", "eager"):
+        timing = rows[("dropout_add", provider, "time_fwd_bwd")]
+        assert timing["status"] == "ok" and timing["p20"] <= timing["median"] <= timing["p80"]
+        assert rows[("dropout_add", provider, "bandwidth")]["median"] > 0
+    # memopt keeps the 16-byte RNG key where eager dropout keeps a mask: bool on CUDA, x's
+    # dtype (float32) on CPU, where F.dropout multiplies by a Bernoulli tensor.
+    assert rows[("dropout_add", "memopt", "saved_bytes")]["median"] == 16
+    assert rows[("dropout_add", "eager", "saved_bytes")]["median"] in (64 * 128, 64 * 128 * 4)
+    assert rows[("layer_norm", "memopt", "time_fwd_bwd")]["status"] == "not available (memopt.layer_norm is not in this build of memopt yet)"
+    assert rows[("dropout_add", "compile", "time_fwd_bwd")]["status"].startswith("not available (torch.compile not requested")
+    assert json_path.with_suffix(".png").exists()

@@ -2,6 +2,7 @@
 # The one prepared GPU check: build for sm_90, run the GPU tests and the GPU benchmark preset,
 # and write logs and results into one folder ($OUT when set, else bench/results/device-<date>).
 # Run from the repository root on a machine with an NVIDIA GPU:  bash bench/device_check.sh
+# BENCH_SWEEPS=1 adds the depth and sequence-length sweeps (a few more minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/results/device-$(date -u +%Y%m%dT%H%M%SZ)}"
@@ -33,5 +34,14 @@ step() {  # step NAME CMD...: run, log to $OUT/NAME.log, remember failures, keep
 step build pip install --no-build-isolation --no-deps -v -e . || { echo "build failed"; exit 1; }
 step build_info python -c "import memopt; print(memopt.build_info())"
 step gpu_tests python -m pytest -q -m gpu -x --junitxml="$OUT/gpu_tests.xml"
-step bench python -m bench
+# The GPU benchmark preset (bf16, d_model 2048, 16 heads, seq 2048, 4 layers, torch.compile
+# included; about five minutes) and the kernel micro-benchmarks: JSON, PNG and logs into $OUT.
+step bench_h200 timeout 600 python -m bench --preset h200 --out "$OUT" --no-progress
+step kernels_h200 timeout 420 python -m bench.kernels --preset h200 --out "$OUT" --no-progress
+# Scaling curves (memory against depth, time against sequence length) when there is time for them.
+if [ "${BENCH_SWEEPS:-0}" = 1 ]; then
+  sweep_configs=eager-sdpa,torch-checkpoint,torch-selective,memopt-selective,memopt-full,memopt-offload
+  step sweep_layers timeout 420 python -m bench --preset h200 --sweep layers --configs "$sweep_configs" --no-compile --repeats 5 --out "$OUT" --no-progress
+  step sweep_seq timeout 420 python -m bench --preset h200 --sweep seq --configs "$sweep_configs" --no-compile --repeats 5 --out "$OUT" --no-progress
+fi
 exit $status

@@ -74,7 +74,8 @@ class LiveTensorTracker(TorchDispatchMode):
         return sum(self._current.values())
 
     def peak_bytes(self, device: str | None = None) -> int:
-        """Highest ``live_bytes(device)`` seen since the tracker started."""
+        """Highest ``live_bytes(device)`` seen since the tracker started; with no device, the
+        largest of the per-device peaks."""
         if device is not None:
             return self._peak.get(device, 0)
         return max(self._peak.values(), default=0)

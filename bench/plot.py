@@ -58,6 +58,13 @@ def plot_compare(result: dict, path: Path) -> Path:
         )
         suffix = " (MISMATCH)" if r["grad_check"] == "MISMATCH" else ""
         ax.annotate(r["config"] + suffix, (r["step_time_ms_median"], r[key] / MIB), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    from matplotlib.lines import Line2D
+
+    ax.legend(
+        handles=[Line2D([], [], marker="o", linestyle="", color=c, label=p) for p, c in (("PyTorch", "tab:blue"), ("memopt", "tab:orange"))],
+        fontsize=8,
+        loc="upper right",
+    )
     missing = [r["config"] for r in result["rows"] if r["status"] != "ok"]
     if missing:
         fig.text(0.01, 0.01, "not run: " + ", ".join(missing), fontsize=7, color="gray")

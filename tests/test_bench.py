@@ -117,6 +117,20 @@ def test_gradient_mismatch_is_flagged_not_dropped():
     assert "| faulty |" in compare.markdown_table(rows) and "MISMATCH" in compare.markdown_table(rows)
 
 
+def test_low_precision_runs_check_against_float32_with_twice_the_eager_error():
+    sdpa = registry_config("eager-sdpa")
+    faulty = replace(sdpa, name="faulty", build=lambda ctx: GradientScaler(sdpa.build(ctx), 1.1))
+    settings = replace(TINY, dtype="bfloat16")
+    rows = compare.run_comparison(settings, [registry_config("eager-math"), sdpa, faulty], progress=False)
+    reference, ok, bad = rows
+    assert reference["grad_check"] == "reference" and reference["grad_reference"] == "eager-math in float32"
+    # bf16 rounding makes eager-math itself differ from float32; the tolerance is twice that.
+    assert 0 < reference["grad_max_rel_diff"]
+    assert reference["grad_rtol"] == pytest.approx(max(2 * reference["grad_max_rel_diff"], compare.GRAD_RTOL_FLOOR[torch.bfloat16]))
+    assert ok["grad_check"] == "ok"
+    assert bad["grad_check"] == "MISMATCH" and bad["grad_max_rel_diff"] > 0.05
+
+
 def test_a_failing_configuration_becomes_an_error_row():
     def broken(ctx):
         raise RuntimeError("kernel exploded")

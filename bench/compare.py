@@ -477,7 +477,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
         prog="python -m bench",
         description="Compare memory saved against time paid for memopt and PyTorch's checkpointing on a GPT-style layer stack.",
     )
-    parser.add_argument("--preset", choices=sorted(PRESETS), default="default", help="sizes and repeats (default: a CPU run of about a minute)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="default", help="sizes and repeats (default: a CPU run of about 25 s on 2 cores)")
     parser.add_argument("--device", help="cpu, cuda, cuda:1 or auto")
     parser.add_argument("--dtype", choices=sorted(DTYPES))
     for name in ("d_model", "n_heads", "d_ff", "seq", "batch", "layers", "warmup", "repeats", "seed", "threads"):

@@ -35,7 +35,10 @@ def _title(result: dict) -> str:
     env, args = result["environment"], result.get("arguments", {})
     shape = ""
     if "d_model" in args:
-        shape = f"{args['layers']}L d{args['d_model']} h{args['n_heads']} ff{args['d_ff']} b{args['batch']} s{args['seq']} {args['dtype']}\n"
+        args = dict(args)
+        if args.get("sweep"):
+            args[args["sweep"]] = "{" + ",".join(str(v) for v in args["sweep_values"]) + "}"
+        shape = f"layers {args['layers']}, d{args['d_model']} h{args['n_heads']} ff{args['d_ff']} b{args['batch']} s{args['seq']} {args['dtype']}\n"
     return f"{shape}{env['device_name']}, torch {env['torch']}, commit {env['commit'][:10]}"
 
 

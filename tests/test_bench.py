@@ -14,6 +14,7 @@ import memopt
 from bench import compare, configs, plot
 from bench.memory import LiveTensorTracker
 from bench.model import FUSED_BLOCK_PARAMETER_NAMES, GPTBlock, LayerStack, fused_state_dict_from_eager
+from helpers import gpu
 
 TINY = replace(compare.PRESETS["tiny"], device="cpu")
 METRIC_COLUMNS = (
@@ -268,3 +269,34 @@ def test_memopt_configurations_build_from_the_reference_weights(monkeypatch):
         # Same weights, same batch, same math: only SDPA-vs-matmul rounding separates them.
         assert by_name[name]["grad_check"] == "ok" and by_name[name]["grad_max_rel_diff"] < 1e-5
     assert by_name["memopt-offload"]["status"].startswith("not available (offload moves activations")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tiny_run_on_cuda_measures_peak_memory_and_checks_gradients(dtype):
+    settings = replace(TINY, device="cuda", dtype=dtype, threads=None)
+    wanted = ["eager-math", "eager-sdpa", "torch-checkpoint", "torch-selective"]
+    rows = compare.run_comparison(settings, [registry_config(n) for n in wanted], progress=False)
+    by_name = {r["config"]: r for r in rows}
+    for name in wanted:
+        row = by_name[name]
+        assert row["status"] == "ok", row
+        assert row["device"].startswith("cuda") and row["peak_gpu_bytes"] > 0
+        # Only scalars stay on the host (SDPA's dropout RNG seed and offset), no activations.
+        assert row["activation_bytes"] > 0 and row["activation_host_bytes"] < 1024
+        assert row["grad_check"] in ("ok", "reference"), row
+    assert by_name["torch-checkpoint"]["activation_bytes"] < by_name["eager-sdpa"]["activation_bytes"]
+    assert by_name["torch-checkpoint"]["memory_vs_checkpoint"] == pytest.approx(1.0)
+
+
+@gpu
+def test_kernel_benchmarks_run_on_cuda(tmp_path):
+    from bench import kernels
+
+    settings = replace(kernels.KERNEL_PRESETS["tiny"], device="cuda", dtype="bfloat16", threads=None)
+    result = kernels.run_kernels(settings, ["dropout_add"], progress=False)
+    rows = {(r["provider"], r["metric"]): r for r in result["rows"]}
+    for provider in ("memopt", "eager"):
+        assert rows[(provider, "time_fwd_bwd")]["status"] == "ok"
+        assert rows[(provider, "time_fwd_bwd")]["median"] > 0
+    assert rows[("memopt", "saved_bytes")]["median"] == 16

@@ -115,11 +115,16 @@ SWEEP_DEFAULTS = {
 
 
 def resolve_device(name: str) -> torch.device:
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N`` as a device with an explicit index on GPU, so that
+    its string matches ``str(tensor.device)`` (``"cuda:0"``), which memory accounting keys on."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit(f"bench: --device {name} was asked for but torch sees no CUDA device")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit(f"bench: --device {name} was asked for but torch sees no CUDA device")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 

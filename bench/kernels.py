@@ -15,7 +15,6 @@ Rows follow the house schema (``op, provider, mode, metric, unit, x, median, p20
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from dataclasses import dataclass, replace

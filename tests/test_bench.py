@@ -181,7 +181,7 @@ def test_layer_stack_checkpoint_modes_match_eager_gradients():
     x = torch.randn(2, 8, 32)
     grads = {}
     for mode in ("none", "full", "selective"):
-        stack = LayerStack([b for b in blocks], mode)
+        stack = LayerStack(list(blocks), mode)
         stack.zero_grad(set_to_none=True)
         compare.loss_fn(stack(x)).backward()
         grads[mode] = [p.grad.clone() for p in stack.parameters()]

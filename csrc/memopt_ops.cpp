@@ -30,6 +30,15 @@ TORCH_LIBRARY(memopt, m) {
         " -> (Tensor y, Tensor residual_out, Tensor rstd)");
   m.def("rms_norm_bwd(Tensor grad_y, Tensor x, Tensor? weight, Tensor rstd, Tensor? grad_x_extra,"
         " bool return_y) -> (Tensor grad_x, Tensor grad_weight, Tensor y)");
+  // y = act(x + bias), activation in {"relu", "gelu", "gelu_tanh", "silu"}. Only x is saved for
+  // backward; the backward recomputes act and act' (and y when return_y).
+  m.def("bias_act_fwd(Tensor x, Tensor? bias, str activation) -> Tensor y");
+  m.def("bias_act_bwd(Tensor grad_y, Tensor x, Tensor? bias, str activation, bool return_y)"
+        " -> (Tensor grad_x, Tensor grad_bias, Tensor y)");
+  // x = [gate | up] on the last dim (2 * d); y = silu(gate + bias[:d]) * (up + bias[d:]).
+  m.def("swiglu_fwd(Tensor x, Tensor? bias) -> Tensor y");
+  m.def("swiglu_bwd(Tensor grad_y, Tensor x, Tensor? bias, bool return_y)"
+        " -> (Tensor grad_x, Tensor grad_bias, Tensor y)");
 }
 
 namespace {

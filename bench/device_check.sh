@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one prepared GPU check: build for sm_90, run the GPU tests and the GPU benchmark presets,
 # and write logs and results into one folder ($OUT when set, else bench/results/device-<date>).
-# Run from the repository root on a machine with an NVIDIA GPU:  bash bench/device_check.sh
+# Run from the repository root on a machine with an NVIDIA GPU:
+#   MEMOPT_COMMIT=$(git rev-parse HEAD) bash bench/device_check.sh
 # Each step has a time limit (STEP_TIMEOUT_<NAME> overrides it) so one slow step cannot eat the
 # whole device session; a step that fails or times out is logged and the next one still runs.
 # BENCH_SWEEPS=1 adds the depth and sequence-length sweeps of the harness (a few more minutes).
@@ -17,7 +18,8 @@ export PYTHONUNBUFFERED=1
 
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)"
+  # The device machine gets a copy of the work tree without .git: pass MEMOPT_COMMIT there.
+  echo "commit: $(git rev-parse --verify -q HEAD 2>/dev/null || echo "${MEMOPT_COMMIT:-unknown}")"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
   python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 } | tee "$OUT/environment.txt"

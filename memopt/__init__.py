@@ -10,6 +10,10 @@ from memopt.ops.attention import attention
 from memopt.ops.dropout import dropout_add
 from memopt.ops.norm import layer_norm, norm_linear, rms_norm
 from memopt.saved import SavedTensorCounter, saved_bytes
+from memopt.adaptive import AdaptiveBatch, MicroBatchFloorError
+from memopt.estimate import ModelConfig, estimate, max_micro_batch, max_seq_len, register_policy_formula
+from memopt.estimate import PRESETS as estimate_presets
+from memopt.report import diagnose_oom, memory_report
 
 __version__ = "0.1.0"
 
@@ -28,3 +32,6 @@ __all__ = [
     "saved_bytes",
     "swiglu",
 ]
+__all__ = ["SavedTensorCounter", "build_info", "dropout_add", "layer_norm", "norm_linear", "rms_norm", "saved_bytes"]
+__all__ += ["AdaptiveBatch", "MicroBatchFloorError", "ModelConfig", "diagnose_oom", "memory_report", "estimate",
+            "estimate_presets", "max_micro_batch", "max_seq_len", "register_policy_formula"]

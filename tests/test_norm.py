@@ -203,11 +203,37 @@ def test_norm_linear_matches_reference(norm, device, dtype, shape, with_residual
     got = grads_of(outs, inputs, grad_outs)
     expected = grads_of(refs, leaves, [g.double() for g in grad_outs])
     names = ("x", "residual", "norm_weight", "norm_bias", "linear_weight", "linear_bias")
+    if dtype in (torch.float16, torch.bfloat16):
+        # Half precision: flash-attention's rule. The weight gradient reduces over all rows, so
+        # a fixed tolerance is either loose or flaky; instead the kernel's error against float64
+        # may be at most twice the error of plain PyTorch run in the same dtype.
+        low = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
+        eager = eager_norm_linear(norm, *low, eps)
+        eager_grads = grads_of(eager, low, grad_outs)
+        for name, g, ge, e, t in zip(names, got, eager_grads, expected, inputs):
+            if t is None:
+                continue
+            assert g.dtype == t.dtype, name
+            err, eager_err = (g.double() - e).abs().max().item(), (ge.double() - e).abs().max().item()
+            assert err <= 2 * eager_err + tol["atol"] / 4, f"grad of {name}: error {err:.3g}, eager {eager_err:.3g}"
+        return
     for name, g, e, t in zip(names, got, expected, inputs):
         if t is None:
             continue
         assert g.dtype == t.dtype, name
         torch.testing.assert_close(g.double(), e, **tol, msg=lambda m: f"grad of {name}: {m}")
+
+
+def eager_norm_linear(norm, x, residual, norm_weight, norm_bias, linear_weight, linear_bias, eps):
+    """What a user writes in plain PyTorch, in the inputs' own dtype."""
+    h = x if residual is None else x + residual
+    if norm == "layernorm":
+        normed = F.layer_norm(h, (h.shape[-1],), norm_weight, norm_bias, eps)
+    else:
+        normed = h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + eps).to(h.dtype)
+        normed = normed if norm_weight is None else normed * norm_weight
+    out = F.linear(normed, linear_weight, linear_bias)
+    return (out,) if residual is None else (out, h)
 
 
 @pytest.mark.parametrize(

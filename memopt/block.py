@@ -33,6 +33,11 @@ from memopt.block_functions import (
 )
 from memopt.ops._rng import new_rng_key
 
+try:  # the activation offload engine ships in memopt/offload.py; "offload" needs it
+    from memopt.offload import Offload
+except ImportError:
+    Offload = None
+
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
 
@@ -262,8 +267,14 @@ class FusedCheckpointBlock(_TransformerBlockBase):
               No extra matmul.
             * ``"full"``: only the block input and the RNG key; the backward reruns the forward
               up to what it needs (pre-norm skips fc2, whose output only feeds the block output).
-            * ``"offload"``: ``"selective"`` with the saved tensors in host memory (needs the
-              ``memopt.offload`` engine).
+            * ``"offload"``: ``"selective"``'s saved set, copied to host memory by the offload
+              engine (``memopt/offload.py``) and brought back a block ahead in the backward.
+              Each block call is one offload group. The engine is ``block.offloader`` (a
+              ``memopt.Offload``) when set, else one shared default
+              (``memopt.block.default_offloader()``). Inside an active ``with offloader:`` the
+              block marks a new group instead of entering it again. CPU tensors stay where they
+              are unless the offloader was made with ``allow_cpu_source=True``. Raises
+              ``NotImplementedError`` in a build without ``memopt/offload.py``.
         batch_first: input layout, ``(B, S, d_model)`` when True, else ``(S, B, d_model)`` (as
             ``nn.TransformerEncoderLayer(batch_first=False)``; costs a transpose copy).
 
@@ -281,6 +292,7 @@ class FusedCheckpointBlock(_TransformerBlockBase):
                 f"{SUPPORTED_HEAD_DIMS} (the sizes memopt.attention's kernels take)"
             )
         self.policy = policy
+        self.offloader = None  # a memopt.Offload for policy="offload"; None: default_offloader()
 
     @property
     def policy(self) -> str:
@@ -299,11 +311,6 @@ class FusedCheckpointBlock(_TransformerBlockBase):
         x_bf = _to_batch_first(self, x)
         batch, seq, _ = x_bf.shape
         causal = self._resolve_causal(attn_mask, is_causal, seq)
-        if self.policy == "offload":
-            raise NotImplementedError(
-                "FusedCheckpointBlock: policy='offload' needs the activation offload engine "
-                "(memopt.offload), which this build of memopt does not have yet"
-            )
         _extension.require_cuda_kernels("FusedCheckpointBlock", x)
         residual_dtype = x_bf.dtype
         compute_dtype = residual_dtype
@@ -311,13 +318,24 @@ class FusedCheckpointBlock(_TransformerBlockBase):
             compute_dtype = torch.get_autocast_dtype(x.device.type)
         drop = self.dropout if self.training else 0.0
         spec = BlockSpec(
-            policy=self.policy, norm=self.norm, norm_first=self.norm_first, activation=self.activation,
+            policy="selective" if self.policy == "offload" else self.policy,
+            norm=self.norm, norm_first=self.norm_first, activation=self.activation,
             n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, causal=causal,
             eps=self.eps, attention_dropout=drop, residual_dropout=drop, compute_dtype=compute_dtype,
         )  # fmt: skip
         rng_key = new_rng_key() if spec.uses_rng else None
         params = [_param(self, name) for name in PARAM_NAMES]
-        y = FusedBlockFunction.apply(spec, x_bf.reshape(batch * seq, self.d_model).contiguous(), rng_key, batch, seq, *params)
+        x_flat = x_bf.reshape(batch * seq, self.d_model).contiguous()
+        if self.policy == "offload":
+            offloader = self.offloader if self.offloader is not None else default_offloader()
+            if offloader.active:
+                offloader.next_group()
+                y = FusedBlockFunction.apply(spec, x_flat, rng_key, batch, seq, *params)
+            else:
+                with offloader:
+                    y = FusedBlockFunction.apply(spec, x_flat, rng_key, batch, seq, *params)
+        else:
+            y = FusedBlockFunction.apply(spec, x_flat, rng_key, batch, seq, *params)
         y = y.view(batch, seq, self.d_model)
         return y if self.batch_first else y.transpose(0, 1)
 
@@ -370,6 +388,23 @@ class FusedCheckpointBlock(_TransformerBlockBase):
             })  # fmt: skip
         block.load_state_dict({k: v.detach() for k, v in state.items()})
         return block.train(layer.training)
+
+
+_DEFAULT_OFFLOADER = None
+
+
+def default_offloader():
+    """The ``memopt.Offload`` shared by blocks with ``policy="offload"`` and no ``offloader``:
+    made on first use with the engine's defaults (tensors of 1 MiB and more, one block ahead)."""
+    global _DEFAULT_OFFLOADER
+    if Offload is None:
+        raise NotImplementedError(
+            "FusedCheckpointBlock: policy='offload' needs the activation offload engine "
+            "(memopt/offload.py, memopt.Offload), which this build of memopt does not have"
+        )
+    if _DEFAULT_OFFLOADER is None:
+        _DEFAULT_OFFLOADER = Offload(pin_memory=torch.cuda.is_available())
+    return _DEFAULT_OFFLOADER
 
 
 def _param(block: nn.Module, name: str) -> torch.Tensor | None:

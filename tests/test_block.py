@@ -2,6 +2,7 @@
 policy and configuration; saved bytes equal to the formula; determinism; interop; errors."""
 
 import copy
+import importlib.util
 
 import pytest
 import torch
@@ -14,6 +15,9 @@ from memopt.block import EagerTransformerBlock, saved_bytes_per_layer, saved_byt
 from helpers import gpu
 
 POLICIES = ["none", "selective", "full"]
+
+HAS_OFFLOAD = importlib.util.find_spec("memopt.offload") is not None
+needs_offload = pytest.mark.skipif(not HAS_OFFLOAD, reason="needs the offload engine (memopt/offload.py)")
 
 # Small shapes: attention may run in the Triton interpreter. Each config exercises a different
 # corner: pre/post norm, both norms, every activation, GQA, causal, bias on and off.
@@ -387,10 +391,59 @@ def test_unsupported_masks_and_inputs_raise():
         block(torch.randn(2, 5, 16, dtype=torch.float64))
 
 
+@pytest.mark.skipif(HAS_OFFLOAD, reason="this build has the offload engine")
 def test_offload_policy_reports_missing_engine():
     block = _make(CONFIGS["pre-ln-gelu"], policy="offload")
-    with pytest.raises(NotImplementedError, match="memopt.offload"):
+    with pytest.raises(NotImplementedError, match="memopt/offload.py"):
         block(torch.randn(1, 4, D_MODEL, dtype=torch.float64))
+
+
+def _cpu_offloader():
+    """An offloader that copies CPU tensors as if they were on a device (no GPU needed)."""
+    return importlib.import_module("memopt.offload").Offload(min_bytes=0, pin_memory=False, allow_cpu_source=True)
+
+
+@needs_offload
+def test_offload_policy_matches_selective_and_moves_saved_tensors():
+    config = CONFIGS["post-ln-relu-causal"]
+    block = _make(config, "selective", dtype=torch.float32, dropout=0.1)
+    batch, seq = 2, 8
+    x = torch.randn(batch, seq, D_MODEL)
+    grad = torch.randn_like(x)
+    torch.manual_seed(3)
+    expected = _run(block, x, grad)
+    block.policy = "offload"
+    # CPU stands in for the device here: the engine copies CPU tensors like device ones.
+    block.offloader = _cpu_offloader()
+    torch.manual_seed(3)
+    got = _run(block, x, grad)
+    _assert_runs_equal(got, expected)
+    stats = block.offloader.stats()
+    formula_args = {k: v for k, v in config.items() if k in ("d_ff", "activation", "norm", "norm_first")}
+    selective = saved_bytes_per_layer(
+        "selective", D_MODEL, N_HEADS, batch=batch, seq=seq, dropout=0.1, dtype=torch.float32, **formula_args
+    )
+    assert stats["bytes_to_host"] >= selective and stats["bytes_to_device"] >= selective
+    assert stats["refused_tensors"] == 0
+
+
+@needs_offload
+def test_offload_policy_inside_an_active_offloader_marks_groups():
+    stack = memopt.FusedCheckpointStack(2, D_MODEL, N_HEADS, 48, policy="offload", dtype=torch.float64)
+    reference = copy.deepcopy(stack)
+    reference.policy = "selective"
+    offloader = _cpu_offloader()
+    for layer in stack.layers:
+        layer.offloader = offloader
+    x = torch.randn(2, 6, D_MODEL, dtype=torch.float64)
+    grad = torch.randn_like(x)
+    with offloader:
+        first_group = offloader.engine.current_group()
+        out = stack(x.requires_grad_())
+        assert offloader.engine.current_group() == first_group + 2
+    out.backward(grad)
+    expected = _run(reference, x.detach(), grad)
+    assert torch.equal(out.detach(), expected[0]) and torch.equal(x.grad, expected[1])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -458,3 +511,28 @@ def test_gpu_autocast_fp16_with_grad_scaler():
     block.eval()
     with torch.autocast("cuda", dtype=torch.float16):
         torch.testing.assert_close(block(x), block.to_eager()(x), atol=2e-2, rtol=2e-2)
+
+
+@gpu
+@needs_offload
+def test_gpu_offload_policy_frees_device_memory():
+    # Six layers: the engine may keep the last two groups on the device until their copies out
+    # complete (double buffering), so offload must hold well under half of what selective holds.
+    stack = memopt.FusedCheckpointStack(6, 1024, 16, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(4, 1024, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+
+    def held_after_forward(policy):
+        stack.policy = policy
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        out = stack(x)
+        torch.cuda.synchronize()
+        held = torch.cuda.memory_allocated() - before
+        out.float().sum().backward()
+        return held
+
+    held_after_forward("offload")  # warm the host pool
+    selective, offloaded = held_after_forward("selective"), held_after_forward("offload")
+    per_layer = saved_bytes_per_layer("selective", 1024, 16, batch=4, seq=1024, dtype=torch.bfloat16)
+    assert selective >= 6 * per_layer
+    assert offloaded < 0.5 * selective

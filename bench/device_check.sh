@@ -34,4 +34,5 @@ step build pip install --no-build-isolation --no-deps -v -e . || { echo "build f
 step build_info python -c "import memopt; print(memopt.build_info())"
 step gpu_tests python -m pytest -q -m gpu -x --junitxml="$OUT/gpu_tests.xml"
 step bench python -m bench
+step bench_offload python -m bench.offload --preset h200 --out "$OUT/offload-h200.json"
 exit $status

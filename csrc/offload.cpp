@@ -140,6 +140,7 @@ struct Handle {
 struct Group {
   std::vector<int64_t> transfers;
   bool backward_started = false;
+  bool copies_out_finished = false;  // the host waited for every D2H copy of the group
 };
 
 class OffloadEngine : public torch::CustomClassHolder {
@@ -161,13 +162,21 @@ class OffloadEngine : public torch::CustomClassHolder {
   }
 
   ~OffloadEngine() override {
-    // Blocks may still be written by copies in flight; wait before their memory goes.
-    synchronize_locked();
+    // Blocks may still be written by copies in flight; wait before their memory goes. A
+    // destructor must not throw (at exit the CUDA runtime may already be gone).
+    try {
+      synchronize_locked();
+    } catch (...) {
+    }
   }
 
+  // Double buffering of the copies out: when group g+1 opens, the host waits for the D2H copies
+  // of group g-1. Device memory of an offloaded tensor is only reusable once its copy has run, so
+  // without this a forward pass that outruns the host link would keep every layer on the device.
   int64_t begin_group() {
     std::lock_guard<std::mutex> lock(mutex_);
     flush_staging();
+    wait_for_copies_out(current_group_ - 1);
     ++current_group_;
     return current_group_;
   }
@@ -303,6 +312,7 @@ class OffloadEngine : public torch::CustomClassHolder {
     out.insert("demand_transfers", counters_.demand_transfers);
     out.insert("prefetch_stalls", counters_.prefetch_stalls);
     out.insert("wait_ns", counters_.wait_ns);
+    out.insert("throttle_ns", counters_.throttle_ns);
     out.insert("pool_hits", counters_.pool_hits);
     out.insert("pool_misses", counters_.pool_misses);
     out.insert("pool_bytes_held", pool_bytes_held_);
@@ -318,7 +328,7 @@ class OffloadEngine : public torch::CustomClassHolder {
     int64_t bytes_to_host = 0, bytes_to_device = 0, copies_to_host = 0, copies_to_device = 0;
     int64_t tensors_offloaded = 0, tensors_deduplicated = 0, tensors_coalesced = 0;
     int64_t refused_tensors = 0, refused_bytes = 0;
-    int64_t prefetched_transfers = 0, demand_transfers = 0, prefetch_stalls = 0, wait_ns = 0;
+    int64_t prefetched_transfers = 0, demand_transfers = 0, prefetch_stalls = 0, wait_ns = 0, throttle_ns = 0;
     int64_t pool_hits = 0, pool_misses = 0;
   };
 
@@ -513,6 +523,26 @@ class OffloadEngine : public torch::CustomClassHolder {
       if (list.empty()) groups_.erase(group);
     }
     transfers_.erase(id);
+  }
+
+  void wait_for_copies_out(int64_t up_to_group) {
+#ifdef MEMOPT_WITH_CUDA
+    for (auto& entry : groups_) {
+      if (entry.first > up_to_group) break;
+      Group& group = entry.second;
+      if (group.copies_out_finished) continue;
+      const auto start = std::chrono::steady_clock::now();
+      for (int64_t id : group.transfers) {
+        const Transfer& transfer = transfers_.at(id);
+        if (transfer.d2h_done) transfer.d2h_done->synchronize();
+      }
+      counters_.throttle_ns +=
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count();
+      group.copies_out_finished = true;
+    }
+#else
+    (void)up_to_group;
+#endif
   }
 
   // The first unpack of a group in backward starts the copies of the `prefetch_` groups before it.

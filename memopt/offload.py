@@ -48,6 +48,8 @@ small Python class:
   when every handle of its copy is released. ``OffloadHandle`` objects do this when collected.
 * ``engine.begin_group() -> int`` / ``engine.end_group()``: open the next group / close the
   current one (flushing coalesced small tensors). Groups are numbered in forward order.
+  ``begin_group`` also waits (on the host) for the copies out of the group before last, so at
+  most two groups' device memory waits on the host link (double buffering).
 * ``engine.prefetch_group(group)``: start the copies of ``group`` back to the device now. The
   engine does this itself for ``prefetch`` groups ahead at the first unpack of each group.
 * ``engine.stats() -> dict``, ``engine.synchronize()``.
@@ -164,10 +166,12 @@ class OffloadEngine:
 
     def stats(self) -> dict:
         """Counters: bytes and copies each way, pool bytes held/in use and hits/misses, refusals,
-        prefetched vs on-demand restores, stalls and ``wait_seconds`` (time the consumer stream
-        waited on a restore that had not finished)."""
+        prefetched vs on-demand restores, stalls, ``wait_seconds`` (time the consumer stream
+        waited on a restore that had not finished) and ``throttle_seconds`` (time the host waited
+        in ``begin_group`` for the copies out of the group before last)."""
         out = dict(self._engine.stats())
         out["wait_seconds"] = out.pop("wait_ns") / 1e9
+        out["throttle_seconds"] = out.pop("throttle_ns") / 1e9
         return out
 
 

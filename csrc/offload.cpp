@@ -44,6 +44,12 @@
 #include <ATen/cuda/CUDAEvent.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+
+// CUDAEvent lives in at::cuda in older torch and in c10::cuda in newer; look in both.
+namespace memopt_cuda_event_lookup {
+using namespace at::cuda;
+using namespace c10::cuda;
+}  // namespace memopt_cuda_event_lookup
 #endif
 
 namespace memopt {
@@ -54,12 +60,7 @@ constexpr int64_t kSegmentAlign = 64;  // every dtype's element size divides it
 constexpr int64_t kMinSizeClass = 4096;
 
 #ifdef MEMOPT_WITH_CUDA
-// torch >= 2.12 moved CUDAEvent from at::cuda to c10::cuda.
-#if __has_include(<c10/cuda/CUDAEvent.h>)
-using Event = c10::cuda::CUDAEvent;
-#else
-using Event = at::cuda::CUDAEvent;
-#endif
+using Event = memopt_cuda_event_lookup::CUDAEvent;
 using EventPtr = std::shared_ptr<Event>;
 
 EventPtr record_event(const c10::cuda::CUDAStream& stream, bool timing = false) {

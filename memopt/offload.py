@@ -59,11 +59,12 @@ Limits:
 * Offload saves device memory only for tensors nothing else holds: an activation kept alive by
   the next layer (a residual stream) is copied but not freed until that layer lets go of it.
 * The whole storage of a saved view is copied (a small slice of a large buffer copies the buffer).
-* The last group is copied out and straight back: keep it on the device by not marking a group
-  after the last layer (put it outside the ``with``), or accept the round trip.
+* The last group is copied out and straight back at the start of backward: run the last layer
+  (and the loss) outside the ``with`` to keep its tensors on the device.
 * Tensors that do not share a version counter but share storage (made with ``set_``) could be
   deduplicated across an in-place write; views and ``detach()`` share the counter and are safe.
-* Under ``torch.compile`` the hooks see fake tensors, which are left alone (no offload).
+* Not tested under ``torch.compile`` (tensor subclasses, fake tensors included, are left alone).
+* ``stats()`` waits for the timing events of past stalls: call it between steps, not inside one.
 """
 
 from __future__ import annotations

@@ -361,6 +361,35 @@ def test_min_bytes_and_parameters_are_never_offloaded():
     assert stats["bytes_to_host"] == big.untyped_storage().nbytes()
 
 
+def test_tensor_saved_twice_through_autograd_is_copied_once():
+    leaf = torch.randn(32, 32, requires_grad=True)
+    off = cpu_offload()
+    with off:
+        a = leaf * 2
+        y = a * a  # mul saves both operands: the same tensor twice
+    y.sum().backward()
+    stats = off.stats()
+    assert (stats["tensors_offloaded"], stats["tensors_deduplicated"], stats["copies_to_host"]) == (2, 1, 1)
+    assert torch.equal(leaf.grad, 8 * leaf.detach())
+
+
+@pytest.mark.parametrize("use_offload", [False, True])
+def test_offloaded_activation_is_freed_after_forward(use_offload):
+    """The point of offload: autograd no longer holds the activation once it was copied out."""
+    import weakref
+
+    leaf = torch.randn(64, 64, requires_grad=True)
+    off = cpu_offload(coalesce_bytes=0, staging_bytes=0)
+    with off if use_offload else torch.enable_grad():
+        a = leaf * 2
+        y = a.sin()  # sin saves its input a
+    alive = weakref.ref(a)
+    del a
+    assert (alive() is None) == use_offload
+    y.sum().backward()
+    assert torch.equal(leaf.grad, 2 * torch.cos(2 * leaf.detach()))
+
+
 def test_cpu_default_is_a_no_op():
     model = MLP()
     x = torch.randn(6, 32)

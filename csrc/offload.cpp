@@ -546,12 +546,18 @@ class OffloadEngine : public torch::CustomClassHolder {
 #endif
   }
 
-  // The first unpack of a group in backward starts the copies of the `prefetch_` groups before it.
+  // The first unpack of a group in backward starts the copies of the `prefetch_` groups before it
+  // (groups that hold copies: a layer that saved nothing offloadable does not use up the lookahead).
   void start_backward_of(int64_t group) {
     auto found = groups_.find(group);
     if (found == groups_.end() || found->second.backward_started) return;
     found->second.backward_started = true;
-    for (int64_t ahead = 1; ahead <= prefetch_; ++ahead) prefetch_group_locked(group - ahead);
+    std::vector<int64_t> ahead;
+    for (auto it = found; it != groups_.begin() && static_cast<int64_t>(ahead.size()) < prefetch_;) {
+      --it;
+      if (!it->second.transfers.empty()) ahead.push_back(it->first);
+    }
+    for (int64_t earlier : ahead) prefetch_group_locked(earlier);
   }
 
   void prefetch_group_locked(int64_t group) {

@@ -207,6 +207,21 @@ def test_counters_and_layer_ahead_prefetch():
     assert stats["wait_seconds"] == 0.0
 
 
+def test_prefetch_skips_groups_without_copies():
+    engine = cpu_engine(prefetch=1)
+    first = torch.randn(10)
+    h_first = engine.pack(first)
+    engine.begin_group()  # a layer that saved nothing
+    engine.begin_group()
+    last = torch.randn(10)
+    h_last = engine.pack(last)
+    engine.end_group()
+    assert_same_tensor(engine.unpack(h_last), last)
+    assert engine.stats()["prefetched_transfers"] == 1
+    assert_same_tensor(engine.unpack(h_first), first)
+    assert engine.stats()["demand_transfers"] == 1
+
+
 def test_prefetch_group_restores_on_request():
     engine = cpu_engine(prefetch=0)
     x = torch.randn(50)

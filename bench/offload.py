@@ -51,11 +51,12 @@ def _commit() -> str:
 
 def gpt_stack(depth: int, cfg: dict) -> nn.ModuleList:
     dtype = getattr(torch, cfg["dtype"])
-    layers = nn.ModuleList(
+    # Built on the device: initialising billions of parameters on the host first takes minutes.
+    return nn.ModuleList(
         nn.TransformerEncoderLayer(cfg["d_model"], cfg["heads"], dim_feedforward=4 * cfg["d_model"], dropout=0.0,
-                                   activation="gelu", batch_first=True, norm_first=True)
+                                   activation="gelu", batch_first=True, norm_first=True, device=cfg["device"],
+                                   dtype=dtype)
         for _ in range(depth))
-    return layers.to(device=cfg["device"], dtype=dtype)
 
 
 def forward(layers: nn.ModuleList, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -5,19 +5,35 @@ Importing memopt loads the native extension (``memopt._C``) and registers every 
 """
 
 from memopt._extension import build_info
-from memopt.offload import Offload, OffloadEngine, offload, offload_module_groups
+from memopt.ops.activation import act_linear, bias_act, swiglu
+from memopt.ops.attention import attention
 from memopt.ops.dropout import dropout_add
+from memopt.offload import Offload, OffloadEngine, offload, offload_module_groups
+from memopt.ops.norm import layer_norm, norm_linear, rms_norm
 from memopt.saved import SavedTensorCounter, saved_bytes
+from memopt.adaptive import AdaptiveBatch, MicroBatchFloorError
+from memopt.estimate import ModelConfig, estimate, max_micro_batch, max_seq_len, register_policy_formula
+from memopt.estimate import PRESETS as estimate_presets
+from memopt.report import diagnose_oom, memory_report
 
 __version__ = "0.1.0"
 
+__all__ = ["SavedTensorCounter", "attention", "build_info", "dropout_add", "layer_norm", "norm_linear", "rms_norm", "saved_bytes"]
+
 __all__ = [
-    "Offload",
-    "OffloadEngine",
     "SavedTensorCounter",
+    "act_linear",
+    "attention",
+    "bias_act",
     "build_info",
     "dropout_add",
-    "offload",
-    "offload_module_groups",
+    "layer_norm",
+    "norm_linear",
+    "rms_norm",
     "saved_bytes",
+    "swiglu",
 ]
+__all__ = ["SavedTensorCounter", "build_info", "dropout_add", "layer_norm", "norm_linear", "rms_norm", "saved_bytes"]
+__all__ += ["AdaptiveBatch", "MicroBatchFloorError", "ModelConfig", "diagnose_oom", "memory_report", "estimate",
+            "estimate_presets", "max_micro_batch", "max_seq_len", "register_policy_formula"]
+__all__ += ["Offload", "OffloadEngine", "offload", "offload_module_groups"]

@@ -5,6 +5,7 @@
 #   MEMOPT_COMMIT=$(git rev-parse HEAD) bash bench/device_check.sh
 # Each step has a time limit (STEP_TIMEOUT_<NAME> overrides it) so one slow step cannot eat the
 # whole device session; a step that fails or times out is logged and the next one still runs.
+# BENCH_SWEEPS=1 adds the depth and sequence-length sweeps of the harness (a few more minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/results/device-$(date -u +%Y%m%dT%H%M%SZ)}"
@@ -42,7 +43,17 @@ step build_info 60 python -c "import memopt; print(memopt.build_info())"
 step gpu_tests "${STEP_TIMEOUT_GPU_TESTS:-200}" python -m pytest -q -m gpu -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml"
 step bench_attention "${STEP_TIMEOUT_BENCH_ATTENTION:-120}" python -m bench.attention --preset h200 \
   --seqs "${ATTENTION_SEQS:-4096,8192}" --out "$OUT/attention_h200.json"
-step bench "${STEP_TIMEOUT_BENCH:-120}" python -m bench
+# The harness's GPU preset (bf16, d_model 2048, 16 heads, seq 2048, 4 layers, torch.compile
+# included) and the kernel micro-benchmarks: JSON, PNG and logs into $OUT.
+step bench_h200 "${STEP_TIMEOUT_BENCH_H200:-300}" python -m bench --preset h200 --out "$OUT" --no-progress
+step kernels_h200 "${STEP_TIMEOUT_KERNELS_H200:-150}" python -m bench.kernels --preset h200 --out "$OUT" --no-progress
 step bench_offload "${STEP_TIMEOUT_BENCH_OFFLOAD:-180}" python -m bench.offload --preset h200 \
   --out "$OUT/offload-h200.json"
+if [ "${BENCH_SWEEPS:-0}" = 1 ]; then
+  sweep_configs=eager-sdpa,torch-checkpoint,torch-selective,memopt-selective,memopt-full,memopt-offload
+  for sweep in layers seq; do
+    step "sweep_$sweep" "${STEP_TIMEOUT_SWEEP:-240}" python -m bench --preset h200 --sweep "$sweep" \
+      --configs "$sweep_configs" --no-compile --repeats 5 --out "$OUT" --no-progress
+  done
+fi
 exit $status

@@ -18,22 +18,30 @@ from memopt.report import diagnose_oom, memory_report
 
 __version__ = "0.1.0"
 
-__all__ = ["SavedTensorCounter", "attention", "build_info", "dropout_add", "layer_norm", "norm_linear", "rms_norm", "saved_bytes"]
-
 __all__ = [
+    "AdaptiveBatch",
+    "MicroBatchFloorError",
+    "ModelConfig",
+    "Offload",
+    "OffloadEngine",
     "SavedTensorCounter",
     "act_linear",
     "attention",
     "bias_act",
     "build_info",
+    "diagnose_oom",
     "dropout_add",
+    "estimate",
+    "estimate_presets",
     "layer_norm",
+    "max_micro_batch",
+    "max_seq_len",
+    "memory_report",
     "norm_linear",
+    "offload",
+    "offload_module_groups",
+    "register_policy_formula",
     "rms_norm",
     "saved_bytes",
     "swiglu",
 ]
-__all__ = ["SavedTensorCounter", "build_info", "dropout_add", "layer_norm", "norm_linear", "rms_norm", "saved_bytes"]
-__all__ += ["AdaptiveBatch", "MicroBatchFloorError", "ModelConfig", "diagnose_oom", "memory_report", "estimate",
-            "estimate_presets", "max_micro_batch", "max_seq_len", "register_policy_formula"]
-__all__ += ["Offload", "OffloadEngine", "offload", "offload_module_groups"]

@@ -36,7 +36,6 @@ import triton
 import triton.language as tl
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 
@@ -200,7 +199,7 @@ def _attn_fwd_kernel(
     acc = acc / l_i[:, None]
     out_base = Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
     tl.store(out_base + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :], acc.to(Out.dtype.element_ty), mask=row_valid[:, None])
-    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453
+    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # base 2 -> natural log: times ln(2)
     tl.store(Lse + pid_bh.to(tl.int64) * seq_q + offs_m, lse, mask=row_valid)
 
 

@@ -31,12 +31,8 @@ from memopt.block_functions import (
     FusedBlockFunction,
     saved_names,
 )
+from memopt.offload import Offload
 from memopt.ops._rng import new_rng_key
-
-try:  # the activation offload engine ships in memopt/offload.py; "offload" needs it
-    from memopt.offload import Offload
-except ImportError:
-    Offload = None
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
@@ -273,8 +269,7 @@ class FusedCheckpointBlock(_TransformerBlockBase):
               ``memopt.Offload``) when set, else one shared default
               (``memopt.block.default_offloader()``). Inside an active ``with offloader:`` the
               block marks a new group instead of entering it again. CPU tensors stay where they
-              are unless the offloader was made with ``allow_cpu_source=True``. Raises
-              ``NotImplementedError`` in a build without ``memopt/offload.py``.
+              are unless the offloader was made with ``allow_cpu_source=True``.
         batch_first: input layout, ``(B, S, d_model)`` when True, else ``(S, B, d_model)`` (as
             ``nn.TransformerEncoderLayer(batch_first=False)``; costs a transpose copy).
 
@@ -292,7 +287,7 @@ class FusedCheckpointBlock(_TransformerBlockBase):
                 f"{SUPPORTED_HEAD_DIMS} (the sizes memopt.attention's kernels take)"
             )
         self.policy = policy
-        self.offloader = None  # a memopt.Offload for policy="offload"; None: default_offloader()
+        self.offloader: Offload | None = None  # for policy="offload"; None: default_offloader()
 
     @property
     def policy(self) -> str:
@@ -390,18 +385,13 @@ class FusedCheckpointBlock(_TransformerBlockBase):
         return block.train(layer.training)
 
 
-_DEFAULT_OFFLOADER = None
+_DEFAULT_OFFLOADER: Offload | None = None
 
 
-def default_offloader():
+def default_offloader() -> Offload:
     """The ``memopt.Offload`` shared by blocks with ``policy="offload"`` and no ``offloader``:
     made on first use with the engine's defaults (tensors of 1 MiB and more, one block ahead)."""
     global _DEFAULT_OFFLOADER
-    if Offload is None:
-        raise NotImplementedError(
-            "FusedCheckpointBlock: policy='offload' needs the activation offload engine "
-            "(memopt/offload.py, memopt.Offload), which this build of memopt does not have"
-        )
     if _DEFAULT_OFFLOADER is None:
         _DEFAULT_OFFLOADER = Offload(pin_memory=torch.cuda.is_available())
     return _DEFAULT_OFFLOADER

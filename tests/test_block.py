@@ -2,7 +2,6 @@
 policy and configuration; saved bytes equal to the formula; determinism; interop; errors."""
 
 import copy
-import importlib.util
 
 import pytest
 import torch
@@ -15,9 +14,6 @@ from memopt.block import EagerTransformerBlock, saved_bytes_per_layer, saved_byt
 from helpers import gpu
 
 POLICIES = ["none", "selective", "full"]
-
-HAS_OFFLOAD = importlib.util.find_spec("memopt.offload") is not None
-needs_offload = pytest.mark.skipif(not HAS_OFFLOAD, reason="needs the offload engine (memopt/offload.py)")
 
 # Small shapes: attention may run in the Triton interpreter. Each config exercises a different
 # corner: pre/post norm, both norms, every activation, GQA, causal, bias on and off.
@@ -391,19 +387,11 @@ def test_unsupported_masks_and_inputs_raise():
         block(torch.randn(2, 5, 16, dtype=torch.float64))
 
 
-@pytest.mark.skipif(HAS_OFFLOAD, reason="this build has the offload engine")
-def test_offload_policy_reports_missing_engine():
-    block = _make(CONFIGS["pre-ln-gelu"], policy="offload")
-    with pytest.raises(NotImplementedError, match="memopt/offload.py"):
-        block(torch.randn(1, 4, D_MODEL, dtype=torch.float64))
-
-
 def _cpu_offloader():
     """An offloader that copies CPU tensors as if they were on a device (no GPU needed)."""
-    return importlib.import_module("memopt.offload").Offload(min_bytes=0, pin_memory=False, allow_cpu_source=True)
+    return memopt.Offload(min_bytes=0, pin_memory=False, allow_cpu_source=True)
 
 
-@needs_offload
 def test_offload_policy_matches_selective_and_moves_saved_tensors():
     config = CONFIGS["post-ln-relu-causal"]
     block = _make(config, "selective", dtype=torch.float32, dropout=0.1)
@@ -427,7 +415,16 @@ def test_offload_policy_matches_selective_and_moves_saved_tensors():
     assert stats["refused_tensors"] == 0
 
 
-@needs_offload
+def test_offload_policy_default_offloader_leaves_cpu_tensors_alone():
+    block = _make(CONFIGS["pre-ln-gelu"], "selective")
+    x = torch.randn(2, 5, D_MODEL, dtype=torch.float64)
+    grad = torch.randn_like(x)
+    expected = _run(block, x, grad)
+    block.policy = "offload"
+    _assert_runs_equal(_run(block, x, grad), expected)
+    assert block.offloader is None and memopt.block.default_offloader().stats()["tensors_offloaded"] == 0
+
+
 def test_offload_policy_inside_an_active_offloader_marks_groups():
     stack = memopt.FusedCheckpointStack(2, D_MODEL, N_HEADS, 48, policy="offload", dtype=torch.float64)
     reference = copy.deepcopy(stack)
@@ -514,7 +511,6 @@ def test_gpu_autocast_fp16_with_grad_scaler():
 
 
 @gpu
-@needs_offload
 def test_gpu_offload_policy_frees_device_memory():
     # Six layers: the engine may keep the last two groups on the device until their copies out
     # complete (double buffering), so offload must hold well under half of what selective holds.

@@ -120,13 +120,19 @@ def test_backward_returns_forward_output_exactly(device, dtype, activation, with
     assert grad_bias.shape == ((66,) if with_bias else (0,))
 
 
-def test_relu_gradient_at_zero_is_zero_like_pytorch():
-    x = torch.tensor([-1.0, 0.0, 2.0], dtype=torch.float64, requires_grad=True)
-    memopt.bias_act(x, None, "relu").backward(torch.ones(3, dtype=torch.float64))
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_zero_and_nan_behave_like_pytorch(activation):
+    # relu: gradient 0 at exactly 0; NaN propagates through every activation, value and gradient.
+    x = torch.tensor([-1.0, 0.0, 2.0, float("nan")], dtype=torch.float64, requires_grad=True)
+    y = memopt.bias_act(x, None, activation)
+    y.backward(torch.ones(4, dtype=torch.float64))
     x_ref = x.detach().clone().requires_grad_()
-    F.relu(x_ref).backward(torch.ones(3, dtype=torch.float64))
-    assert torch.equal(x.grad, x_ref.grad)
-    assert x.grad[1].item() == 0.0
+    y_ref = bias_act_ref(x_ref, None, activation)
+    y_ref.backward(torch.ones(4, dtype=torch.float64))
+    torch.testing.assert_close(y, y_ref, equal_nan=True)
+    torch.testing.assert_close(x.grad, x_ref.grad, equal_nan=True)
+    if activation == "relu":
+        assert x.grad[1].item() == 0.0
 
 
 def _away_from_zero(shape, margin=0.1):

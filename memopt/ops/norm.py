@@ -332,12 +332,13 @@ def layer_norm_ref(
 ):
     """Plain PyTorch LayerNorm (eager elementwise ops, differentiable).
 
-    With ``upcast`` every input is cast to float64 first and the results are float64; otherwise
-    the arithmetic runs in the inputs' dtypes. Returns like :func:`layer_norm`.
+    ``residual_out = x + residual`` is made in x's dtype (as the kernels and eager PyTorch do);
+    with ``upcast`` it and the parameters are then cast to float64 and the results are float64;
+    otherwise the arithmetic runs in the inputs' dtypes. Returns like :func:`layer_norm`.
     """
-    if upcast:
-        x, weight, bias, residual = _upcast(x, weight, bias, residual)
     residual_out = x if residual is None else x + residual
+    if upcast:
+        residual_out, weight, bias = _upcast(residual_out, weight, bias)
     mean = residual_out.mean(-1, keepdim=True)
     centred = residual_out - mean
     y = centred * torch.rsqrt(centred.pow(2).mean(-1, keepdim=True) + eps)
@@ -357,9 +358,9 @@ def rms_norm_ref(
     upcast: bool = False,
 ):
     """Plain PyTorch RMSNorm; ``upcast`` as in :func:`layer_norm_ref`. Returns like :func:`rms_norm`."""
-    if upcast:
-        x, weight, residual = _upcast(x, weight, residual)
     residual_out = x if residual is None else x + residual
+    if upcast:
+        residual_out, weight = _upcast(residual_out, weight)
     y = residual_out * torch.rsqrt(residual_out.pow(2).mean(-1, keepdim=True) + eps)
     if weight is not None:
         y = y * weight

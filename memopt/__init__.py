@@ -6,8 +6,20 @@ Importing memopt loads the native extension (``memopt._C``) and registers every 
 
 from memopt._extension import build_info
 from memopt.ops.dropout import dropout_add
+from memopt.checkpoint import checkpoint
 from memopt.saved import SavedTensorCounter, saved_bytes
+from memopt.wrap import Plan, plan, unwrap, wrap
 
 __version__ = "0.1.0"
 
-__all__ = ["SavedTensorCounter", "build_info", "dropout_add", "saved_bytes"]
+__all__ = [
+    "Plan",
+    "SavedTensorCounter",
+    "build_info",
+    "checkpoint",
+    "dropout_add",
+    "plan",
+    "saved_bytes",
+    "unwrap",
+    "wrap",
+]

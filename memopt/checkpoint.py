@@ -166,6 +166,10 @@ def checkpoint(
 
     Returns:
         whatever ``fn`` returns.
+
+    With ``"selective"`` each forward supports one backward: a second backward through the
+    same graph (``retain_graph=True``, ``gradcheck``) raises ``RuntimeError``, as PyTorch's
+    selective checkpointing does; ``"full"`` and ``"none"`` allow it.
     """
     if not callable(fn):
         raise TypeError(f"memopt.checkpoint: fn must be callable, got {type(fn).__name__}")

@@ -24,14 +24,15 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from memopt.checkpoint import POLICIES, SELECTIVE_SAVED_OPS, checkpoint, offload_available
-from memopt.saved import SavedTensorCounter
+from memopt.saved import SavedTensorCounter, _storage_key
 
 WRAP_POLICIES = POLICIES + ("offload",)
 """Per-layer policies ``wrap`` accepts: ``"offload"`` saves what ``"none"`` saves, on the host."""
 
 _STATE_ATTR = "_memopt_wrap_state"
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
-_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past")
+# Key/value cache arguments of Hugging Face layers across versions (4.x: past_key_value(s), 5.x: cache).
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 LayerSelector = type | tuple | Callable[[nn.Module], bool] | None
 
@@ -304,6 +305,10 @@ class Plan:
             :func:`memopt.saved_bytes`: parameters, buffers and inputs that need no gradient left out).
         layer_seconds: per layer, recompute seconds per step each policy adds (0 for ``"none"``).
         other_bytes: bytes the rest of the model (embeddings, head, loss) saves.
+        shared_bytes: bytes of the layers' inputs that need no gradient and are shared between
+            layers (attention masks, rotary tables, position ids). Whether they are saved depends
+            on the policies, so the prediction counts them once, always: ``predicted_bytes`` is
+            an upper bound that is exact up to ``shared_bytes``.
         budget_bytes: the budget the plan was made for, or None.
     """
 
@@ -312,12 +317,13 @@ class Plan:
     layer_bytes: list[dict[str, int]]
     layer_seconds: list[dict[str, float]]
     other_bytes: int
+    shared_bytes: int = 0
     budget_bytes: int | None = None
 
     @property
     def predicted_bytes(self) -> int:
         """Bytes the whole model saves for backward under ``policies``."""
-        return self.other_bytes + sum(b[p] for b, p in zip(self.layer_bytes, self.policies))
+        return self.other_bytes + self.shared_bytes + sum(b[p] for b, p in zip(self.layer_bytes, self.policies))
 
     @property
     def predicted_extra_seconds(self) -> float:
@@ -330,7 +336,8 @@ class Plan:
             rows.append(f"{name:<32} {p:<10} {b[p] / 2**20:>10.2f} {s[p] * 1e3:>9.2f}")
         budget = "none" if self.budget_bytes is None else f"{self.budget_bytes / 2**20:.2f} MiB"
         rows.append(
-            f"predicted {self.predicted_bytes / 2**20:.2f} MiB saved (other {self.other_bytes / 2**20:.2f} MiB), "
+            f"predicted {self.predicted_bytes / 2**20:.2f} MiB saved (other {self.other_bytes / 2**20:.2f} MiB, "
+            f"shared inputs {self.shared_bytes / 2**20:.2f} MiB), "
             f"+{self.predicted_extra_seconds * 1e3:.2f} ms per step, budget {budget}"
         )
         return "\n".join(rows)
@@ -372,6 +379,17 @@ def _fresh_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Te
     new_args = torch.utils._pytree.tree_map(fresh, args)
     new_kwargs = torch.utils._pytree.tree_map(fresh, kwargs)
     return new_args, new_kwargs, no_grad_inputs
+
+
+def _shared_inputs(captured: Iterable[tuple[tuple, dict]], param_like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Tensor inputs of the layers that need no gradient (masks, rotary tables, position ids)."""
+    excluded = {_storage_key(t) for t in param_like}
+    return [
+        t
+        for args, kwargs in captured
+        for t in torch.utils._pytree.tree_leaves((args, kwargs))
+        if isinstance(t, torch.Tensor) and not t.requires_grad and _storage_key(t) not in excluded
+    ]
 
 
 def _call(model: nn.Module, example_inputs: Any):
@@ -431,7 +449,8 @@ def plan(
     warm-up). The
     recompute cost of ``"full"`` is the whole forward time, of ``"selective"`` the time of the
     ops it does not save. Bytes saved outside the layers (``other_bytes``) are the whole model's
-    count minus the layers'. Policies are chosen by :func:`_choose`, a greedy multiple-choice
+    count minus the layers'; layer inputs that need no gradient and are shared by the layers
+    (masks, rotary tables) are counted once on their own (``shared_bytes``). Policies are chosen by :func:`_choose`, a greedy multiple-choice
     knapsack (most bytes freed per second of recompute first); for identical layers it is
     optimal up to one layer. The RNG state is restored afterwards.
 
@@ -480,7 +499,10 @@ def plan(
             unwrap(model)
             for handle in handles:
                 handle.remove()
-        bytes_with_full_layers = counter.total_bytes
+        shared = _shared_inputs(captured.values(), param_like)
+        shared_keys = {_storage_key(t) for t in shared}
+        # The shared layer inputs are accounted separately (Plan.shared_bytes).
+        bytes_with_full_layers = sum(n for key, n in counter._storages.items() if key not in shared_keys)
 
         layer_bytes, layer_seconds, full_layer_bytes = [], [], []
         for name, layer in found:
@@ -510,8 +532,9 @@ def plan(
 
         other_bytes = bytes_with_full_layers - sum(full_layer_bytes)
 
-    chosen = _choose(layer_bytes, layer_seconds, budget_bytes - other_bytes)
-    result = Plan(names, chosen, layer_bytes, layer_seconds, other_bytes, budget_bytes)
+    shared_bytes = sum({_storage_key(t): t.untyped_storage().nbytes() for t in shared}.values())
+    chosen = _choose(layer_bytes, layer_seconds, budget_bytes - other_bytes - shared_bytes)
+    result = Plan(names, chosen, layer_bytes, layer_seconds, other_bytes, shared_bytes, budget_bytes)
     if result.predicted_bytes > budget_bytes:
         raise ValueError(
             f"memopt.plan: budget_bytes={budget_bytes} is below the least this model can save with "

@@ -131,6 +131,19 @@ def test_bert_encoder_layers_found_and_match():
     torch.testing.assert_close(model(input_ids=ids).last_hidden_state, ref)
 
 
+def _hf_checkpointing(model, enable):
+    """Hugging Face's own activation checkpointing (renamed in transformers 5.x)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        if enable:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.activation_checkpointing_disable()
+    elif enable:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+
+
 @pytest.mark.parametrize("name", ["llama-sdpa", "llama-eager", "gpt2-eager"])
 def test_saved_bytes_against_hf_gradient_checkpointing(name):
     torch.manual_seed(0)
@@ -140,9 +153,9 @@ def test_saved_bytes_against_hf_gradient_checkpointing(name):
         memopt.wrap(model, policy=policy)
         counted[policy] = _counted_bytes(model)
         memopt.unwrap(model)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _hf_checkpointing(model, enable=True)
     hf_full = _counted_bytes(model)
-    model.gradient_checkpointing_disable()
+    _hf_checkpointing(model, enable=False)
     assert counted["full"] <= hf_full
     assert hf_full < counted["selective"] < counted["none"]
 

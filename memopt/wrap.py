@@ -218,6 +218,11 @@ def wrap(
         raise TypeError(f"memopt.wrap: model must be an nn.Module, got {type(model).__name__}")
     if getattr(model, _STATE_ATTR, None) is not None:
         raise RuntimeError("memopt.wrap: model is already wrapped; call memopt.unwrap(model) first")
+    if getattr(model, "is_gradient_checkpointing", False):
+        raise RuntimeError(
+            "memopt.wrap: the model has Hugging Face gradient checkpointing on; layers would be "
+            "checkpointed twice. Call model.gradient_checkpointing_disable() first"
+        )
     if sum(x is not None for x in (budget_bytes, plan)) > 1:
         raise ValueError("memopt.wrap: pass either budget_bytes or plan, not both")
     if budget_bytes is not None:
@@ -543,4 +548,5 @@ def plan(
     return result
 
 
+# wrap's ``plan`` argument hides this function inside wrap.
 _plan = plan

@@ -171,6 +171,13 @@ def test_wrap_turns_off_and_unwrap_restores_use_cache():
     assert model.config.use_cache is True
 
 
+def test_wrap_refuses_model_with_hf_checkpointing_on():
+    model = _llama("sdpa")
+    _hf_checkpointing(model, enable=True)
+    with pytest.raises(RuntimeError, match="gradient checkpointing on"):
+        memopt.wrap(model)
+
+
 def test_cache_while_training_raises_clear_error():
     model = _llama("sdpa")
     memopt.wrap(model)

@@ -9,6 +9,8 @@ from torch import nn
 
 import memopt
 
+from helpers import gpu
+
 # The functions memopt.wrap and memopt.checkpoint shadow their modules as attributes of memopt.
 wrap_module = importlib.import_module("memopt.wrap")
 
@@ -127,6 +129,23 @@ def test_wrapped_encoder_matches_plain(policy, dropout, norm_first):
     reference = _step(model, x, seed=4)
     memopt.wrap(model, policy=policy)
     _assert_same_step(_step(model, x, seed=4), reference)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+@pytest.mark.parametrize("autocast_dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_wrapped_matches_plain_across_device_and_autocast(device, autocast_dtype, policy):
+    model = _encoder(2, dropout=0.1).to(device)
+    x = torch.randn(BATCH, SEQ, D_MODEL, device=device)
+
+    def step():
+        with torch.autocast(device, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+            return _step(model, x, seed=3)
+
+    reference = step()
+    memopt.wrap(model, policy=policy)
+    # Same ops on the same values in the same dtype: the recompute reproduces them exactly.
+    _assert_same_step(step(), reference)
 
 
 def test_wrapped_moe_model_matches_plain():

@@ -218,7 +218,11 @@ def wrap(
         raise TypeError(f"memopt.wrap: model must be an nn.Module, got {type(model).__name__}")
     if getattr(model, _STATE_ATTR, None) is not None:
         raise RuntimeError("memopt.wrap: model is already wrapped; call memopt.unwrap(model) first")
-    if getattr(model, "is_gradient_checkpointing", False):
+    # transformers 5.x names it is_activation_checkpointing (the 4.x name warns there).
+    hf_checkpointing = getattr(model, "is_activation_checkpointing", None)
+    if hf_checkpointing is None:
+        hf_checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    if hf_checkpointing:
         raise RuntimeError(
             "memopt.wrap: the model has Hugging Face gradient checkpointing on; layers would be "
             "checkpointed twice. Call model.gradient_checkpointing_disable() first"

@@ -15,6 +15,7 @@ read, edited and passed to ``wrap(model, plan=plan)``.
 from __future__ import annotations
 
 import time
+import types
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -41,8 +42,8 @@ LayerSelector = type | tuple | Callable[[nn.Module], bool] | None
 class _WrapState:
     """What ``wrap`` changed on a model, so ``unwrap`` can undo it exactly."""
 
-    # (qualified name, layer, the instance-level forward it had before or None)
-    wrapped: list[tuple[str, nn.Module, Any]] = field(default_factory=list)
+    # layers whose forward wrap replaced (each carries a _LayerWrap)
+    wrapped: list[nn.Module] = field(default_factory=list)
     # (parent, attribute, original layer) for layers swapped for a fused block
     swapped: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list)
     # (config, previous use_cache) for Hugging Face models
@@ -164,18 +165,29 @@ def _swap_for_fused_block(layer: nn.Module, policy: str) -> nn.Module | None:
 # -- wrap / unwrap --------------------------------------------------------------------------
 
 
-def _checkpointed_forward(layer: nn.Module, name: str, policy: str, original_forward: Callable) -> Callable:
-    checkpoint_policy, offload = ("none", True) if policy == "offload" else (policy, False)
+_LAYER_ATTR = "_memopt_wrap_layer"
 
-    def forward(*args, **kwargs):
-        if torch.is_grad_enabled() and any(kwargs.get(k) is not None for k in _CACHE_KWARGS):
-            raise ValueError(
-                f"memopt.wrap: layer {name!r} got a key/value cache while computing gradients; the "
-                "recompute would append to the cache twice. Train with use_cache=False"
-            )
-        return checkpoint(original_forward, *args, policy=checkpoint_policy, offload=offload, **kwargs)
 
-    return forward
+@dataclass
+class _LayerWrap:
+    name: str
+    policy: str
+    # The instance-level forward the layer had before wrap, or None for its class's forward.
+    previous_forward: Callable | None
+
+
+def _checkpointed_forward(self: nn.Module, *args, **kwargs):
+    """The forward ``wrap`` installs, bound to the layer with ``types.MethodType`` so that
+    ``copy.deepcopy`` of a wrapped model rebinds it to the copy."""
+    info: _LayerWrap = getattr(self, _LAYER_ATTR)
+    if torch.is_grad_enabled() and any(kwargs.get(k) is not None for k in _CACHE_KWARGS):
+        raise ValueError(
+            f"memopt.wrap: layer {info.name!r} got a key/value cache while computing gradients; the "
+            "recompute would append to the cache twice. Train with use_cache=False"
+        )
+    original = info.previous_forward or type(self).forward.__get__(self)
+    policy, offload = ("none", True) if info.policy == "offload" else (info.policy, False)
+    return checkpoint(original, *args, policy=policy, offload=offload, **kwargs)
 
 
 def wrap(
@@ -257,9 +269,9 @@ def wrap(
             setattr(parent, attr, replacement)
             state.swapped.append((parent, attr, layer))
             continue
-        previous = layer.__dict__.get("forward")
-        layer.forward = _checkpointed_forward(layer, name, layer_policy, layer.forward)
-        state.wrapped.append((name, layer, previous))
+        object.__setattr__(layer, _LAYER_ATTR, _LayerWrap(name, layer_policy, layer.__dict__.get("forward")))
+        layer.forward = types.MethodType(_checkpointed_forward, layer)
+        state.wrapped.append(layer)
 
     config = getattr(model, "config", None)
     if config is not None and getattr(config, "use_cache", False) is True:
@@ -277,7 +289,9 @@ def unwrap(model: nn.Module) -> nn.Module:
     state: _WrapState | None = getattr(model, _STATE_ATTR, None)
     if state is None:
         raise ValueError("memopt.unwrap: model is not wrapped by memopt.wrap")
-    for _, layer, previous in state.wrapped:
+    for layer in state.wrapped:
+        previous = getattr(layer, _LAYER_ATTR).previous_forward
+        object.__delattr__(layer, _LAYER_ATTR)
         if previous is None:
             del layer.forward
         else:

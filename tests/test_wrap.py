@@ -1,5 +1,6 @@
 """memopt.wrap / unwrap / plan on plain PyTorch models: equal results, reversibility, planning."""
 
+import copy
 import importlib
 import itertools
 
@@ -193,6 +194,20 @@ def test_unwrap_restores_exactly():
     assert state_after.keys() == state_before.keys()
     assert all(torch.equal(state_after[k], state_before[k]) for k in state_before)
     _assert_same_step(_step(model, x, seed=2), reference)
+
+
+def test_deepcopy_of_wrapped_model_trains_the_copy():
+    model = _encoder(2)
+    x = torch.randn(BATCH, SEQ, D_MODEL)
+    memopt.wrap(model, policy="selective")
+    clone = copy.deepcopy(model)
+    reference = _step(model, x)
+    model.zero_grad(set_to_none=True)
+    _assert_same_step(_step(clone, x), reference)
+    assert all(p.grad is None for p in model.parameters())
+    memopt.unwrap(clone)
+    assert all("forward" not in layer.__dict__ for layer in clone.layers)
+    assert all("forward" in layer.__dict__ for layer in model.layers)
 
 
 def test_unwrap_keeps_an_earlier_instance_forward():

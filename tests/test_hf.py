@@ -126,9 +126,20 @@ def test_bert_encoder_layers_found_and_match():
     model = transformers.BertModel(config).train()
     ids = _input_ids()
     assert [type(m) for _, m in wrap_module.find_layers(model)] == [transformers.models.bert.modeling_bert.BertLayer] * 2
-    ref = model(input_ids=ids).last_hidden_state
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids).last_hidden_state
+        out.square().mean().backward()
+        return out.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    ref_out, ref_grads = step()
     memopt.wrap(model, policy="selective")
-    torch.testing.assert_close(model(input_ids=ids).last_hidden_state, ref)
+    out, grads = step()
+    torch.testing.assert_close(out, ref_out)
+    assert grads.keys() == ref_grads.keys()
+    for key in ref_grads:
+        torch.testing.assert_close(grads[key], ref_grads[key], msg=lambda m: f"{key}: {m}")
 
 
 def _hf_checkpointing(model, enable):

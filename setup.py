@@ -113,10 +113,11 @@ def make_extensions():
             + ("" if torch_has_cuda else f"torch {torch.__version__} is a CPU-only build")
         )
 
-    csrc = os.path.join(ROOT, "csrc")
-    cpp_sources = sorted(glob.glob(os.path.join(csrc, "*.cpp")))
-    cu_sources = sorted(glob.glob(os.path.join(csrc, "*.cu")))
-    include_dirs = [csrc]
+    # Sources relative to setup.py (setuptools refuses absolute ones when writing the manifest);
+    # include dirs absolute (ninja runs from the build folder).
+    cpp_sources = sorted(glob.glob("csrc/*.cpp", root_dir=ROOT))
+    cu_sources = sorted(glob.glob("csrc/*.cu", root_dir=ROOT))
+    include_dirs = [os.path.join(ROOT, "csrc")]
     cxx_flags = ["-O3"]
     # Bare tokens: quotes and ';' do not survive the shell that ninja runs compilers in.
     define_macros = [("MEMOPT_TORCH_VERSION", _token(torch.__version__))]
@@ -157,6 +158,7 @@ def make_extensions():
 
 
 def main():
+    os.chdir(ROOT)
     ext_modules = make_extensions()  # sets CUDA_HOME before torch.utils.cpp_extension is imported
     from torch.utils.cpp_extension import BuildExtension
 

@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# The one prepared GPU check: build for sm_90, run the GPU tests and the GPU benchmark preset,
+# The one prepared GPU check: build for sm_90, run the GPU tests and the GPU benchmark presets,
 # and write logs and results into one folder ($OUT when set, else bench/results/device-<date>).
-# Run from the repository root on a machine with an NVIDIA GPU:  bash bench/device_check.sh
+# Run from the repository root on a machine with an NVIDIA GPU:
+#   MEMOPT_COMMIT=$(git rev-parse HEAD) bash bench/device_check.sh
+# Each step has a time limit (STEP_TIMEOUT_<NAME> overrides it) so one slow step cannot eat the
+# whole device session; a step that fails or times out is logged and the next one still runs.
+# BENCH_SWEEPS=1 adds the depth and sequence-length sweeps of the harness (a few more minutes).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/results/device-$(date -u +%Y%m%dT%H%M%SZ)}"
@@ -10,31 +14,48 @@ export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
 export MAX_JOBS="${MAX_JOBS:-16}"
 export MEMOPT_BUILD_CUDA=1
 export TRITON_INTERPRET=0
+export PYTHONUNBUFFERED=1
 
 {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo unknown)"
+  # The device machine gets a copy of the work tree without .git: pass MEMOPT_COMMIT there.
+  echo "commit: $(git rev-parse --verify -q HEAD 2>/dev/null || echo "${MEMOPT_COMMIT:-unknown}")"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
   python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 } | tee "$OUT/environment.txt"
 
 status=0
-step() {  # step NAME CMD...: run, log to $OUT/NAME.log, remember failures, keep going
-  local name=$1; shift
-  echo "== $name: $*"
+step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log, keep going
+  local name=$1 limit=$2; shift 2
+  echo "== $name (limit ${limit}s): $*"
   local t0=$SECONDS
-  "$@" > "$OUT/$name.log" 2>&1
+  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
-  echo "   rc=$rc in $((SECONDS - t0)) s"; tail -n 5 "$OUT/$name.log"
+  echo "   rc=$rc in $((SECONDS - t0)) s"; tail -n 8 "$OUT/$name.log"
   [ $rc -eq 0 ] || status=1
   return $rc
 }
 
-step build pip install --no-build-isolation --no-deps -v -e . || { echo "build failed"; exit 1; }
-step build_info python -c "import memopt; print(memopt.build_info())"
-step gpu_tests python -m pytest -q -m gpu -x --junitxml="$OUT/gpu_tests.xml"
+# pip's editable install needs a recent setuptools; an in-place build needs nothing more.
+step build 240 bash -c "pip install --no-build-isolation --no-deps -e . || python setup.py build_ext --inplace" \
+  || { echo "build failed"; exit 1; }
+step build_info 60 python -c "import memopt; print(memopt.build_info())"
+step gpu_tests "${STEP_TIMEOUT_GPU_TESTS:-200}" python -m pytest -q -m gpu -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml"
 # memopt.checkpoint/wrap lean on torch.utils.checkpoint internals that changed between 2.11 and
 # 2.14: run their CPU tests against this machine's torch too.
-step wrap_torch_compat python -m pytest -q -x tests/test_checkpoint.py tests/test_wrap.py tests/test_distributed.py
-step bench python -m bench
+step wrap_torch_compat "${STEP_TIMEOUT_WRAP_COMPAT:-150}" python -m pytest -q -x -p no:cacheprovider \
+  tests/test_checkpoint.py tests/test_wrap.py tests/test_distributed.py
+step bench_attention "${STEP_TIMEOUT_BENCH_ATTENTION:-120}" python -m bench.attention --preset h200 \
+  --seqs "${ATTENTION_SEQS:-4096,8192}" --out "$OUT/attention_h200.json"
+# The harness's GPU preset (bf16, d_model 2048, 16 heads, seq 2048, 4 layers, torch.compile
+# included) and the kernel micro-benchmarks: JSON, PNG and logs into $OUT.
+step bench_h200 "${STEP_TIMEOUT_BENCH_H200:-300}" python -m bench --preset h200 --out "$OUT" --no-progress
+step kernels_h200 "${STEP_TIMEOUT_KERNELS_H200:-150}" python -m bench.kernels --preset h200 --out "$OUT" --no-progress
+if [ "${BENCH_SWEEPS:-0}" = 1 ]; then
+  sweep_configs=eager-sdpa,torch-checkpoint,torch-selective,memopt-selective,memopt-full,memopt-offload
+  for sweep in layers seq; do
+    step "sweep_$sweep" "${STEP_TIMEOUT_SWEEP:-240}" python -m bench --preset h200 --sweep "$sweep" \
+      --configs "$sweep_configs" --no-compile --repeats 5 --out "$OUT" --no-progress
+  done
+fi
 exit $status

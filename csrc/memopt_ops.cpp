@@ -17,6 +17,28 @@ TORCH_LIBRARY(memopt, m) {
   // element index, never stored: the backward regenerates it.
   m.def("dropout_add_fwd(Tensor x, Tensor? residual, float p, Tensor rng_key) -> Tensor out");
   m.def("dropout_add_bwd(Tensor grad_out, float p, Tensor rng_key) -> Tensor grad_x");
+  // LayerNorm over the last dim of x (+ residual when given).
+  //   residual_out = x + residual (empty when residual is None); y = (residual_out - mean) * rstd * weight + bias
+  m.def("layer_norm_fwd(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, float eps)"
+        " -> (Tensor y, Tensor residual_out, Tensor mean, Tensor rstd)");
+  // x is what was normalised (residual_out when a residual was added). grad_x_extra, when given, is
+  // added to grad_x (the gradient reaching residual_out from its other use). return_y rebuilds y from
+  // the statistics so the next matmul's weight gradient need not keep it.
+  m.def("layer_norm_bwd(Tensor grad_y, Tensor x, Tensor? weight, Tensor? bias, Tensor mean, Tensor rstd,"
+        " Tensor? grad_x_extra, bool return_y) -> (Tensor grad_x, Tensor grad_weight, Tensor grad_bias, Tensor y)");
+  m.def("rms_norm_fwd(Tensor x, Tensor? residual, Tensor? weight, float eps)"
+        " -> (Tensor y, Tensor residual_out, Tensor rstd)");
+  m.def("rms_norm_bwd(Tensor grad_y, Tensor x, Tensor? weight, Tensor rstd, Tensor? grad_x_extra,"
+        " bool return_y) -> (Tensor grad_x, Tensor grad_weight, Tensor y)");
+  // y = act(x + bias), activation in {"relu", "gelu", "gelu_tanh", "silu"}. Only x is saved for
+  // backward; the backward recomputes act and act' (and y when return_y).
+  m.def("bias_act_fwd(Tensor x, Tensor? bias, str activation) -> Tensor y");
+  m.def("bias_act_bwd(Tensor grad_y, Tensor x, Tensor? bias, str activation, bool return_y)"
+        " -> (Tensor grad_x, Tensor grad_bias, Tensor y)");
+  // x = [gate | up] on the last dim (2 * d); y = silu(gate + bias[:d]) * (up + bias[d:]).
+  m.def("swiglu_fwd(Tensor x, Tensor? bias) -> Tensor y");
+  m.def("swiglu_bwd(Tensor grad_y, Tensor x, Tensor? bias, bool return_y)"
+        " -> (Tensor grad_x, Tensor grad_bias, Tensor y)");
 }
 
 namespace {

@@ -5,21 +5,45 @@ Importing memopt loads the native extension (``memopt._C``) and registers every 
 """
 
 from memopt._extension import build_info
+from memopt.ops.activation import act_linear, bias_act, swiglu
+from memopt.ops.attention import attention
 from memopt.ops.dropout import dropout_add
-from memopt.checkpoint import checkpoint
+from memopt.ops.norm import layer_norm, norm_linear, rms_norm
 from memopt.saved import SavedTensorCounter, saved_bytes
+from memopt.adaptive import AdaptiveBatch, MicroBatchFloorError
+from memopt.estimate import ModelConfig, estimate, max_micro_batch, max_seq_len, register_policy_formula
+from memopt.estimate import PRESETS as estimate_presets
+from memopt.report import diagnose_oom, memory_report
+from memopt.checkpoint import checkpoint
 from memopt.wrap import Plan, plan, unwrap, wrap
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdaptiveBatch",
+    "MicroBatchFloorError",
+    "ModelConfig",
     "Plan",
     "SavedTensorCounter",
+    "act_linear",
+    "attention",
+    "bias_act",
     "build_info",
     "checkpoint",
+    "diagnose_oom",
     "dropout_add",
+    "estimate",
+    "estimate_presets",
+    "layer_norm",
+    "max_micro_batch",
+    "max_seq_len",
+    "memory_report",
+    "norm_linear",
     "plan",
+    "register_policy_formula",
+    "rms_norm",
     "saved_bytes",
+    "swiglu",
     "unwrap",
     "wrap",
 ]

@@ -1,0 +1,579 @@
+"""`python -m bench`: train a GPT-style layer stack under every configuration and compare them.
+
+For each configuration in ``bench.configs.default_configs()`` (eager, ``torch.utils.checkpoint``,
+PyTorch selective checkpointing, ``torch.compile``, memopt's ``FusedCheckpointBlock`` policies
+and ``memopt.wrap``), from the same initial weights and the same batch:
+
+* step time (forward + backward + SGD step): median and p20/p80 over the timed steps after
+  warm-up; CUDA events on GPU, ``time.perf_counter`` on CPU; tokens/s from the median;
+* peak GPU memory of one step (``torch.cuda.max_memory_allocated``, GPU only);
+* activation memory: bytes the forward leaves alive for the backward, tracked per storage by
+  ``bench.memory.LiveTensorTracker`` (any device), and ``saved_bytes``, what autograd's
+  saved-tensor hooks see (``memopt.SavedTensorCounter``); parameters and the input excluded;
+* gradient sanity: the largest difference of every parameter gradient from the ``eager-math``
+  configuration, computed with dropout 0 (dropout masks come from different RNG streams in
+  different implementations) on the same weights and batch; beyond the dtype's tolerance the
+  row says MISMATCH;
+* time and memory as multiples of ``torch-checkpoint``.
+
+A markdown table goes to stdout, a JSON file and a PNG plot to ``bench/results/`` (the schema is
+in bench/README.md). ``--sweep layers|seq`` repeats the comparison over a range and plots the
+scaling curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import math
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+import memopt
+from bench.configs import GRAD_REFERENCE, RATIO_REFERENCE, BenchConfig, BuildContext, default_configs, eager_stack
+from bench.memory import LiveTensorTracker
+from bench.model import make_reference_blocks
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+# Gradient tolerances on max|grad - grad_ref| / max|grad_ref| (largest over parameters).
+# float32/float64 runs compare with eager-math in the same dtype; float32 leaves room for TF32 and
+# reordered reductions on GPU.
+GRAD_RTOL = {torch.float64: 1e-8, torch.float32: 1e-3}
+# float16/bfloat16 runs compare with eager-math in float32, and allow twice the error that
+# eager-math itself makes in the low dtype (the house rule), never less than these floors.
+GRAD_RTOL_FLOOR = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+LOW_PRECISION = tuple(GRAD_RTOL_FLOOR)
+
+
+@dataclass(frozen=True)
+class GradReference:
+    """The gradients every configuration is checked against, and the tolerance."""
+
+    name: str
+    grads: dict
+    rtol: float
+
+
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything one comparison run depends on (stored in the JSON as its arguments)."""
+
+    preset: str = "default"
+    device: str = "auto"
+    dtype: str = "float32"
+    d_model: int = 128
+    n_heads: int = 4
+    d_ff: int = 512
+    seq: int = 128
+    batch: int = 2
+    layers: int = 4
+    dropout: float = 0.1
+    warmup: int = 2
+    repeats: int = 5
+    compile: bool = False
+    max_config_seconds: float = 5.0
+    seed: int = 0
+    # CPU intra-op threads. One by default: on a shared machine a second OpenMP thread that gets
+    # descheduled stalls every parallel region (measured here: 11 ms steps became 1100 ms).
+    threads: int | None = 1
+    sweep: str | None = None
+    sweep_values: tuple[int, ...] = ()
+
+
+PRESETS: dict[str, Settings] = {
+    "default": Settings(),
+    "tiny": Settings(
+        preset="tiny", d_model=32, n_heads=2, d_ff=64, seq=16, batch=2, layers=2, warmup=1, repeats=2,
+        max_config_seconds=5.0,
+    ),
+    "h200": Settings(
+        preset="h200", device="cuda", dtype="bfloat16", d_model=2048, n_heads=16, d_ff=8192, seq=2048, batch=4,
+        layers=4, warmup=3, repeats=10, compile=True, max_config_seconds=30.0, threads=None,
+    ),
+}
+
+SWEEP_DEFAULTS = {
+    "default": {"layers": (1, 2, 4, 8), "seq": (64, 128, 256)},
+    "tiny": {"layers": (1, 2), "seq": (8, 16)},
+    "h200": {"layers": (2, 4, 8), "seq": (1024, 2048, 4096)},
+}
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto``, ``cpu``, ``cuda`` or ``cuda:N`` as a device with an explicit index on GPU, so that
+    its string matches ``str(tensor.device)`` (``"cuda:0"``), which memory accounting keys on."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit(f"bench: --device {name} was asked for but torch sees no CUDA device")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def git_commit() -> str:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True)
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+
+
+def environment(device: torch.device, threads: int | None = None) -> dict:
+    """Versions, device, commit and date: the header of every results file."""
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    if device.type == "cuda":
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        device_name = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {threads or torch.get_num_threads()} torch threads)"
+    return {
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "cuda": torch.version.cuda,
+        "python": platform.python_version(),
+        "memopt": memopt.__version__,
+        "memopt_build": memopt.build_info(),
+        "device": str(device),
+        "device_name": device_name,
+        "commit": git_commit(),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def loss_fn(out: torch.Tensor) -> torch.Tensor:
+    return out.float().pow(2).mean()
+
+
+class StepTimer:
+    """Times one callable: CUDA events on GPU (no host sync inside the step), perf_counter on CPU."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[[], None]) -> float:
+        """Seconds ``fn`` took."""
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+
+def quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    pos = q * (len(ordered) - 1)
+    lo, hi = math.floor(pos), math.ceil(pos)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+def parameter_grads(model: nn.Module, x: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Gradients of ``loss_fn(model(x))`` by parameter name, in float32."""
+    model.zero_grad(set_to_none=True)
+    loss_fn(model(x)).backward()
+    return {n: p.grad.detach().float().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def match_names(reference: list[str], names: list[str]) -> dict[str, str]:
+    """Map each reference parameter name to the one name in ``names`` equal to it or ending in
+    ``"." + it`` (wrappers add prefixes). Raises KeyError naming the first that has no unique match."""
+    mapping = {}
+    for ref in reference:
+        hits = [n for n in names if n == ref or n.endswith("." + ref)]
+        if len(hits) != 1:
+            raise KeyError(f"parameter {ref!r}: {len(hits)} matching names in the configuration's model")
+        mapping[ref] = hits[0]
+    return mapping
+
+
+def compare_grads(reference: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """(max abs difference, max of per-parameter ``max|diff| / max|reference|``)."""
+    mapping = match_names(list(reference), list(grads))
+    max_abs, max_rel = 0.0, 0.0
+    for ref_name, name in mapping.items():
+        diff = (grads[name] - reference[ref_name]).abs().max().item()
+        scale = reference[ref_name].abs().max().item()
+        max_abs = max(max_abs, diff)
+        max_rel = max(max_rel, diff / scale if scale > 0 else (0.0 if diff == 0 else math.inf))
+    return max_abs, max_rel
+
+
+def _error_text(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    return text[:160]
+
+
+def empty_row(config: BenchConfig, settings: Settings, device: torch.device, status: str) -> dict:
+    return {
+        "config": config.name,
+        "provider": config.provider,
+        "description": config.description,
+        "mode": "train",
+        "status": status,
+        "device": str(device),
+        "dtype": settings.dtype,
+        "sweep": settings.sweep,
+        "x": getattr(settings, settings.sweep) if settings.sweep else None,
+        "tokens_per_step": settings.batch * settings.seq,
+        "steps_timed": 0,
+        "first_step_s": None,
+        "step_time_ms_median": None,
+        "step_time_ms_p20": None,
+        "step_time_ms_p80": None,
+        "tokens_per_s": None,
+        "peak_gpu_bytes": None,
+        "activation_bytes": None,
+        "activation_host_bytes": None,
+        "step_peak_tracked_bytes": None,
+        "saved_bytes": None,
+        "grad_max_abs_diff": None,
+        "grad_max_rel_diff": None,
+        "grad_reference": None,
+        "grad_rtol": None,
+        "grad_check": "n/a",
+        "time_vs_checkpoint": None,
+        "memory_vs_checkpoint": None,
+    }
+
+
+ROW_COLUMNS = tuple(empty_row(BenchConfig("x", "x", "x", lambda ctx: None), Settings(), torch.device("cpu"), "").keys())
+
+
+def measure_config(
+    config: BenchConfig,
+    ctx: BuildContext,
+    settings: Settings,
+    batch: torch.Tensor,
+    reference: GradReference | None,
+    tick: Callable[[], None],
+) -> tuple[dict, dict[str, torch.Tensor] | None]:
+    """One row of the table; never raises: failures become the row's status."""
+    device = ctx.device
+    row = empty_row(config, settings, device, "ok")
+    reason = config.unavailable(ctx)
+    if reason is not None:
+        row["status"] = f"not available ({reason})"
+        return row, None
+    grads = None
+    try:
+        model = config.build(ctx)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+        def step():
+            optimizer.zero_grad(set_to_none=True)
+            loss_fn(model(batch)).backward()
+            optimizer.step()
+
+        timer = StepTimer(device)
+        row["first_step_s"] = timer(step)
+        tick()
+        warm = [timer(step) for _ in range(max(settings.warmup - 1, 0))]
+        for _ in warm:
+            tick()
+        estimate = min(warm) if warm else row["first_step_s"]
+        repeats = max(1, min(settings.repeats, int(settings.max_config_seconds / max(estimate, 1e-9))))
+        times = []
+        for _ in range(repeats):
+            times.append(timer(step))
+            tick()
+        row["steps_timed"] = repeats
+        row["step_time_ms_median"] = quantile(times, 0.5) * 1e3
+        row["step_time_ms_p20"] = quantile(times, 0.2) * 1e3
+        row["step_time_ms_p80"] = quantile(times, 0.8) * 1e3
+        row["tokens_per_s"] = row["tokens_per_step"] / quantile(times, 0.5)
+
+        if device.type == "cuda":
+            optimizer.zero_grad(set_to_none=True)
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            step()
+            torch.cuda.synchronize(device)
+            row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
+
+        if config.tracks_memory:
+            optimizer.zero_grad(set_to_none=True)
+            excluded = [*model.parameters(), *model.buffers(), batch]
+            with LiveTensorTracker(exclude=excluded) as tracker:
+                with memopt.SavedTensorCounter(exclude=excluded) as counter:
+                    out = model(batch)
+                row["activation_bytes"] = tracker.live_bytes(str(device))
+                row["activation_host_bytes"] = tracker.live_bytes("cpu") if device.type != "cpu" else 0
+                row["saved_bytes"] = counter.total_bytes
+                loss_fn(out).backward()
+                del out
+                row["step_peak_tracked_bytes"] = tracker.peak_bytes(str(device))
+        del model, optimizer
+
+        sanity_model = config.build(ctx.with_dropout(0.0))
+        grads = parameter_grads(sanity_model, batch)
+        if reference is not None:
+            abs_diff, rel_diff = compare_grads(reference.grads, grads)
+            row.update(grad_max_abs_diff=abs_diff, grad_max_rel_diff=rel_diff, grad_reference=reference.name, grad_rtol=reference.rtol)
+            row["grad_check"] = "ok" if rel_diff <= reference.rtol else "MISMATCH"
+        del sanity_model
+    except Exception as exc:  # a configuration that breaks is reported, not allowed to stop the run
+        row["status"] = f"error ({_error_text(exc)})"
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row, grads
+
+
+def first_grad_reference(
+    name: str, grads: dict[str, torch.Tensor], dtype: torch.dtype, fp32_grads: dict[str, torch.Tensor] | None
+) -> GradReference:
+    """The reference set by the first configuration that ran (``eager-math`` normally): its own
+    gradients in float32/float64 runs; in float16/bfloat16 runs the float32 gradients, with twice
+    its low-precision error as the tolerance."""
+    if fp32_grads is None:
+        return GradReference(name, grads, GRAD_RTOL[dtype])
+    _, baseline_error = compare_grads(fp32_grads, grads)
+    return GradReference(f"{name} in float32", fp32_grads, max(2 * baseline_error, GRAD_RTOL_FLOOR[dtype]))
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Time and memory of every row as multiples of the torch-checkpoint row (GPU peak memory on
+    GPU, tracked activation bytes elsewhere)."""
+    ref = next((r for r in rows if r["config"] == RATIO_REFERENCE and r["step_time_ms_median"]), None)
+    if ref is None:
+        return
+    memory_key = "peak_gpu_bytes" if ref["peak_gpu_bytes"] else "activation_bytes"
+    for row in rows:
+        if row["step_time_ms_median"]:
+            row["time_vs_checkpoint"] = row["step_time_ms_median"] / ref["step_time_ms_median"]
+        if row[memory_key] is not None and ref[memory_key]:
+            row["memory_vs_checkpoint"] = row[memory_key] / ref[memory_key]
+
+
+def run_comparison(
+    settings: Settings,
+    configs: list[BenchConfig] | None = None,
+    progress: bool = True,
+) -> list[dict]:
+    """Measure every configuration once at ``settings``; one row each (see ``ROW_COLUMNS``).
+
+    The first configuration that runs provides the gradient reference when ``eager-math`` is
+    not among ``configs``.
+    """
+    with cpu_threads(settings.threads):
+        return _run_comparison(settings, default_configs() if configs is None else configs, progress)
+
+
+@contextlib.contextmanager
+def cpu_threads(threads: int | None):
+    """Run with ``threads`` torch intra-op threads (unchanged when None), then restore."""
+    before = torch.get_num_threads()
+    if threads:
+        torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run_comparison(settings: Settings, configs: list[BenchConfig], progress: bool) -> list[dict]:
+    device = resolve_device(settings.device)
+    dtype = DTYPES[settings.dtype]
+    blocks = make_reference_blocks(settings.layers, settings.d_model, settings.n_heads, settings.d_ff, settings.dropout, settings.seed)
+    ctx = BuildContext(blocks, settings.d_model, settings.n_heads, settings.d_ff, settings.dropout, device, dtype, settings.compile)
+    generator = torch.Generator().manual_seed(settings.seed + 1)
+    batch = torch.randn(settings.batch, settings.seq, settings.d_model, generator=generator).to(device=device, dtype=dtype)
+
+    ordered = sorted(configs, key=lambda c: c.name != GRAD_REFERENCE)
+    steps_per_config = settings.warmup + settings.repeats
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        label = f"{settings.sweep}={getattr(settings, settings.sweep)}" if settings.sweep else "bench"
+        bar = tqdm(total=steps_per_config * len(ordered), desc=label, file=sys.stderr, leave=False)
+    fp32_grads = None
+    if dtype in LOW_PRECISION:
+        fp32_grads = parameter_grads(eager_stack(replace(ctx, dtype=torch.float32, dropout=0.0), "math"), batch.float())
+    rows_by_name = {}
+    reference = None
+    for config in ordered:
+        if bar is not None:
+            bar.set_postfix_str(config.name)
+        before = bar.n if bar is not None else 0
+        row, grads = measure_config(config, ctx, settings, batch, reference, bar.update if bar else lambda: None)
+        if reference is None and grads is not None:
+            reference = first_grad_reference(config.name, grads, dtype, fp32_grads)
+            abs_diff, rel_diff = compare_grads(reference.grads, grads)
+            row.update(grad_max_abs_diff=abs_diff, grad_max_rel_diff=rel_diff, grad_reference=reference.name, grad_rtol=reference.rtol)
+            row["grad_check"] = "reference"
+        if bar is not None:
+            bar.update(max(0, before + steps_per_config - bar.n))
+        rows_by_name[config.name] = row
+    if bar is not None:
+        bar.close()
+    rows = [rows_by_name[c.name] for c in configs]
+    add_ratios(rows)
+    return rows
+
+
+def _mib(nbytes: int | None) -> str:
+    return "-" if nbytes is None else f"{nbytes / 2**20:.2f}"
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    """The comparison as a markdown table (one line per configuration, unavailable ones too)."""
+    header = (
+        "| config | step ms (p20-p80) | tokens/s | peak GPU MiB | activations MiB | saved (hooks) MiB "
+        "| grad rel diff | grad check | time / ckpt | memory / ckpt |"
+    )
+    lines = [header, "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+    for r in rows:
+        if r["status"] != "ok":
+            lines.append(f"| {r['config']} | {r['status']} | | | | | | | | |")
+            continue
+        act = _mib(r["activation_bytes"])
+        if r["activation_host_bytes"]:
+            act += f" (+{_mib(r['activation_host_bytes'])} host)"
+        time_cell = f"{r['step_time_ms_median']:.1f} ({r['step_time_ms_p20']:.1f}-{r['step_time_ms_p80']:.1f})"
+        lines.append(
+            f"| {r['config']} | {time_cell} | {r['tokens_per_s']:,.0f} | {_mib(r['peak_gpu_bytes'])} | {act} "
+            f"| {_mib(r['saved_bytes'])} | {_num(r['grad_max_rel_diff'], '.1e')} | {r['grad_check']} "
+            f"| {_num(r['time_vs_checkpoint'], '.2f')} | {_num(r['memory_vs_checkpoint'], '.2f')} |"
+        )
+    return "\n".join(lines)
+
+
+def write_results(result: dict, out_dir: Path, stem: str) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{stem}.json"
+    path.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    return path
+
+
+def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench",
+        description="Compare memory saved against time paid for memopt and PyTorch's checkpointing on a GPT-style layer stack.",
+    )
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="default", help="sizes and repeats (default: a CPU run of about 25 s on 2 cores)")
+    parser.add_argument("--device", help="cpu, cuda, cuda:1 or auto")
+    parser.add_argument("--dtype", choices=sorted(DTYPES))
+    for name in ("d_model", "n_heads", "d_ff", "seq", "batch", "layers", "warmup", "repeats", "seed", "threads"):
+        parser.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
+    parser.add_argument("--dropout", type=float)
+    parser.add_argument("--max-config-seconds", type=float, dest="max_config_seconds", help="fewer timed steps for slower configurations")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="include torch.compile (default: on in the h200 preset)")
+    parser.add_argument("--configs", help="comma-separated configuration names to run (default: all)")
+    parser.add_argument("--sweep", choices=("layers", "seq"), help="repeat the comparison over a range of depths or sequence lengths")
+    parser.add_argument("--sweep-values", help="comma-separated values for --sweep (default: from the preset)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for the JSON and PNG files")
+    parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    settings = PRESETS[args.preset]
+    overrides = {
+        k: getattr(args, k)
+        for k in ("device", "dtype", "d_model", "n_heads", "d_ff", "seq", "batch", "layers", "warmup", "repeats", "seed", "threads", "dropout", "max_config_seconds", "compile", "sweep")
+        if getattr(args, k) is not None
+    }
+    settings = replace(settings, **overrides)
+    if settings.sweep:
+        values = (
+            tuple(int(v) for v in args.sweep_values.split(","))
+            if args.sweep_values
+            else SWEEP_DEFAULTS[settings.preset][settings.sweep]
+        )
+        settings = replace(settings, sweep_values=values)
+    return settings, args
+
+
+def select_configs(names: str | None) -> list[BenchConfig]:
+    configs = default_configs()
+    if not names:
+        return configs
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    known = {c.name for c in configs}
+    unknown = [n for n in wanted if n not in known]
+    if unknown:
+        raise SystemExit(f"bench: --configs has unknown names {unknown}; known: {sorted(known)}")
+    return [c for c in configs if c.name in wanted]
+
+
+def run(settings: Settings, configs: list[BenchConfig] | None = None, progress: bool = True) -> dict:
+    """The whole run (one comparison, or one per sweep value) as the JSON-ready result."""
+    device = resolve_device(settings.device)
+    env = environment(device, settings.threads)
+    if settings.sweep:
+        rows = []
+        for value in settings.sweep_values:
+            rows += run_comparison(replace(settings, **{settings.sweep: value}), configs, progress)
+    else:
+        rows = run_comparison(settings, configs, progress)
+    return {
+        "kind": f"sweep-{settings.sweep}" if settings.sweep else "compare",
+        "schema": "memopt-bench/1",
+        "environment": env,
+        "arguments": asdict(settings),
+        "columns": list(ROW_COLUMNS),
+        "rows": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    settings, args = parse_args(argv)
+    configs = select_configs(args.configs)
+    t0 = time.perf_counter()
+    result = run(settings, configs, progress=not args.no_progress)
+    result["wall_s"] = time.perf_counter() - t0
+    env = result["environment"]
+    print(f"memopt {env['memopt']} | torch {env['torch']} | triton {env['triton']} | {env['device_name']} | commit {env['commit'][:12]}")
+    print(
+        f"GPT stack: {settings.layers} layers, d_model {settings.d_model}, {settings.n_heads} heads, d_ff {settings.d_ff}, "
+        f"batch {settings.batch} x seq {settings.seq}, {settings.dtype}, dropout {settings.dropout}; "
+        f"{settings.warmup} warm-up + up to {settings.repeats} timed steps per configuration"
+    )
+    if settings.sweep:
+        for value in settings.sweep_values:
+            print(f"\n### {settings.sweep} = {value}\n")
+            print(markdown_table([r for r in result["rows"] if r["x"] == value]))
+    else:
+        print()
+        print(markdown_table(result["rows"]))
+    stamp = env["date"].replace("-", "").replace(":", "")
+    stem = f"{result['kind']}-{settings.preset}-{resolve_device(settings.device).type}-{stamp}"
+    path = write_results(result, args.out, stem)
+    print(f"\nresults: {path}")
+    if not args.no_plot:
+        from bench.plot import plot_file
+
+        for png in plot_file(path):
+            print(f"plot: {png}")
+    print(f"total {result['wall_s']:.1f} s")
+    return 0

@@ -1,0 +1,195 @@
+"""The registry of configurations the harness compares: what users have today, and memopt.
+
+Every configuration is built from the same reference blocks (``BuildContext.reference_blocks``)
+so that all of them start from identical weights. A configuration that cannot run here (an API
+not in this memopt yet, ``torch.compile`` not requested) says why through ``unavailable``; the
+harness lists it with that reason instead of hiding it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+import torch
+from torch import nn
+
+import memopt
+from bench.model import GPTBlock, LayerStack, fused_state_dict_from_eager
+
+FUSED_POLICIES = ("none", "selective", "full", "offload")
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    """What a configuration needs to build its model."""
+
+    reference_blocks: list[GPTBlock]
+    d_model: int
+    n_heads: int
+    d_ff: int
+    dropout: float
+    device: torch.device
+    dtype: torch.dtype
+    compile: bool = False
+
+    def with_dropout(self, dropout: float) -> "BuildContext":
+        return replace(self, dropout=dropout)
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    """One row of the comparison.
+
+    Attributes:
+        name: short unique name (the table's first column).
+        provider: ``"torch"`` or ``"memopt"``.
+        description: one line for the README and the JSON.
+        build: returns the model ``(B, S, D) -> (B, S, D)`` in training mode on the context's
+            device and dtype, with the reference weights.
+        unavailable: returns why the configuration cannot run here, or None when it can.
+        tracks_memory: False when allocations bypass the dispatcher (compiled code), so the
+            live-tensor tracker cannot see them.
+    """
+
+    name: str
+    provider: str
+    description: str
+    build: Callable[[BuildContext], nn.Module]
+    unavailable: Callable[[BuildContext], str | None] = field(default=lambda ctx: None)
+    tracks_memory: bool = True
+
+
+def eager_blocks(ctx: BuildContext, attention: str) -> list[GPTBlock]:
+    """Copies of the reference blocks with the context's dropout, attention, device and dtype."""
+    blocks = []
+    for ref in ctx.reference_blocks:
+        block = GPTBlock(ctx.d_model, ctx.n_heads, ctx.d_ff, ctx.dropout, attention=attention)
+        block.load_state_dict(ref.state_dict())
+        blocks.append(block.to(device=ctx.device, dtype=ctx.dtype))
+    return blocks
+
+
+def eager_stack(ctx: BuildContext, attention: str = "sdpa", checkpoint_mode: str = "none") -> nn.Module:
+    return LayerStack(eager_blocks(ctx, attention), checkpoint_mode).train()
+
+
+def fused_stack(ctx: BuildContext, policy: str) -> nn.Module:
+    """A stack of ``memopt.FusedCheckpointBlock`` with the reference weights loaded."""
+    blocks = []
+    for ref in ctx.reference_blocks:
+        block = memopt.FusedCheckpointBlock(
+            ctx.d_model,
+            ctx.n_heads,
+            ctx.d_ff,
+            dropout=ctx.dropout,
+            activation="gelu",
+            norm="layernorm",
+            norm_first=True,
+            causal=True,
+            policy=policy,
+        )
+        block.load_state_dict(fused_state_dict_from_eager(ref.state_dict()))
+        blocks.append(block.to(device=ctx.device, dtype=ctx.dtype))
+    return LayerStack(blocks, "none").train()
+
+
+def _needs_fused_block(ctx: BuildContext) -> str | None:
+    if not hasattr(memopt, "FusedCheckpointBlock"):
+        return "memopt.FusedCheckpointBlock is not in this build of memopt yet"
+    return None
+
+
+def _needs_offload_device(ctx: BuildContext) -> str | None:
+    reason = _needs_fused_block(ctx)
+    if reason is None and ctx.device.type != "cuda":
+        return "offload moves activations from GPU to host memory; there is no GPU here"
+    return reason
+
+
+def _needs_wrap(ctx: BuildContext) -> str | None:
+    if not hasattr(memopt, "wrap"):
+        return "memopt.wrap is not in this build of memopt yet"
+    return None
+
+
+def _needs_compile(ctx: BuildContext) -> str | None:
+    if not ctx.compile:
+        return "torch.compile not requested (inductor costs ~20 s cold on CPU; pass --compile)"
+    return None
+
+
+def _compiled_stack(ctx: BuildContext) -> nn.Module:
+    return torch.compile(eager_stack(ctx, "sdpa"))
+
+
+def _wrapped_stack(ctx: BuildContext) -> nn.Module:
+    model = eager_stack(ctx, "sdpa")
+    wrapped = memopt.wrap(model)
+    return model if wrapped is None else wrapped
+
+
+def _fused_config(policy: str) -> BenchConfig:
+    return BenchConfig(
+        name=f"memopt-{policy}",
+        provider="memopt",
+        description=f"memopt.FusedCheckpointBlock per layer, policy={policy!r}",
+        build=lambda ctx: fused_stack(ctx, policy),
+        unavailable=_needs_offload_device if policy == "offload" else _needs_fused_block,
+    )
+
+
+def default_configs() -> list[BenchConfig]:
+    """Baselines first (``eager-math`` is the gradient reference, ``torch-checkpoint`` the ratio
+    reference), then memopt."""
+    return [
+        BenchConfig(
+            "eager-math",
+            "torch",
+            "eager blocks, attention as matmul + softmax + dropout + matmul, no checkpointing",
+            lambda ctx: eager_stack(ctx, "math"),
+        ),
+        BenchConfig(
+            "eager-sdpa",
+            "torch",
+            "eager blocks, F.scaled_dot_product_attention, no checkpointing",
+            lambda ctx: eager_stack(ctx, "sdpa"),
+        ),
+        BenchConfig(
+            "torch-checkpoint",
+            "torch",
+            "torch.utils.checkpoint (non-reentrant) around each eager-sdpa layer",
+            lambda ctx: eager_stack(ctx, "sdpa", "full"),
+        ),
+        BenchConfig(
+            "torch-selective",
+            "torch",
+            "PyTorch selective checkpointing per layer: save mm/addmm/bmm/SDPA outputs, recompute the rest",
+            lambda ctx: eager_stack(ctx, "sdpa", "selective"),
+        ),
+        BenchConfig(
+            "torch-compile",
+            "torch",
+            "eager-sdpa stack under torch.compile (inductor)",
+            _compiled_stack,
+            unavailable=_needs_compile,
+            tracks_memory=False,
+        ),
+        *[_fused_config(policy) for policy in FUSED_POLICIES],
+        BenchConfig(
+            "memopt-wrap",
+            "memopt",
+            "memopt.wrap applied to the eager-sdpa stack",
+            _wrapped_stack,
+            unavailable=_needs_wrap,
+        ),
+    ]
+
+
+GRAD_REFERENCE = "eager-math"
+RATIO_REFERENCE = "torch-checkpoint"
+
+
+def config_names() -> list[str]:
+    return [c.name for c in default_configs()]
+

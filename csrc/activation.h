@@ -1,0 +1,160 @@
+// bias + activation (relu, gelu, gelu_tanh, silu) and SwiGLU: the math shared by the CPU and CUDA
+// kernels, and the argument checks shared by their launchers, so both devices compute the same
+// formulas and reject the same inputs with the same words.
+//
+// The formulas follow PyTorch's own kernels (aten/src/ATen/native/cpu/Activation.cpp):
+//   relu      y = max(x, 0)                          y' = x > 0 ? 1 : 0 (0 at x == 0, as PyTorch)
+//   gelu      y = x Phi(x)                           y' = Phi(x) + x phi(x)
+//   gelu_tanh y = x/2 (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3)
+//             y' = (1 + tanh u)/2 + x/2 (1 - tanh^2 u) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
+//   silu      y = x s(x), s = sigmoid                y' = s (1 + x (1 - s))
+// T is the compute type: at::opmath_type<scalar_t> (float, or double for float64 input).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "philox.h"  // MEMOPT_HOST_DEVICE
+
+namespace memopt {
+
+enum class Activation : int { kRelu = 0, kGelu = 1, kGeluTanh = 2, kSilu = 3 };
+
+// Float and double overloads of the libm functions, callable from host and device code alike.
+MEMOPT_HOST_DEVICE float act_exp(float v) { return ::expf(v); }
+MEMOPT_HOST_DEVICE double act_exp(double v) { return ::exp(v); }
+MEMOPT_HOST_DEVICE float act_erf(float v) { return ::erff(v); }
+MEMOPT_HOST_DEVICE double act_erf(double v) { return ::erf(v); }
+MEMOPT_HOST_DEVICE float act_tanh(float v) { return ::tanhf(v); }
+MEMOPT_HOST_DEVICE double act_tanh(double v) { return ::tanh(v); }
+
+template <typename T>
+struct ValueAndGrad {
+  T value;  // act(x)
+  T grad;   // act'(x)
+};
+
+// The pieces that the value and the derivative share. The forward and the backward build act(x)
+// from the same pieces with the same expression, so the backward's rebuilt activation (return_y)
+// is bitwise the forward's output.
+template <typename T>
+MEMOPT_HOST_DEVICE T gelu_cdf(T x) {  // Phi(x)
+  return T(0.5) * (T(1) + act_erf(x * T(0.70710678118654752440)));
+}
+
+template <typename T>
+MEMOPT_HOST_DEVICE T gelu_tanh_inner(T x) {  // tanh(sqrt(2/pi) (x + 0.044715 x^3))
+  return act_tanh(T(0.79788456080286535588) * (x + T(0.044715) * (x * x) * x));
+}
+
+template <typename T>
+MEMOPT_HOST_DEVICE T sigmoid(T x) {
+  return T(1) / (T(1) + act_exp(-x));
+}
+
+// act(x) alone, for the forward.
+template <Activation A, typename T>
+MEMOPT_HOST_DEVICE T activation_value(T x) {
+  if constexpr (A == Activation::kRelu) {
+    return x > T(0) ? x : T(0);
+  } else if constexpr (A == Activation::kGelu) {
+    return x * gelu_cdf(x);
+  } else if constexpr (A == Activation::kGeluTanh) {
+    return (T(0.5) * x) * (T(1) + gelu_tanh_inner(x));
+  } else {
+    return x * sigmoid(x);
+  }
+}
+
+// act(x) and act'(x) together: the backward needs the derivative, and the value when it hands the
+// rebuilt activation back (return_y), for the price of one evaluation.
+template <Activation A, typename T>
+MEMOPT_HOST_DEVICE ValueAndGrad<T> activation_value_and_grad(T x) {
+  if constexpr (A == Activation::kRelu) {
+    const bool positive = x > T(0);
+    return {positive ? x : T(0), positive ? T(1) : T(0)};
+  } else if constexpr (A == Activation::kGelu) {
+    const T cdf = gelu_cdf(x);
+    const T pdf = act_exp(T(-0.5) * x * x) * T(0.39894228040143267794);  // 1 / sqrt(2 pi)
+    return {x * cdf, cdf + x * pdf};
+  } else if constexpr (A == Activation::kGeluTanh) {
+    constexpr T kBeta = T(0.79788456080286535588);  // sqrt(2 / pi)
+    constexpr T kKappa = T(0.044715);
+    const T tanh_inner = gelu_tanh_inner(x);
+    const T half_x = T(0.5) * x;
+    const T one_plus_tanh = T(1) + tanh_inner;
+    const T grad = T(0.5) * one_plus_tanh +
+                   half_x * (T(1) - tanh_inner * tanh_inner) * kBeta * (T(1) + T(3) * kKappa * x * x);
+    return {half_x * one_plus_tanh, grad};
+  } else {
+    const T s = sigmoid(x);
+    return {x * s, s * (T(1) + x * (T(1) - s))};
+  }
+}
+
+// Calls fn(std::integral_constant<Activation, A>{}) for the runtime activation, so the kernels are
+// compiled once per activation with the branch resolved at compile time.
+template <typename Fn>
+void dispatch_activation(Activation activation, Fn&& fn) {
+  switch (activation) {
+    case Activation::kRelu:
+      fn(std::integral_constant<Activation, Activation::kRelu>{});
+      break;
+    case Activation::kGelu:
+      fn(std::integral_constant<Activation, Activation::kGelu>{});
+      break;
+    case Activation::kGeluTanh:
+      fn(std::integral_constant<Activation, Activation::kGeluTanh>{});
+      break;
+    case Activation::kSilu:
+      fn(std::integral_constant<Activation, Activation::kSilu>{});
+      break;
+  }
+}
+
+// Calls fn(static_cast<bias_t*>(nullptr)) with bias_t the bias's element type: scalar_t when the
+// bias is absent or has x's dtype, float when it is a float32 bias for lower-precision x.
+template <typename scalar_t, typename Fn>
+void dispatch_bias_type(const std::optional<at::Tensor>& bias, Fn&& fn) {
+  if (!bias.has_value() || bias->scalar_type() == c10::CppTypeToScalarType<scalar_t>::value) {
+    fn(static_cast<scalar_t*>(nullptr));
+  } else {
+    fn(static_cast<float*>(nullptr));
+  }
+}
+
+template <typename bias_t>
+const bias_t* bias_data(const std::optional<at::Tensor>& bias) {
+  return bias.has_value() ? bias->const_data_ptr<bias_t>() : nullptr;
+}
+
+// "relu" -> kRelu, ...; anything else raises an error listing the valid names.
+Activation parse_activation(const std::string& name, const char* op);
+
+// Rows and columns of a row-major x viewed as [rows, cols].
+struct RowsCols {
+  int64_t rows;
+  int64_t cols;
+};
+
+// Checks x (float dtype for its device, contiguous, at least 1-D) and bias (shape [bias_size],
+// dtype x's or float32, x's device, contiguous); returns x viewed as [rows, x.size(-1)].
+RowsCols check_act_inputs(const at::Tensor& x, const std::optional<at::Tensor>& bias, int64_t bias_size,
+                          const char* op);
+
+// Checks grad_y against the forward output's shape (out_sizes), x's dtype and device, contiguity.
+void check_act_grad(const at::Tensor& grad_y, const at::Tensor& x, at::IntArrayRef out_sizes, const char* op);
+
+// d for swiglu's x of last dimension 2 * d; raises when x.size(-1) is odd.
+int64_t swiglu_half_width(const at::Tensor& x);
+
+// The shape of swiglu's output: x's with the last dimension halved.
+std::vector<int64_t> swiglu_out_sizes(const at::Tensor& x);
+
+}  // namespace memopt

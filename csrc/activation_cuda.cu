@@ -1,0 +1,380 @@
+// bias_act (y = act(x + bias)) and swiglu, CUDA kernels. The math is activation.h's, the same
+// functions the CPU kernels call.
+//
+// * Forward, and backward without a bias: one grid-stride elementwise pass.
+// * Backward with a bias: a 2-D grid of CTAs, each over a tile of kTileCols columns and a chunk of
+//   rows. A CTA writes grad_x (and the rebuilt y) for its tile and the float32 sum of its rows'
+//   bias gradient to partials[chunk, column]; a second kernel adds the partials in chunk order.
+//   No atomics, so the bias gradient is the same on every run.
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "activation.h"
+#include "common.h"
+
+namespace memopt {
+namespace {
+
+constexpr const char* kBiasAct = "bias_act";
+constexpr const char* kSwiglu = "swiglu";
+
+// The CUDA kernels take float32, float16 and bfloat16 (check_float_dtype rejects float64).
+#define MEMOPT_DISPATCH_CUDA_FLOAT_TYPES(TYPE, NAME, ...)                 \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
+                                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__) \
+                                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
+
+constexpr int kThreads = 256;  // elementwise kernels
+constexpr int kTileCols = 32;  // bias-gradient kernels: blockDim.x, one warp across columns
+constexpr int kTileRows = 8;   // bias-gradient kernels: blockDim.y, rows handled side by side
+constexpr int64_t kMinRowsPerChunk = 4 * kTileRows;
+constexpr int64_t kMaxGridY = 65535;
+
+int multiprocessors() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
+
+int elementwise_blocks(int64_t numel) {
+  const int64_t max_blocks = static_cast<int64_t>(multiprocessors()) * 16;
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((numel + kThreads - 1) / kThreads, max_blocks)));
+}
+
+// The bias-gradient grid: column tiles along x, row chunks along y, sized for about 4 CTAs per SM
+// and at least kMinRowsPerChunk rows per chunk.
+struct BiasGradGrid {
+  dim3 grid;
+  int64_t rows_per_chunk;
+  int64_t chunks;
+};
+
+BiasGradGrid bias_grad_grid(int64_t rows, int64_t cols) {
+  const int64_t col_tiles = (cols + kTileCols - 1) / kTileCols;
+  const int64_t wanted = std::max<int64_t>(1, (4 * static_cast<int64_t>(multiprocessors()) + col_tiles - 1) / col_tiles);
+  const int64_t most = std::max<int64_t>(1, (rows + kMinRowsPerChunk - 1) / kMinRowsPerChunk);
+  int64_t chunks = std::min({wanted, most, kMaxGridY});
+  const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
+  chunks = (rows + rows_per_chunk - 1) / rows_per_chunk;
+  return {dim3(static_cast<unsigned>(col_tiles), static_cast<unsigned>(chunks)), rows_per_chunk, chunks};
+}
+
+template <Activation A, typename scalar_t, typename bias_t>
+__global__ void bias_act_fwd_cuda_kernel(const scalar_t* __restrict__ x,
+                                         const bias_t* __restrict__ bias,  // [cols], or null
+                                         scalar_t* __restrict__ y, int64_t numel, int64_t cols) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel; i += stride) {
+    acc_t h = static_cast<acc_t>(x[i]);
+    if (bias != nullptr) h += static_cast<acc_t>(bias[i % cols]);
+    y[i] = static_cast<scalar_t>(activation_value<A>(h));
+  }
+}
+
+template <Activation A, typename scalar_t>
+__global__ void bias_act_bwd_cuda_kernel(const scalar_t* __restrict__ grad_y, const scalar_t* __restrict__ x,
+                                         scalar_t* __restrict__ grad_x,
+                                         scalar_t* __restrict__ y,  // rebuilt act(x), or null
+                                         int64_t numel) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel; i += stride) {
+    const ValueAndGrad<acc_t> act = activation_value_and_grad<A>(static_cast<acc_t>(x[i]));
+    grad_x[i] = static_cast<scalar_t>(static_cast<acc_t>(grad_y[i]) * act.grad);
+    if (y != nullptr) y[i] = static_cast<scalar_t>(act.value);
+  }
+}
+
+template <Activation A, typename scalar_t, typename bias_t>
+__global__ void bias_act_bwd_bias_cuda_kernel(const scalar_t* __restrict__ grad_y, const scalar_t* __restrict__ x,
+                                              const bias_t* __restrict__ bias,  // [cols]
+                                              scalar_t* __restrict__ grad_x,
+                                              scalar_t* __restrict__ y,  // rebuilt act(x + bias), or null
+                                              at::opmath_type<scalar_t>* __restrict__ partials,  // [chunks, cols]
+                                              int64_t rows, int64_t cols, int64_t rows_per_chunk) {
+  using acc_t = at::opmath_type<scalar_t>;
+  __shared__ acc_t tile[kTileRows][kTileCols + 1];
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kTileCols + threadIdx.x;
+  const int64_t row_begin = static_cast<int64_t>(blockIdx.y) * rows_per_chunk;
+  const int64_t row_end = row_begin + rows_per_chunk < rows ? row_begin + rows_per_chunk : rows;
+  acc_t sum = 0;
+  if (col < cols) {
+    const acc_t b = static_cast<acc_t>(bias[col]);
+    for (int64_t r = row_begin + threadIdx.y; r < row_end; r += kTileRows) {
+      const int64_t i = r * cols + col;
+      const ValueAndGrad<acc_t> act = activation_value_and_grad<A>(static_cast<acc_t>(x[i]) + b);
+      const acc_t grad_h = static_cast<acc_t>(grad_y[i]) * act.grad;
+      grad_x[i] = static_cast<scalar_t>(grad_h);
+      if (y != nullptr) y[i] = static_cast<scalar_t>(act.value);
+      sum += grad_h;
+    }
+  }
+  tile[threadIdx.y][threadIdx.x] = sum;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < cols) {
+    acc_t total = 0;
+    for (int k = 0; k < kTileRows; ++k) total += tile[k][threadIdx.x];
+    partials[static_cast<int64_t>(blockIdx.y) * cols + col] = total;
+  }
+}
+
+template <typename scalar_t, typename bias_t>
+__global__ void swiglu_fwd_cuda_kernel(const scalar_t* __restrict__ x,
+                                       const bias_t* __restrict__ bias,  // [2 * d], or null
+                                       scalar_t* __restrict__ y,         // [rows, d]
+                                       int64_t numel_out, int64_t d) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel_out; i += stride) {
+    const int64_t r = i / d;
+    const int64_t c = i - r * d;
+    acc_t gate = static_cast<acc_t>(x[r * 2 * d + c]);
+    acc_t up = static_cast<acc_t>(x[r * 2 * d + d + c]);
+    if (bias != nullptr) {
+      gate += static_cast<acc_t>(bias[c]);
+      up += static_cast<acc_t>(bias[d + c]);
+    }
+    y[i] = static_cast<scalar_t>(activation_value<Activation::kSilu>(gate) * up);
+  }
+}
+
+// One (row, column) of swiglu's backward: writes grad_x's gate and up entries and y; returns the
+// gate and up gradients for the bias reduction.
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ void swiglu_bwd_element(const scalar_t* __restrict__ grad_y,
+                                                   const scalar_t* __restrict__ x, scalar_t* __restrict__ grad_x,
+                                                   scalar_t* __restrict__ y, int64_t r, int64_t c, int64_t d,
+                                                   acc_t bias_gate, acc_t bias_up, acc_t* grad_gate,
+                                                   acc_t* grad_up) {
+  const int64_t gate_index = r * 2 * d + c;
+  const acc_t gate = static_cast<acc_t>(x[gate_index]) + bias_gate;
+  const acc_t up = static_cast<acc_t>(x[gate_index + d]) + bias_up;
+  const ValueAndGrad<acc_t> act = activation_value_and_grad<Activation::kSilu>(gate);
+  const acc_t g = static_cast<acc_t>(grad_y[r * d + c]);
+  *grad_gate = g * up * act.grad;
+  *grad_up = g * act.value;
+  grad_x[gate_index] = static_cast<scalar_t>(*grad_gate);
+  grad_x[gate_index + d] = static_cast<scalar_t>(*grad_up);
+  if (y != nullptr) y[r * d + c] = static_cast<scalar_t>(act.value * up);
+}
+
+template <typename scalar_t>
+__global__ void swiglu_bwd_cuda_kernel(const scalar_t* __restrict__ grad_y, const scalar_t* __restrict__ x,
+                                       scalar_t* __restrict__ grad_x,
+                                       scalar_t* __restrict__ y,  // rebuilt output, or null
+                                       int64_t numel_out, int64_t d) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel_out; i += stride) {
+    const int64_t r = i / d;
+    acc_t grad_gate, grad_up;
+    swiglu_bwd_element<scalar_t, acc_t>(grad_y, x, grad_x, y, r, i - r * d, d, acc_t(0), acc_t(0), &grad_gate,
+                                        &grad_up);
+  }
+}
+
+template <typename scalar_t, typename bias_t>
+__global__ void swiglu_bwd_bias_cuda_kernel(const scalar_t* __restrict__ grad_y, const scalar_t* __restrict__ x,
+                                            const bias_t* __restrict__ bias,  // [2 * d]
+                                            scalar_t* __restrict__ grad_x,
+                                            scalar_t* __restrict__ y,  // rebuilt output, or null
+                                            at::opmath_type<scalar_t>* __restrict__ partials,  // [chunks, 2 * d]
+                                            int64_t rows, int64_t d, int64_t rows_per_chunk) {
+  using acc_t = at::opmath_type<scalar_t>;
+  __shared__ acc_t gate_tile[kTileRows][kTileCols + 1];
+  __shared__ acc_t up_tile[kTileRows][kTileCols + 1];
+  const int64_t col = static_cast<int64_t>(blockIdx.x) * kTileCols + threadIdx.x;
+  const int64_t row_begin = static_cast<int64_t>(blockIdx.y) * rows_per_chunk;
+  const int64_t row_end = row_begin + rows_per_chunk < rows ? row_begin + rows_per_chunk : rows;
+  acc_t gate_sum = 0;
+  acc_t up_sum = 0;
+  if (col < d) {
+    const acc_t bias_gate = static_cast<acc_t>(bias[col]);
+    const acc_t bias_up = static_cast<acc_t>(bias[d + col]);
+    for (int64_t r = row_begin + threadIdx.y; r < row_end; r += kTileRows) {
+      acc_t grad_gate, grad_up;
+      swiglu_bwd_element<scalar_t, acc_t>(grad_y, x, grad_x, y, r, col, d, bias_gate, bias_up, &grad_gate,
+                                          &grad_up);
+      gate_sum += grad_gate;
+      up_sum += grad_up;
+    }
+  }
+  gate_tile[threadIdx.y][threadIdx.x] = gate_sum;
+  up_tile[threadIdx.y][threadIdx.x] = up_sum;
+  __syncthreads();
+  if (threadIdx.y == 0 && col < d) {
+    acc_t gate_total = 0;
+    acc_t up_total = 0;
+    for (int k = 0; k < kTileRows; ++k) {
+      gate_total += gate_tile[k][threadIdx.x];
+      up_total += up_tile[k][threadIdx.x];
+    }
+    acc_t* partial = partials + static_cast<int64_t>(blockIdx.y) * 2 * d;
+    partial[col] = gate_total;
+    partial[d + col] = up_total;
+  }
+}
+
+// grad_bias[c] = sum over chunks of partials[chunk, c], added in chunk order.
+template <typename acc_t, typename bias_t>
+__global__ void reduce_partials_cuda_kernel(const acc_t* __restrict__ partials, int64_t chunks, int64_t width,
+                                            bias_t* __restrict__ grad_bias) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < width; c += stride) {
+    acc_t sum = 0;
+    for (int64_t k = 0; k < chunks; ++k) sum += partials[k * width + c];
+    grad_bias[c] = static_cast<bias_t>(sum);
+  }
+}
+
+template <typename acc_t, typename bias_t>
+void launch_reduce_partials(const at::Tensor& partials, int64_t chunks, int64_t width, at::Tensor& grad_bias) {
+  reduce_partials_cuda_kernel<acc_t, bias_t>
+      <<<elementwise_blocks(width), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+          partials.const_data_ptr<acc_t>(), chunks, width, grad_bias.mutable_data_ptr<bias_t>());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+at::Tensor bias_act_fwd_cuda(const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                             const std::string& activation) {
+  const Activation act = parse_activation(activation, kBiasAct);
+  const RowsCols shape = check_act_inputs(x, bias, x.dim() >= 1 ? x.size(-1) : 0, kBiasAct);
+  auto y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const int64_t numel = x.numel();
+  if (numel == 0) return y;
+  const c10::cuda::CUDAGuard guard(x.device());
+  MEMOPT_DISPATCH_CUDA_FLOAT_TYPES(x.scalar_type(), "bias_act_fwd_cuda", [&] {
+    dispatch_bias_type<scalar_t>(bias, [&](auto* bias_tag) {
+      using bias_t = std::remove_pointer_t<decltype(bias_tag)>;
+      dispatch_activation(act, [&](auto a) {
+        bias_act_fwd_cuda_kernel<decltype(a)::value, scalar_t, bias_t>
+            <<<elementwise_blocks(numel), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+                x.const_data_ptr<scalar_t>(), bias_data<bias_t>(bias), y.mutable_data_ptr<scalar_t>(), numel,
+                shape.cols);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+    });
+  });
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bias_act_bwd_cuda(const at::Tensor& grad_y, const at::Tensor& x,
+                                                                 const std::optional<at::Tensor>& bias,
+                                                                 const std::string& activation, bool return_y) {
+  const Activation act = parse_activation(activation, kBiasAct);
+  const RowsCols shape = check_act_inputs(x, bias, x.dim() >= 1 ? x.size(-1) : 0, kBiasAct);
+  check_act_grad(grad_y, x, x.sizes(), kBiasAct);
+  auto grad_x = at::empty_like(x, at::MemoryFormat::Contiguous);
+  auto y = return_y ? at::empty_like(x, at::MemoryFormat::Contiguous) : absent_like(x);
+  auto grad_bias = bias.has_value() ? at::empty_like(*bias, at::MemoryFormat::Contiguous) : absent_like(x);
+  const int64_t numel = x.numel();
+  if (numel == 0) {
+    if (bias.has_value()) grad_bias.zero_();
+    return {grad_x, grad_bias, y};
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  MEMOPT_DISPATCH_CUDA_FLOAT_TYPES(x.scalar_type(), "bias_act_bwd_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    scalar_t* y_ptr = return_y ? y.mutable_data_ptr<scalar_t>() : nullptr;
+    if (!bias.has_value()) {
+      dispatch_activation(act, [&](auto a) {
+        bias_act_bwd_cuda_kernel<decltype(a)::value, scalar_t><<<elementwise_blocks(numel), kThreads, 0, stream>>>(
+            grad_y.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), grad_x.mutable_data_ptr<scalar_t>(),
+            y_ptr, numel);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+      return;
+    }
+    const BiasGradGrid launch = bias_grad_grid(shape.rows, shape.cols);
+    auto partials =
+        at::empty({launch.chunks, shape.cols}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+    dispatch_bias_type<scalar_t>(bias, [&](auto* bias_tag) {
+      using bias_t = std::remove_pointer_t<decltype(bias_tag)>;
+      dispatch_activation(act, [&](auto a) {
+        bias_act_bwd_bias_cuda_kernel<decltype(a)::value, scalar_t, bias_t>
+            <<<launch.grid, dim3(kTileCols, kTileRows), 0, stream>>>(
+                grad_y.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), bias_data<bias_t>(bias),
+                grad_x.mutable_data_ptr<scalar_t>(), y_ptr, partials.mutable_data_ptr<acc_t>(), shape.rows,
+                shape.cols, launch.rows_per_chunk);
+        C10_CUDA_KERNEL_LAUNCH_CHECK();
+      });
+      launch_reduce_partials<acc_t, bias_t>(partials, launch.chunks, shape.cols, grad_bias);
+    });
+  });
+  return {grad_x, grad_bias, y};
+}
+
+at::Tensor swiglu_fwd_cuda(const at::Tensor& x, const std::optional<at::Tensor>& bias) {
+  const int64_t d = swiglu_half_width(x);
+  check_act_inputs(x, bias, 2 * d, kSwiglu);
+  auto y = at::empty(swiglu_out_sizes(x), x.options());
+  const int64_t numel_out = y.numel();
+  if (numel_out == 0) return y;
+  const c10::cuda::CUDAGuard guard(x.device());
+  MEMOPT_DISPATCH_CUDA_FLOAT_TYPES(x.scalar_type(), "swiglu_fwd_cuda", [&] {
+    dispatch_bias_type<scalar_t>(bias, [&](auto* bias_tag) {
+      using bias_t = std::remove_pointer_t<decltype(bias_tag)>;
+      swiglu_fwd_cuda_kernel<scalar_t, bias_t>
+          <<<elementwise_blocks(numel_out), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+              x.const_data_ptr<scalar_t>(), bias_data<bias_t>(bias), y.mutable_data_ptr<scalar_t>(), numel_out, d);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+    });
+  });
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_bwd_cuda(const at::Tensor& grad_y, const at::Tensor& x,
+                                                               const std::optional<at::Tensor>& bias,
+                                                               bool return_y) {
+  const int64_t d = swiglu_half_width(x);
+  const RowsCols shape = check_act_inputs(x, bias, 2 * d, kSwiglu);
+  const auto out_sizes = swiglu_out_sizes(x);
+  check_act_grad(grad_y, x, out_sizes, kSwiglu);
+  auto grad_x = at::empty_like(x, at::MemoryFormat::Contiguous);
+  auto y = return_y ? at::empty(out_sizes, x.options()) : absent_like(x);
+  auto grad_bias = bias.has_value() ? at::empty_like(*bias, at::MemoryFormat::Contiguous) : absent_like(x);
+  const int64_t numel_out = shape.rows * d;
+  if (numel_out == 0) {
+    if (bias.has_value()) grad_bias.zero_();
+    return {grad_x, grad_bias, y};
+  }
+  const c10::cuda::CUDAGuard guard(x.device());
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  MEMOPT_DISPATCH_CUDA_FLOAT_TYPES(x.scalar_type(), "swiglu_bwd_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    scalar_t* y_ptr = return_y ? y.mutable_data_ptr<scalar_t>() : nullptr;
+    if (!bias.has_value()) {
+      swiglu_bwd_cuda_kernel<scalar_t><<<elementwise_blocks(numel_out), kThreads, 0, stream>>>(
+          grad_y.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), grad_x.mutable_data_ptr<scalar_t>(), y_ptr,
+          numel_out, d);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
+    }
+    const BiasGradGrid launch = bias_grad_grid(shape.rows, d);
+    auto partials = at::empty({launch.chunks, 2 * d}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+    dispatch_bias_type<scalar_t>(bias, [&](auto* bias_tag) {
+      using bias_t = std::remove_pointer_t<decltype(bias_tag)>;
+      swiglu_bwd_bias_cuda_kernel<scalar_t, bias_t><<<launch.grid, dim3(kTileCols, kTileRows), 0, stream>>>(
+          grad_y.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), bias_data<bias_t>(bias),
+          grad_x.mutable_data_ptr<scalar_t>(), y_ptr, partials.mutable_data_ptr<acc_t>(), shape.rows, d,
+          launch.rows_per_chunk);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      launch_reduce_partials<acc_t, bias_t>(partials, launch.chunks, 2 * d, grad_bias);
+    });
+  });
+  return {grad_x, grad_bias, y};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(memopt, CUDA, m) {
+  m.impl("bias_act_fwd", &bias_act_fwd_cuda);
+  m.impl("bias_act_bwd", &bias_act_bwd_cuda);
+  m.impl("swiglu_fwd", &swiglu_fwd_cuda);
+  m.impl("swiglu_bwd", &swiglu_bwd_cuda);
+}
+
+}  // namespace memopt

@@ -1,0 +1,7 @@
+"""``python -m memopt``: the memopt command line."""
+
+import sys
+
+from memopt.cli import main
+
+sys.exit(main())

@@ -1,0 +1,367 @@
+"""Keep training when a batch does not fit: micro-batching that backs off on out-of-memory.
+
+:class:`AdaptiveBatch` runs one optimizer step over a batch as micro-batches with gradient
+accumulation. When a micro-step raises ``torch.OutOfMemoryError`` it rolls that micro-step back,
+halves the micro-batch and retries from the same sample, so the step still sees every sample
+exactly once and the gradient is that of the whole batch.
+
+What the snippets people copy get wrong, and what this does instead:
+
+- *Dividing each micro-loss by the number of micro-steps* mis-weights an uneven last
+  micro-batch. Here each micro-batch's mean loss is weighted by its share of the batch's
+  samples (or of its tokens, with ``num_tokens``), so the accumulated gradient equals the
+  gradient of the batch's mean loss exactly.
+- *Catching OOM and moving on* drops the samples of the failed micro-batch and leaves the
+  half-accumulated gradients of the failed backward in ``.grad``. Here the failed attempt's
+  gradients are discarded and the ones accumulated before it restored bit for bit.
+- *Retrying inside the ``except`` block* keeps the traceback alive, and with it every
+  activation of the failed forward, so the retry runs out of memory again. Here the handler
+  only records the failure; references are dropped, ``gc.collect()`` and
+  ``torch.cuda.empty_cache()`` run, and then the retry starts.
+
+Rollback is exact because every micro-step backpropagates into fresh ``.grad`` tensors while
+the gradients accumulated so far are held aside, and is added to them only once it has
+succeeded; after the first micro-step this costs one transient gradient-sized buffer. Out of
+memory in ``optimizer.step()`` itself (Adam allocating its state on the first step) is not
+retried: it propagates.
+
+Under ``DistributedDataParallel`` every micro-step runs in ``no_sync()`` (a rank that ran out of
+memory halfway through a synchronising backward would leave the other ranks waiting in the
+bucket all-reduce forever); after each attempt the ranks all-reduce an OOM flag (MAX), agree on
+the new micro-batch (MIN) and retry together, and the gradients are summed across ranks once,
+after the last micro-step. Sample and token shares are taken of the global batch, so the result
+is the gradient of the global mean loss (equal to DDP's averaging when ranks hold equal batches).
+Every rank must pass a batch of the same size. An exception other than OOM on one rank leaves
+the others waiting in the next all-reduce, as it would in plain DDP. Other wrappers (FSDP) are
+not supported.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+__all__ = ["AdaptiveBatch", "MicroBatchFloorError", "StepResult"]
+
+logger = logging.getLogger("memopt.adaptive")
+
+
+class MicroBatchFloorError(RuntimeError):
+    """Out of memory at the smallest allowed micro-batch; model and optimizer are unchanged."""
+
+
+@dataclass
+class StepResult:
+    """What one :meth:`AdaptiveBatch.step` did.
+
+    Attributes:
+        loss: the batch's mean loss (detached), the weighted sum of the micro-batch losses.
+        micro_batch: the micro-batch size the step ended with.
+        micro_steps: successful micro-steps.
+        oom_retries: micro-steps that ran out of memory and were retried smaller.
+        skipped: True when the fp16 grad scaler found inf/NaN gradients and skipped the update.
+    """
+
+    loss: torch.Tensor
+    micro_batch: int
+    micro_steps: int
+    oom_retries: int
+    skipped: bool
+
+
+def _leading_size(batch) -> int:
+    if isinstance(batch, torch.Tensor):
+        if batch.dim() == 0:
+            raise ValueError("batch must have a leading batch dimension, got a 0-d tensor")
+        return batch.shape[0]
+    if isinstance(batch, dict):
+        sizes = {k: _leading_size(v) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    elif isinstance(batch, (tuple, list)):
+        sizes = {i: _leading_size(v) for i, v in enumerate(batch) if isinstance(v, torch.Tensor)}
+    else:
+        raise TypeError(f"batch must be a tensor or a tuple/list/dict of tensors, got {type(batch).__name__}")
+    if not sizes:
+        raise ValueError("batch holds no tensor")
+    if len(set(sizes.values())) != 1:
+        raise ValueError(f"batch tensors must share their leading (batch) dimension, got sizes {sizes}")
+    return next(iter(sizes.values()))
+
+
+def _slice(batch, start: int, stop: int):
+    if isinstance(batch, torch.Tensor):
+        return batch[start:stop]
+    if isinstance(batch, dict):
+        return {k: _slice(v, start, stop) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return type(batch)(_slice(v, start, stop) if isinstance(v, torch.Tensor) else v for v in batch)
+
+
+def _is_ddp(model) -> bool:
+    return isinstance(model, torch.nn.parallel.DistributedDataParallel)
+
+
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+class AdaptiveBatch:
+    """One optimizer step per batch, as micro-batches that shrink on OOM and grow back.
+
+    Example::
+
+        def loss_fn(model, batch):            # mean loss over the micro-batch
+            ids, targets = batch
+            return F.cross_entropy(model(ids).flatten(0, 1), targets.flatten())
+
+        stepper = memopt.AdaptiveBatch(model, optimizer, loss_fn, micro_batch=32, grow_after=100)
+        for batch in loader:                  # (ids, targets), batch dimension first
+            result = stepper.step(batch)      # optimizer.step() ran once over the whole batch
+            optimizer.zero_grad(set_to_none=True)
+
+    Args:
+        model: the ``nn.Module`` (or DDP module) whose parameters the optimizer steps.
+        optimizer: a ``torch.optim.Optimizer``; stepped once per :meth:`step`.
+        loss_fn: ``loss_fn(model, micro_batch) -> 0-d tensor``, the *mean* loss over the
+            micro-batch's samples, or over its tokens when ``num_tokens`` is given.
+        micro_batch: the first (and largest) micro-batch size; default: the whole batch.
+        min_micro_batch: the floor. Out of memory at the floor raises
+            :class:`MicroBatchFloorError` with the model, its gradients and the optimizer
+            exactly as they were before :meth:`step`.
+        grow_after: after this many consecutive steps without OOM, double the micro-batch
+            (never above ``micro_batch``); ``None`` never grows.
+        num_tokens: ``num_tokens(batch_or_micro_batch) -> int``, the number of loss terms
+            (tokens with a label), for variable-length batches; default: samples.
+        amp_dtype: ``torch.bfloat16`` or ``torch.float16`` runs ``loss_fn`` under
+            ``torch.autocast``; ``None`` does not.
+        grad_scaler: a ``torch.amp.GradScaler``; one is made for ``amp_dtype=torch.float16``.
+            A step the scaler skips (inf/NaN gradients) is counted in ``skipped_steps`` and
+            logged.
+
+    Attributes:
+        micro_batch: the current micro-batch size.
+        skipped_steps: steps the grad scaler skipped.
+        oom_count: out-of-memory errors recovered from.
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                 loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], *, micro_batch: int | None = None,
+                 min_micro_batch: int = 1, grow_after: int | None = None,
+                 num_tokens: Callable[[Any], int] | None = None, amp_dtype: torch.dtype | None = None,
+                 grad_scaler: "torch.amp.GradScaler | None" = None):
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if not callable(loss_fn):
+            raise TypeError("loss_fn must be callable(model, micro_batch) -> loss")
+        if micro_batch is not None and (not isinstance(micro_batch, int) or micro_batch <= 0):
+            raise ValueError(f"micro_batch must be a positive int or None, got {micro_batch!r}")
+        if not isinstance(min_micro_batch, int) or min_micro_batch <= 0:
+            raise ValueError(f"min_micro_batch must be a positive int, got {min_micro_batch!r}")
+        if micro_batch is not None and min_micro_batch > micro_batch:
+            raise ValueError(f"min_micro_batch ({min_micro_batch}) must not exceed micro_batch ({micro_batch})")
+        if grow_after is not None and (not isinstance(grow_after, int) or grow_after <= 0):
+            raise ValueError(f"grow_after must be a positive int or None, got {grow_after!r}")
+        if amp_dtype not in (None, torch.bfloat16, torch.float16):
+            raise ValueError(f"amp_dtype must be torch.bfloat16, torch.float16 or None, got {amp_dtype!r}")
+        self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
+        self.max_micro_batch = micro_batch
+        self.micro_batch = micro_batch
+        self.min_micro_batch = min_micro_batch
+        self.grow_after = grow_after
+        self.num_tokens = num_tokens
+        self.amp_dtype = amp_dtype
+        self._params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._device_type = self._params[0].device.type if self._params else "cpu"
+        if grad_scaler is None and amp_dtype == torch.float16:
+            grad_scaler = torch.amp.GradScaler(self._device_type)
+        self.grad_scaler = grad_scaler
+        self.skipped_steps = 0
+        self.oom_count = 0
+        self._steps_since_oom = 0
+
+    # The count every weight is a share of: samples or tokens, global under distributed.
+    def _count(self, batch) -> float:
+        return float(self.num_tokens(batch)) if self.num_tokens is not None else float(_leading_size(batch))
+
+    def _all_reduce(self, value: float, op: str) -> float:
+        """``value`` reduced over the ranks (``op``: "sum", "min" or "max"); itself when not distributed."""
+        if not _distributed():
+            return value
+        op = {"sum": torch.distributed.ReduceOp.SUM, "min": torch.distributed.ReduceOp.MIN,
+              "max": torch.distributed.ReduceOp.MAX}[op]
+        device = self._params[0].device if self._device_type != "cpu" else torch.device("cpu")
+        t = torch.tensor([value], dtype=torch.float64, device=device)
+        torch.distributed.all_reduce(t, op=op)
+        return t.item()
+
+    def _micro_step(self, micro, weight: float) -> torch.Tensor:
+        """Forward and backward of one micro-batch into fresh .grad tensors; returns its loss."""
+        autocast = torch.autocast(self._device_type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
+        with autocast:
+            loss = self.loss_fn(self.model, micro)
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise TypeError(f"loss_fn must return a 0-d tensor, got {type(loss).__name__} "
+                            f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+        # Weighting in at least fp32: a half-precision loss times a small share underflows.
+        weighted = loss.to(torch.promote_types(loss.dtype, torch.float32)) * weight
+        if self.grad_scaler is not None:
+            self.grad_scaler.scale(weighted).backward()
+        else:
+            weighted.backward()
+        return weighted.detach()
+
+    def step(self, batch) -> StepResult:
+        """Run one optimizer step over ``batch`` (tensors with the batch dimension first)."""
+        size = _leading_size(batch)
+        if size == 0:
+            raise ValueError("batch is empty (leading dimension 0)")
+        if _distributed() and self._all_reduce(size, "min") != self._all_reduce(size, "max"):
+            raise ValueError(f"under torch.distributed every rank's batch must hold the same number of samples "
+                             f"(this rank: {size}): the ranks step through micro-batches together")
+        if self.micro_batch is None:
+            self.micro_batch = self.max_micro_batch = size
+        total = self._all_reduce(self._count(batch), "sum")
+        if total <= 0:
+            raise ValueError(f"batch has no samples or tokens to average over (count {total})")
+
+        # The gradients the caller left are set aside, so a failed step can put them back.
+        entry_grads = [p.grad for p in self._params]
+        for p in self._params:
+            p.grad = None
+        try:
+            accumulated, loss_sum, micro, micro_steps, retries = self._accumulate_batch(batch, size, total)
+        except BaseException:
+            for p, g in zip(self._params, entry_grads):
+                p.grad = g
+            raise
+        del entry_grads
+        for p, g in zip(self._params, accumulated or [None] * len(self._params)):
+            p.grad = g
+        del accumulated
+        self._sync_gradients()
+        skipped = self._optimizer_step()
+        self.micro_batch = micro
+        self._steps_since_oom = 0 if retries else self._steps_since_oom + 1
+        self._maybe_grow()
+        loss = self._all_reduce(loss_sum.item(), "sum")
+        return StepResult(loss=torch.tensor(loss, dtype=torch.float32), micro_batch=micro,
+                          micro_steps=micro_steps, oom_retries=retries, skipped=skipped)
+
+    def _accumulate_batch(self, batch, size: int, total: float):
+        """Every micro-step of one batch; the accumulated gradients are returned, not in .grad."""
+        accumulated: list[torch.Tensor | None] | None = None
+        loss_sum = torch.zeros((), dtype=torch.float64)
+        micro = min(self.micro_batch, size)
+        start, micro_steps, retries = 0, 0, 0
+        while start < size:
+            stop = min(start + micro, size)
+            piece = _slice(batch, start, stop)
+            weight = self._count(piece) / total
+            oom, message, loss = False, "on another rank", None
+            if weight > 0:
+                try:
+                    with self._no_sync():
+                        loss = self._micro_step(piece, weight)
+                except torch.OutOfMemoryError as err:
+                    # Only record it here: the traceback references the failed forward's
+                    # activations until this block ends.
+                    oom, message = True, str(err).split("\n")[0]
+            del piece
+            if self._agree(oom):
+                for p in self._params:
+                    p.grad = None
+                loss = None
+                self._free()
+                if micro <= self.min_micro_batch:
+                    accumulated = None
+                    raise MicroBatchFloorError(
+                        f"out of memory at micro-batch {micro} (min_micro_batch {self.min_micro_batch}) on "
+                        f"samples [{start}:{stop}] of {size}; model, gradients and optimizer are unchanged. "
+                        f"Reduce the memory per sample (memopt.estimate shows where it goes; a checkpoint "
+                        f"policy or a shorter sequence) or lower min_micro_batch. Last error: {message}"
+                    )
+                retries += 1
+                self.oom_count += 1
+                new_micro = int(self._all_reduce(max(self.min_micro_batch, micro // 2), "min"))
+                logger.warning("memopt.AdaptiveBatch: out of memory at micro-batch %d (samples %d:%d); "
+                               "retrying at %d", micro, start, stop, new_micro)
+                micro = new_micro
+                continue
+            if weight > 0:
+                accumulated = self._accumulate(accumulated)
+                loss_sum = loss_sum.to(loss.device) + loss.double()
+                micro_steps += 1
+            start = stop
+        return accumulated, loss_sum, micro, micro_steps, retries
+
+    def _no_sync(self):
+        if _is_ddp(self.model):
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
+    def _agree(self, oom: bool) -> bool:
+        if not _distributed():
+            return oom
+        return self._all_reduce(1.0 if oom else 0.0, "max") > 0
+
+    def _accumulate(self, accumulated):
+        """Fold the fresh .grad of a successful micro-step into the held-aside sum."""
+        fresh = [p.grad for p in self._params]
+        for p in self._params:
+            p.grad = None
+        if accumulated is None:
+            return fresh
+        out = []
+        for acc, g in zip(accumulated, fresh):
+            if acc is None:
+                out.append(g)
+            else:
+                if g is not None:
+                    acc.add_(g)
+                out.append(acc)
+        return out
+
+    def _free(self) -> None:
+        gc.collect()
+        if self._device_type == "cuda" and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _sync_gradients(self) -> None:
+        if not (_is_ddp(self.model) and _distributed()):
+            return
+        # Shares were taken of the global count, so the global gradient is the sum.
+        for p in self._params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.SUM)
+
+    def _optimizer_step(self) -> bool:
+        if self.grad_scaler is None:
+            self.optimizer.step()
+            return False
+        scale_before = self.grad_scaler.get_scale()
+        self.grad_scaler.step(self.optimizer)
+        self.grad_scaler.update()
+        # GradScaler lowers its scale exactly when it found inf/NaN and skipped the step.
+        skipped = self.grad_scaler.get_scale() < scale_before
+        if skipped:
+            self.skipped_steps += 1
+            logger.warning("memopt.AdaptiveBatch: inf/NaN gradients, optimizer step skipped "
+                           "(grad scale %g -> %g; %d skipped so far)", scale_before,
+                           self.grad_scaler.get_scale(), self.skipped_steps)
+        return skipped
+
+    def _maybe_grow(self) -> None:
+        if self.grow_after is None or self.micro_batch >= self.max_micro_batch:
+            return
+        if self._steps_since_oom >= self.grow_after:
+            new_micro = min(self.max_micro_batch, self.micro_batch * 2)
+            logger.info("memopt.AdaptiveBatch: %d steps without OOM; micro-batch %d -> %d",
+                        self._steps_since_oom, self.micro_batch, new_micro)
+            self.micro_batch = new_micro
+            self._steps_since_oom = 0

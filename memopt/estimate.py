@@ -1,0 +1,625 @@
+"""Will it fit? Peak training memory of a GPT-style transformer, before you run it.
+
+:func:`estimate` breaks the peak memory of one training step into the tensors that exist:
+
+=====================  =====================================================================
+``parameters``         the weights, in the dtype they are stored in
+``gradients``          one per trainable parameter, in the parameter's dtype
+``master_weights``     fp32 copies of low-precision weights (``precision="master"`` only)
+``optimizer_state``    SGD: none; SGD with momentum: 1 buffer; Adam/AdamW: 2 buffers (exp_avg,
+                       exp_avg_sq), in the dtype of the weights the optimizer steps
+``activations``        what autograd saves for backward in every layer, except the
+                       attention-probability term (per-layer split in ``Estimate.per_layer``)
+``attention_scores``   the O(seq^2) term: softmax output, dropout mask and dropped
+                       probabilities (``attention="math"``); 0 with a recompute kernel
+                       (``attention="flash"``), which keeps only a log-sum-exp per row
+``autocast_weights``   the low-precision weight copies autocast makes and linears save
+``embeddings_head``    token ids, embedding dropout mask, final norm and LM-head inputs
+``logits_loss``        the vocabulary-sized transient of the loss: logits, log-probabilities
+                       and the gradient buffers of ``log_softmax`` backward
+``workspace``          what the largest transient of one layer's backward (two gradient buffers
+                       of its largest activation; with checkpointing also the recomputed layer)
+                       needs beyond ``logits_loss``, plus cuBLAS's workspace on CUDA
+=====================  =====================================================================
+
+Precision modes (``precision=``), and which tensors exist in each:
+
+- ``"fp32"``: fp32 weights, gradients and optimizer state (Adam: 4+4+8 = 16 bytes/param);
+  fp32 activations.
+- ``"autocast"``: ``torch.autocast(dtype=low_dtype)`` with fp32 parameters (the PyTorch AMP
+  recipe): weights, gradients and optimizer state stay fp32 (16 bytes/param with Adam), matmul
+  inputs are saved in ``low_dtype``, the residual stream and layer-norm inputs stay fp32 (an
+  fp32 + bf16 add promotes), softmax and the loss run in fp32, and every linear saves a
+  ``low_dtype`` copy of its weight (``autocast_weights``). No master weights: the parameters
+  *are* fp32.
+- ``"pure"``: the model cast to ``low_dtype`` (``model.to(torch.bfloat16)``): weights,
+  gradients and optimizer state in ``low_dtype`` (Adam: 2+2+4 = 8 bytes/param), every
+  activation in ``low_dtype``; no fp32 copy anywhere (updates below bf16 resolution are lost).
+- ``"master"``: ``low_dtype`` model weights and gradients plus fp32 master weights and fp32
+  optimizer state (Megatron/DeepSpeed mixed precision, 2+2+4+8 = 16 bytes/param with Adam);
+  activations as in ``"pure"``.
+
+The eager model the formulas describe (``policy="eager"``) is the plain PyTorch GPT-2 block::
+
+    h = ln_1(x)                                     # saves x, mean, rstd
+    q, k, v = c_attn(h).view(b, s, 3, nh, hd).permute(2, 0, 3, 1, 4)   # saves h
+    a = softmax(causal_mask(q @ k.transpose(-2, -1) / sqrt(hd)))        # saves q, k copies, a
+    a = dropout(a, p)                               # saves its mask
+    o = (a @ v).transpose(1, 2).reshape(b, s, d)    # saves a (dropped), v copy
+    x = x + dropout(c_proj(o), p)                   # saves o, mask
+    x = x + dropout(c_fc2(gelu(c_fc(ln_2(x)))), p)  # saves x, stats, h2, fc out, gelu out, mask
+
+which saves, per token, ``16 * d_model`` elements plus two ``d_model`` dropout masks, and per
+head ``seq`` probabilities twice plus one mask: Korthikanti et al.'s ``34 s b h + 5 a s^2 b``
+bytes in half precision. ``tests/test_estimate.py`` checks the formula against the bytes that
+``memopt.SavedTensorCounter`` counts on that block. ``policy="checkpoint"``
+(``torch.utils.checkpoint`` around every layer) keeps only each layer's input.
+
+Dropout masks are 1 byte per element on CUDA (``native_dropout`` saves a bool mask) and one
+activation element on CPU (the CPU path multiplies by a saved float noise tensor): the
+``device`` field picks which.
+
+Other policies plug in through :func:`register_policy_formula`; memopt's
+``FusedCheckpointBlock`` policies (``"none"``, ``"selective"``, ``"full"``, ``"offload"``) come
+from ``memopt.block.saved_bytes_per_token`` and raise ``NotImplementedError`` when that module
+is not in the build.
+
+The peak comes at the start of backward: everything saved is alive, and then first the loss
+transient and later, once it is freed, one layer's backward transient; so the total counts the
+larger of the two (``Estimate.transients`` has both). It assumes gradients are resident while
+activations are (true under gradient accumulation, as :class:`memopt.AdaptiveBatch` runs). It
+does not include the CUDA context (outside PyTorch's allocator) or allocator rounding. On an
+H200 the total was within 5% of ``torch.cuda.max_memory_allocated`` for a 4-layer GPT in fp32
+eager, fp32 checkpoint, autocast-bf16 and pure-bf16 (``tests/test_estimate.py``, marked gpu).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from memopt.saved import SavedTensorCounter
+
+__all__ = [
+    "Estimate",
+    "ModelConfig",
+    "PRESETS",
+    "estimate",
+    "max_micro_batch",
+    "max_seq_len",
+    "register_policy_formula",
+    "registered_policies",
+]
+
+OPTIMIZER_STATES = {"sgd": 0, "sgd_momentum": 1, "momentum": 1, "adam": 2, "adamw": 2}
+PRECISIONS = ("fp32", "autocast", "pure", "master")
+ATTENTIONS = ("math", "flash")
+_DTYPES = {
+    "fp32": torch.float32, "float32": torch.float32,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+    "fp16": torch.float16, "float16": torch.float16,
+    "fp64": torch.float64, "float64": torch.float64,
+}
+_INDEX_BYTES = 8  # token ids and targets are int64
+# PyTorch's default cuBLAS workspace on Hopper (CUBLAS_WORKSPACE_CONFIG=:4096:8), allocated
+# through the caching allocator on the first matmul.
+CUBLAS_WORKSPACE_BYTES = 32 * 2**20
+
+
+def _as_dtype(value, name: str) -> torch.dtype:
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str) and value in _DTYPES:
+        return _DTYPES[value]
+    raise ValueError(f"{name} must be a torch.dtype or one of {sorted(_DTYPES)}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A GPT-style decoder (GPT-2 layout: learned positions, tied LM head, biases, pre-LN).
+
+    Args:
+        n_layers, d_model, n_heads, vocab_size, seq_len, micro_batch: the model and the shape of
+            one micro-batch ``(micro_batch, seq_len)`` of token ids.
+        d_ff: MLP hidden size (default ``4 * d_model``).
+        precision: ``"fp32"``, ``"autocast"``, ``"pure"`` or ``"master"`` (see the module doc).
+        low_dtype: the 16-bit dtype of the non-fp32 modes (``torch.bfloat16`` or
+            ``torch.float16``); with ``precision="fp32"`` it is ignored unless ``dtype`` says
+            otherwise.
+        dtype: the full-precision dtype (``torch.float32``; ``torch.float64`` for tests).
+        optimizer: ``"sgd"``, ``"sgd_momentum"``, ``"adam"`` or ``"adamw"``.
+        policy: activation policy, a name in :func:`registered_policies`.
+        attention: ``"math"`` (matmul + softmax, O(seq^2) saved) or ``"flash"`` (a recompute
+            kernel such as SDPA flash: O(seq) saved).
+        dropout: dropout probability of the attention, residual and embedding dropouts.
+        device: ``"cuda"`` or ``"cpu"``: decides the size of a saved dropout mask.
+    """
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    vocab_size: int
+    seq_len: int
+    micro_batch: int
+    d_ff: int | None = None
+    precision: str = "fp32"
+    low_dtype: torch.dtype = torch.bfloat16
+    dtype: torch.dtype = torch.float32
+    optimizer: str = "adam"
+    policy: str = "eager"
+    attention: str = "math"
+    dropout: float = 0.1
+    device: str = "cuda"
+
+    def __post_init__(self):
+        for name in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "micro_batch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.d_ff is None:
+            object.__setattr__(self, "d_ff", 4 * self.d_model)
+        if not isinstance(self.d_ff, int) or self.d_ff <= 0:
+            raise ValueError(f"d_ff must be a positive int, got {self.d_ff!r}")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        object.__setattr__(self, "low_dtype", _as_dtype(self.low_dtype, "low_dtype"))
+        object.__setattr__(self, "dtype", _as_dtype(self.dtype, "dtype"))
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.optimizer not in OPTIMIZER_STATES:
+            raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {self.optimizer!r}")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
+
+    def replace(self, **changes) -> "ModelConfig":
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def num_parameters(self) -> int:
+        """Exact parameter count of the GPT-2 layout (tied LM head)."""
+        d, f = self.d_model, self.d_ff
+        per_layer = (
+            2 * d  # ln_1
+            + d * 3 * d + 3 * d  # c_attn
+            + d * d + d  # attention c_proj
+            + 2 * d  # ln_2
+            + d * f + f  # c_fc
+            + f * d + d  # mlp c_proj
+        )
+        return self.vocab_size * d + self.seq_len * d + self.n_layers * per_layer + 2 * d
+
+    @property
+    def num_matmul_weights(self) -> int:
+        """Elements of the weights autocast casts (every linear weight and the tied LM head)."""
+        d, f = self.d_model, self.d_ff
+        return self.n_layers * (4 * d * d + 2 * d * f) + self.vocab_size * d
+
+    # Bytes per element of the tensors the activation formulas talk about.
+    @property
+    def param_bytes(self) -> int:
+        low = self.precision in ("pure", "master")
+        return (self.low_dtype if low else self.dtype).itemsize
+
+    @property
+    def residual_bytes(self) -> int:
+        """The residual stream and layer-norm inputs."""
+        return self.low_dtype.itemsize if self.precision in ("pure", "master") else self.dtype.itemsize
+
+    @property
+    def matmul_bytes(self) -> int:
+        """Inputs saved by matmuls, GELU and dropout."""
+        return self.dtype.itemsize if self.precision == "fp32" else self.low_dtype.itemsize
+
+    @property
+    def softmax_bytes(self) -> int:
+        """Attention probabilities (autocast runs softmax in fp32)."""
+        return self.dtype.itemsize if self.precision in ("fp32", "autocast") else self.low_dtype.itemsize
+
+    @property
+    def stats_bytes(self) -> int:
+        """Layer-norm mean/rstd and log-sum-exp: fp32 at least."""
+        return max(4, self.dtype.itemsize)
+
+    @property
+    def mask_bytes(self) -> int:
+        return 1 if self.device == "cuda" else self.matmul_bytes
+
+
+PolicyFormula = Callable[[ModelConfig], dict]
+_POLICY_FORMULAS: dict[str, PolicyFormula] = {}
+
+
+def register_policy_formula(name: str, fn: PolicyFormula) -> None:
+    """Register the activation formula of an activation policy.
+
+    ``fn(config) -> dict[str, int]``: bytes saved for backward by one layer, by component.
+    The key ``"attention_scores"`` (the O(seq^2) part, if any) is reported separately; the key
+    ``"workspace"``, if present, is the transient of that layer's backward (default: the eager
+    layer's); keys starting with ``"host_"`` are bytes kept in host memory (offload), reported in
+    ``Estimate.host_bytes`` and left out of the device total. Registering an existing name
+    replaces it.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"name must be a non-empty str, got {name!r}")
+    if not callable(fn):
+        raise TypeError(f"fn must be callable(config) -> dict, got {type(fn).__name__}")
+    _POLICY_FORMULAS[name] = fn
+
+
+def registered_policies() -> list[str]:
+    return sorted(_POLICY_FORMULAS)
+
+
+def _eager_layer(cfg: ModelConfig) -> dict[str, int]:
+    tokens = cfg.micro_batch * cfg.seq_len
+    d, f = cfg.d_model, cfg.d_ff
+    dropout = cfg.dropout > 0
+    scores = cfg.micro_batch * cfg.n_heads * cfg.seq_len * cfg.seq_len
+    out = {
+        "layer_norm_inputs": 2 * tokens * d * cfg.residual_bytes,
+        "layer_norm_stats": 2 * 2 * tokens * cfg.stats_bytes,
+        "qkv_input": tokens * d * cfg.matmul_bytes,
+        "q_k_v": 3 * tokens * d * cfg.matmul_bytes,
+        "attention_output": tokens * d * cfg.matmul_bytes,
+        "mlp_input": tokens * d * cfg.matmul_bytes,
+        "mlp_hidden": 2 * tokens * f * cfg.matmul_bytes,
+        "dropout_masks": 2 * tokens * d * cfg.mask_bytes if dropout else 0,
+    }
+    if cfg.attention == "math":
+        # softmax saves its output; dropout its mask; the second matmul its (dropped, and
+        # under autocast down-cast) input, which is the softmax output itself when neither
+        # dropout nor a cast makes a new tensor.
+        attention = scores * cfg.softmax_bytes
+        if dropout:
+            attention += scores * cfg.mask_bytes + scores * cfg.matmul_bytes
+        elif cfg.matmul_bytes != cfg.softmax_bytes:
+            attention += scores * cfg.matmul_bytes
+        out["attention_scores"] = attention
+    else:
+        out["attention_logsumexp"] = cfg.micro_batch * cfg.n_heads * cfg.seq_len * cfg.stats_bytes
+        out["attention_scores"] = 0
+    return out
+
+
+def _eager_workspace(cfg: ModelConfig) -> int:
+    tokens = cfg.micro_batch * cfg.seq_len
+    largest = tokens * cfg.d_ff * cfg.matmul_bytes
+    if cfg.attention == "math":
+        largest = max(largest, cfg.micro_batch * cfg.n_heads * cfg.seq_len**2 * cfg.softmax_bytes)
+    return 2 * largest
+
+
+def _checkpoint_layer(cfg: ModelConfig) -> dict[str, int]:
+    # torch.utils.checkpoint keeps the layer input; backward recomputes one layer at a time,
+    # so one eager layer plus its backward transient is workspace.
+    eager = _eager_layer(cfg)
+    return {
+        "layer_input": cfg.micro_batch * cfg.seq_len * cfg.d_model * cfg.residual_bytes,
+        "attention_scores": 0,
+        "workspace": sum(eager.values()) + _eager_workspace(cfg),
+    }
+
+
+def _block_policy(policy: str) -> PolicyFormula:
+    def formula(cfg: ModelConfig) -> dict[str, int]:
+        try:
+            from memopt.block import saved_bytes_per_token
+        except ImportError as err:
+            raise NotImplementedError(
+                f"policy {policy!r} is a memopt.FusedCheckpointBlock policy; its formula comes from "
+                f"memopt.block.saved_bytes_per_token, which this build does not have ({err}). "
+                f"Use policy='eager' or 'checkpoint', or register_policy_formula({policy!r}, fn)."
+            ) from None
+        # The block's formula is for a block whose parameters and input have one dtype (no
+        # autocast) and leaves the block input out; the input is added here as for every policy.
+        tokens = cfg.micro_batch * cfg.seq_len
+        per_token = saved_bytes_per_token(policy, d_model=cfg.d_model, n_heads=cfg.n_heads, d_ff=cfg.d_ff,
+                                          dtype=cfg.dtype if cfg.precision == "fp32" else cfg.low_dtype)
+        saved = int(per_token) * tokens
+        out = {"layer_input": tokens * cfg.d_model * cfg.residual_bytes,
+               "rng_key": 16 if cfg.dropout > 0 else 0, "attention_scores": 0}
+        if policy == "offload":
+            # The saved set lives in host memory; one layer's copy is on the device while it is
+            # produced or brought back for its backward.
+            out["host_block_saved"] = saved
+            out["workspace"] = saved + _eager_workspace(cfg)
+        else:
+            out["block_saved"] = saved
+        return out
+
+    return formula
+
+
+register_policy_formula("eager", _eager_layer)
+register_policy_formula("checkpoint", _checkpoint_layer)
+for _name in ("none", "selective", "full", "offload"):
+    register_policy_formula(_name, _block_policy(_name))
+
+
+@dataclass
+class Estimate:
+    """Peak training memory of one step, in bytes.
+
+    Attributes:
+        breakdown: bytes by category (see the module doc); ``total_bytes`` is their sum.
+        per_layer: one layer's saved activations by component (config estimates only).
+        config: the :class:`ModelConfig` (``None`` for a measured ``nn.Module``).
+        num_parameters: parameters counted.
+        notes: what the figure assumes.
+        transients: the short-lived peaks, in full: ``logits_loss`` (the loss),
+            ``layer_backward`` (one layer's backward) and ``library`` (cuBLAS workspace); the
+            total counts the larger of the first two plus the third.
+        host_bytes: activations kept in host memory (offload policies), not in the total.
+    """
+
+    breakdown: dict[str, int]
+    per_layer: dict[str, int] = field(default_factory=dict)
+    config: ModelConfig | None = None
+    num_parameters: int = 0
+    notes: list[str] = field(default_factory=list)
+    transients: dict[str, int] = field(default_factory=dict)
+    host_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.breakdown.values())
+
+    def largest(self, n: int = 3) -> list[tuple[str, int]]:
+        return sorted(self.breakdown.items(), key=lambda kv: -kv[1])[:n]
+
+    def to_dict(self) -> dict:
+        out = {
+            "total_bytes": self.total_bytes,
+            "breakdown": dict(self.breakdown),
+            "per_layer": dict(self.per_layer),
+            "num_parameters": self.num_parameters,
+            "notes": list(self.notes),
+            "transients": dict(self.transients),
+            "host_bytes": self.host_bytes,
+        }
+        if self.config is not None:
+            out["config"] = {
+                k: (str(v).replace("torch.", "") if isinstance(v, torch.dtype) else v)
+                for k, v in dataclasses.asdict(self.config).items()
+            }
+        return out
+
+    def __str__(self) -> str:
+        total = self.total_bytes
+        lines = []
+        if self.config is not None:
+            c = self.config
+            lines.append(
+                f"{c.n_layers} layers, d_model {c.d_model}, {c.n_heads} heads, d_ff {c.d_ff}, vocab "
+                f"{c.vocab_size}, seq {c.seq_len}, micro-batch {c.micro_batch}, {c.precision}"
+                f"{'' if c.precision == 'fp32' else ' ' + str(c.low_dtype).replace('torch.', '')}, "
+                f"{c.optimizer}, policy {c.policy}, attention {c.attention}"
+            )
+        lines.append(f"parameters: {self.num_parameters:,}")
+        width = max(len(k) for k in self.breakdown) + 2
+        lines.append(f"{'':{width}}{'GiB':>10} {'share':>7}")
+        for name, nbytes in self.breakdown.items():
+            share = nbytes / total if total else 0.0
+            lines.append(f"{name:{width}}{nbytes / 2**30:10.3f} {share:7.1%}")
+        lines.append(f"{'total':{width}}{total / 2**30:10.3f}")
+        if self.host_bytes:
+            lines.append(f"{'host (offloaded)':{width}}{self.host_bytes / 2**30:10.3f}")
+        return "\n".join(lines)
+
+
+def _optimizer_breakdown(num_params: int, cfg_precision: str, param_bytes: int, optimizer: str) -> dict[str, int]:
+    states = OPTIMIZER_STATES[optimizer]
+    master = cfg_precision == "master"
+    step_bytes = 4 if master else param_bytes
+    return {
+        "parameters": num_params * param_bytes,
+        "gradients": num_params * param_bytes,
+        "master_weights": num_params * 4 if master else 0,
+        "optimizer_state": num_params * states * step_bytes,
+    }
+
+
+def _config_estimate(cfg: ModelConfig) -> Estimate:
+    if cfg.policy not in _POLICY_FORMULAS:
+        raise ValueError(f"policy must be one of {registered_policies()}, got {cfg.policy!r}")
+    layer = dict(_POLICY_FORMULAS[cfg.policy](cfg))
+    workspace = layer.pop("workspace", None)
+    if workspace is None:
+        workspace = _eager_workspace(cfg)
+    scores = layer.get("attention_scores", 0)
+    host = sum(v for k, v in layer.items() if k.startswith("host_"))
+    per_layer_total = sum(layer.values()) - host
+
+    tokens = cfg.micro_batch * cfg.seq_len
+    n = cfg.num_parameters
+    breakdown = _optimizer_breakdown(n, cfg.precision, cfg.param_bytes, cfg.optimizer)
+    breakdown["activations"] = cfg.n_layers * (per_layer_total - scores)
+    breakdown["attention_scores"] = cfg.n_layers * scores
+    breakdown["autocast_weights"] = (
+        cfg.num_matmul_weights * cfg.low_dtype.itemsize
+        if cfg.precision == "autocast" and cfg.policy == "eager" else 0
+    )
+    breakdown["embeddings_head"] = (
+        tokens * _INDEX_BYTES + cfg.seq_len * _INDEX_BYTES  # token and position ids
+        + (tokens * cfg.d_model * cfg.mask_bytes if cfg.dropout > 0 else 0)
+        + tokens * cfg.d_model * cfg.residual_bytes + 2 * tokens * cfg.stats_bytes  # final norm
+        + tokens * cfg.d_model * cfg.matmul_bytes  # LM-head input
+        + tokens * _INDEX_BYTES  # targets
+    )
+    # cross_entropy = log_softmax + nll_loss. Forward: logits, (fp32 copy,) log-probs.
+    # Backward: log-probs (saved), nll_loss's gradient, log_softmax's gradient.
+    logits_bytes = cfg.matmul_bytes
+    loss_bytes = cfg.softmax_bytes
+    forward = logits_bytes + (loss_bytes if loss_bytes != logits_bytes else 0) + loss_bytes
+    backward = 3 * loss_bytes
+    logits_loss = tokens * cfg.vocab_size * max(forward, backward)
+    breakdown["logits_loss"] = logits_loss
+    library = CUBLAS_WORKSPACE_BYTES if cfg.device == "cuda" else 0
+    breakdown["workspace"] = max(0, workspace - logits_loss) + library
+    notes = [
+        "gradients resident during the forward (gradient accumulation)",
+        "peak transient = max(loss transient, one layer's backward transient)",
+        "excludes the CUDA context and allocator rounding",
+    ]
+    return Estimate(breakdown=breakdown, per_layer=layer | {"workspace": workspace}, config=cfg,
+                    num_parameters=n, notes=notes, host_bytes=cfg.n_layers * host,
+                    transients={"logits_loss": logits_loss, "layer_backward": workspace, "library": library})
+
+
+def _batch_size(example) -> int:
+    if isinstance(example, torch.Tensor):
+        if example.dim() == 0:
+            raise ValueError("example_input must have a leading batch dimension, got a 0-d tensor")
+        return example.shape[0]
+    if isinstance(example, (tuple, list)) and example:
+        return _batch_size(example[0])
+    if isinstance(example, dict) and example:
+        return _batch_size(next(iter(example.values())))
+    raise ValueError(f"example_input must be a tensor, or a tuple/list/dict of tensors, got {type(example).__name__}")
+
+
+def _module_estimate(model: torch.nn.Module, example_input, micro_batch: int | None, optimizer: str,
+                     loss_fn: Callable | None, precision: str, low_dtype: torch.dtype) -> Estimate:
+    if optimizer not in OPTIMIZER_STATES:
+        raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    example_batch = _batch_size(example_input)
+    if micro_batch is None:
+        micro_batch = example_batch
+    if not isinstance(micro_batch, int) or micro_batch <= 0:
+        raise ValueError(f"micro_batch must be a positive int, got {micro_batch!r}")
+    params = [p for p in model.parameters()]
+    trainable = [p for p in params if p.requires_grad]
+    excluded = params + list(model.buffers())
+    args = example_input if isinstance(example_input, (tuple, list)) else (example_input,)
+    autocast = torch.autocast(next(iter(params)).device.type if params else "cpu", dtype=low_dtype,
+                              enabled=precision == "autocast")
+    with SavedTensorCounter(exclude=excluded) as counter, autocast:
+        out = model(**example_input) if isinstance(example_input, dict) else model(*args)
+        if loss_fn is not None:
+            out = loss_fn(out)
+    del out
+    scale = micro_batch / example_batch
+    param_bytes = sum(p.numel() * p.element_size() for p in params)
+    grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
+    n_trainable = sum(p.numel() for p in trainable)
+    states = OPTIMIZER_STATES[optimizer]
+    step_bytes = 4 if precision == "master" else (grad_bytes // n_trainable if n_trainable else 0)
+    breakdown = {
+        "parameters": param_bytes,
+        "gradients": grad_bytes,
+        "master_weights": n_trainable * 4 if precision == "master" else 0,
+        "optimizer_state": n_trainable * states * step_bytes,
+        "activations": math.ceil(counter.total_bytes * scale),
+    }
+    notes = [f"activations measured at batch {example_batch} and scaled linearly to {micro_batch}",
+             "no backward workspace or loss transient beyond what loss_fn saves"]
+    return Estimate(breakdown=breakdown, num_parameters=sum(p.numel() for p in params), notes=notes)
+
+
+def estimate(config=None, example_input=None, *, micro_batch: int | None = None, optimizer: str | None = None,
+             loss_fn: Callable | None = None, precision: str | None = None,
+             low_dtype: torch.dtype | None = None, **config_fields) -> Estimate:
+    """Peak memory of one training step.
+
+    Three ways to call it::
+
+        memopt.estimate(n_layers=48, d_model=1600, n_heads=25, vocab_size=50257,
+                        seq_len=1024, micro_batch=8, optimizer="adam")   # formula
+        memopt.estimate(ModelConfig(...))                                # formula
+        memopt.estimate(model, example_input, micro_batch=64)            # measured
+
+    ``optimizer`` (default ``"adam"``), ``precision`` (default ``"fp32"``), ``low_dtype``
+    (default ``torch.bfloat16``), ``micro_batch`` and any other ``ModelConfig`` field given as a
+    keyword override the ``ModelConfig``'s.
+
+    The measured form runs ``model(example_input)`` (``loss_fn(output)`` too, if given) once at
+    the example's batch size, counts the bytes saved for backward with
+    :class:`memopt.SavedTensorCounter` and scales them linearly to ``micro_batch``.
+
+    Returns:
+        :class:`Estimate` with ``breakdown``, ``total_bytes``, a table as ``str()`` and
+        ``to_dict()``.
+    """
+    overrides = {k: v for k, v in dict(optimizer=optimizer, precision=precision, low_dtype=low_dtype,
+                                           micro_batch=micro_batch).items() if v is not None}
+    if isinstance(config, torch.nn.Module):
+        if example_input is None:
+            raise ValueError("example_input is required to estimate an nn.Module")
+        if config_fields:
+            raise TypeError(f"unexpected keyword arguments for an nn.Module estimate: {sorted(config_fields)}")
+        return _module_estimate(config, example_input, micro_batch, optimizer or "adam", loss_fn,
+                                precision or "fp32", _as_dtype(low_dtype or torch.bfloat16, "low_dtype"))
+    if config is None:
+        fields = dict(config_fields, **overrides)
+        missing = [f for f in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "micro_batch")
+                   if f not in fields]
+        if missing:
+            raise ValueError(f"estimate needs a ModelConfig, an nn.Module, or the fields {missing}")
+        config = ModelConfig(**fields)
+    elif not isinstance(config, ModelConfig):
+        raise TypeError(f"config must be a ModelConfig or an nn.Module, got {type(config).__name__}")
+    elif overrides or config_fields:
+        config = config.replace(**config_fields, **overrides)
+    return _config_estimate(config)
+
+
+def _largest_fitting(memory_bytes: int, fits: Callable[[int], bool], upper: int) -> int:
+    """Largest n in [1, upper] with fits(n), for a monotone fits; 0 when none."""
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= upper and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, upper + 1)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def _check_memory(memory_bytes) -> None:
+    if not isinstance(memory_bytes, (int, float)) or memory_bytes <= 0:
+        raise ValueError(f"memory_bytes must be a positive number of bytes, got {memory_bytes!r}")
+
+
+def max_micro_batch(memory_bytes: int, config: ModelConfig, *, policy: str | None = None,
+                    upper: int = 1 << 20) -> int:
+    """Largest micro-batch whose :func:`estimate` total fits in ``memory_bytes`` (0: none does)."""
+    _check_memory(memory_bytes)
+    base = config.replace(policy=policy) if policy else config
+    return _largest_fitting(memory_bytes, lambda b: _config_estimate(base.replace(micro_batch=b)).total_bytes
+                            <= memory_bytes, upper)
+
+
+def max_seq_len(memory_bytes: int, config: ModelConfig, *, policy: str | None = None,
+                upper: int = 1 << 22) -> int:
+    """Largest sequence length whose :func:`estimate` total fits in ``memory_bytes`` (0: none).
+
+    The learned position table grows with ``seq_len`` too, as it would in the model.
+    """
+    _check_memory(memory_bytes)
+    base = config.replace(policy=policy) if policy else config
+    return _largest_fitting(memory_bytes, lambda s: _config_estimate(base.replace(seq_len=s)).total_bytes
+                            <= memory_bytes, upper)
+
+
+PRESETS = {
+    # OpenAI GPT-2 sizes (n_ctx 1024, vocab 50257).
+    "gpt2": dict(n_layers=12, d_model=768, n_heads=12, vocab_size=50257, seq_len=1024),
+    "gpt2-medium": dict(n_layers=24, d_model=1024, n_heads=16, vocab_size=50257, seq_len=1024),
+    "gpt2-large": dict(n_layers=36, d_model=1280, n_heads=20, vocab_size=50257, seq_len=1024),
+    "gpt2-xl": dict(n_layers=48, d_model=1600, n_heads=25, vocab_size=50257, seq_len=1024),
+}

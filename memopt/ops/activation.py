@@ -1,0 +1,291 @@
+"""bias + activation, SwiGLU, and activation -> linear, saving no activation output.
+
+Layers: kernels in ``csrc/activation.cpp`` (CPU) and ``csrc/activation_cuda.cu`` (CUDA), with the
+math shared in ``csrc/activation.h``, registered as ``torch.ops.memopt.bias_act_fwd`` /
+``bias_act_bwd`` / ``swiglu_fwd`` / ``swiglu_bwd``; the fake impls below let ``torch.compile``
+trace them.
+
+* ``BiasActFunction`` / ``SwiGLUFunction`` save the pre-activation ``x`` (and the bias); the
+  backward kernel recomputes ``act`` and ``act'`` from it.
+* ``ActLinearFunction`` computes ``F.linear(act(x + bias), W, b)`` and saves ``x`` and the
+  parameters but not ``act(x + bias)``, which eager PyTorch keeps for the weight gradient: the
+  backward kernel rebuilds it (``return_y=True``) in the same pass that computes ``grad_x``.
+
+``bias_act_ref`` / ``swiglu_ref`` / ``act_linear_ref`` are the plain PyTorch references.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from memopt import _extension
+
+ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
+ACT_LINEAR_ACTIVATIONS = ACTIVATIONS + ("swiglu",)
+
+
+@torch.library.register_fake("memopt::bias_act_fwd")
+def _bias_act_fwd_fake(x, bias, activation):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("memopt::bias_act_bwd")
+def _bias_act_bwd_fake(grad_y, x, bias, activation, return_y):
+    grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)
+    grad_bias = x.new_empty(0) if bias is None else torch.empty_like(bias, memory_format=torch.contiguous_format)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format) if return_y else x.new_empty(0)
+    return grad_x, grad_bias, y
+
+
+@torch.library.register_fake("memopt::swiglu_fwd")
+def _swiglu_fwd_fake(x, bias):
+    torch._check(x.shape[-1] % 2 == 0, lambda: f"memopt.swiglu: x's last dimension must be even, got {x.shape[-1]}")
+    return x.new_empty(x.shape[:-1] + (x.shape[-1] // 2,))
+
+
+@torch.library.register_fake("memopt::swiglu_bwd")
+def _swiglu_bwd_fake(grad_y, x, bias, return_y):
+    grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)
+    grad_bias = x.new_empty(0) if bias is None else torch.empty_like(bias, memory_format=torch.contiguous_format)
+    y = x.new_empty(x.shape[:-1] + (x.shape[-1] // 2,)) if return_y else x.new_empty(0)
+    return grad_x, grad_bias, y
+
+
+def _check_activation(op: str, activation: str, allowed: tuple[str, ...]) -> None:
+    if activation not in allowed:
+        names = ", ".join(f'"{a}"' for a in allowed)
+        raise ValueError(f"memopt.{op}: activation must be one of {names}, got {activation!r}")
+
+
+def _check_bias(op: str, x: torch.Tensor, bias: torch.Tensor | None, width: int, name: str = "bias") -> None:
+    if bias is None:
+        return
+    if bias.device != x.device:
+        raise ValueError(f"memopt.{op}: {name} must be on x's device ({x.device}), got {bias.device}")
+    if bias.shape != (width,):
+        raise ValueError(f"memopt.{op}: {name} must have shape [{width}], got {list(bias.shape)}")
+
+
+class BiasActFunction(torch.autograd.Function):
+    """``act(x + bias)`` saving ``x`` and ``bias`` only; the backward kernel recomputes ``act'``."""
+
+    @staticmethod
+    def forward(ctx, x, bias, activation):
+        ctx.activation = activation
+        ctx.save_for_backward(x, bias)
+        return torch.ops.memopt.bias_act_fwd(x, bias, activation)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, bias = ctx.saved_tensors
+        grad_x, grad_bias, _ = torch.ops.memopt.bias_act_bwd(grad_y.contiguous(), x, bias, ctx.activation, False)
+        return grad_x, grad_bias if bias is not None and ctx.needs_input_grad[1] else None, None
+
+
+class SwiGLUFunction(torch.autograd.Function):
+    """``silu(gate + b_gate) * (up + b_up)`` over ``x = [gate | up]``, saving ``x`` and ``bias``."""
+
+    @staticmethod
+    def forward(ctx, x, bias):
+        ctx.save_for_backward(x, bias)
+        return torch.ops.memopt.swiglu_fwd(x, bias)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x, bias = ctx.saved_tensors
+        grad_x, grad_bias, _ = torch.ops.memopt.swiglu_bwd(grad_y.contiguous(), x, bias, False)
+        return grad_x, grad_bias if bias is not None and ctx.needs_input_grad[1] else None
+
+
+def _act_forward(x, bias, activation):
+    if activation == "swiglu":
+        return torch.ops.memopt.swiglu_fwd(x, bias)
+    return torch.ops.memopt.bias_act_fwd(x, bias, activation)
+
+
+def _act_backward(grad_y, x, bias, activation):
+    """(grad_x, grad_bias, y): the gradient through the activation and the rebuilt activation."""
+    if activation == "swiglu":
+        return torch.ops.memopt.swiglu_bwd(grad_y, x, bias, True)
+    return torch.ops.memopt.bias_act_bwd(grad_y, x, bias, activation, True)
+
+
+class ActLinearFunction(torch.autograd.Function):
+    """``F.linear(act(x + bias), weight, linear_bias)`` without saving ``act(x + bias)``.
+
+    Saves ``x`` (the previous matmul's output) and the parameters. The backward computes
+    ``grad_act = grad_out @ weight``, then one kernel pass gives ``grad_x``, ``grad_bias`` and the
+    rebuilt activation ``y``, and ``grad_weight = grad_out^T @ y``.
+
+    Autocast: like ``torch.amp.custom_fwd``/``custom_bwd``, the backward runs under the autocast
+    state of the forward, recorded for x's device type (the decorators fix one device type at
+    definition; this function serves CPU and CUDA). The activation runs in x's dtype and the
+    matmuls in the autocast dtype, exactly as the eager ``act`` followed by ``F.linear`` would.
+    """
+
+    @staticmethod
+    def forward(ctx, x, bias, weight, linear_bias, activation):
+        device_type = x.device.type
+        ctx.autocast_state = (
+            device_type,
+            torch.is_autocast_enabled(device_type),
+            torch.get_autocast_dtype(device_type),
+        )
+        ctx.activation = activation
+        ctx.has_bias = bias is not None
+        ctx.linear_bias_dtype = None if linear_bias is None else linear_bias.dtype
+        ctx.save_for_backward(x, bias, weight)
+        y = _act_forward(x, bias, activation)
+        return F.linear(y, weight, linear_bias)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, bias, weight = ctx.saved_tensors
+        device_type, autocast_enabled, autocast_dtype = ctx.autocast_state
+        with torch.autocast(device_type=device_type, enabled=autocast_enabled, dtype=autocast_dtype):
+            grad_act = torch.matmul(grad_out, weight).to(x.dtype).contiguous()
+            grad_x, grad_bias, y = _act_backward(grad_act, x, bias, ctx.activation)
+            grad_out_2d = grad_out.reshape(-1, grad_out.shape[-1])
+            grad_weight = None
+            if ctx.needs_input_grad[2]:
+                grad_weight = torch.matmul(grad_out_2d.t(), y.reshape(-1, y.shape[-1])).to(weight.dtype)
+            grad_linear_bias = None
+            if ctx.linear_bias_dtype is not None and ctx.needs_input_grad[3]:
+                grad_linear_bias = grad_out_2d.sum(0).to(ctx.linear_bias_dtype)
+        return (
+            grad_x,
+            grad_bias if ctx.has_bias and ctx.needs_input_grad[1] else None,
+            grad_weight,
+            grad_linear_bias,
+            None,
+        )
+
+
+def bias_act(x: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "gelu") -> torch.Tensor:
+    """``act(x + bias)``, saving only ``x`` (and ``bias``) for backward.
+
+    Args:
+        x: ``(*, n)`` pre-activation.
+        bias: ``(n,)`` added before the activation, of x's dtype or float32, or None.
+        activation: ``"relu"``, ``"gelu"`` (exact, erf), ``"gelu_tanh"`` (tanh approximation) or
+            ``"silu"``; the formulas of ``F.relu``, ``F.gelu(approximate=...)`` and ``F.silu``.
+
+    Returns:
+        ``(*, n)`` tensor of x's dtype.
+    """
+    _check_activation("bias_act", activation, ACTIVATIONS)
+    _check_bias("bias_act", x, bias, x.shape[-1] if x.dim() else 0)
+    _extension.require_cuda_kernels("bias_act", x)
+    return BiasActFunction.apply(x.contiguous(), None if bias is None else bias.contiguous(), activation)
+
+
+def swiglu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``silu(gate + bias[:d]) * (up + bias[d:])`` where ``x = [gate | up]`` on the last dimension.
+
+    Args:
+        x: ``(*, 2 * d)`` tensor, the gate projection then the up projection.
+        bias: ``(2 * d,)`` of x's dtype or float32, or None.
+
+    Returns:
+        ``(*, d)`` tensor of x's dtype.
+    """
+    if x.dim() == 0 or x.shape[-1] % 2:
+        raise ValueError(f"memopt.swiglu: x's last dimension must be even ([gate | up]), got shape {list(x.shape)}")
+    _check_bias("swiglu", x, bias, x.shape[-1])
+    _extension.require_cuda_kernels("swiglu", x)
+    return SwiGLUFunction.apply(x.contiguous(), None if bias is None else bias.contiguous())
+
+
+def act_linear(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    linear_weight: torch.Tensor,
+    linear_bias: torch.Tensor | None = None,
+    *,
+    activation: str = "gelu",
+) -> torch.Tensor:
+    """``F.linear(act(x + bias), linear_weight, linear_bias)`` without saving the activation.
+
+    The FFN's second half: eager PyTorch keeps ``act(x + bias)`` for the weight gradient; this
+    keeps ``x`` (the first matmul's output) and rebuilds the activation in the backward kernel.
+
+    Args:
+        x: ``(*, n)`` pre-activation; for ``"swiglu"`` ``(*, 2 * d)`` holding ``[gate | up]``.
+        bias: ``(n,)`` (``(2 * d,)`` for swiglu) added before the activation, or None.
+        linear_weight: ``(out_features, k)`` with ``k = n`` (``d`` for swiglu).
+        linear_bias: ``(out_features,)`` or None.
+        activation: ``"relu"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"`` or ``"swiglu"``.
+
+    Returns:
+        ``(*, out_features)``; under ``torch.autocast`` in the autocast dtype, as ``F.linear``.
+    """
+    _check_activation("act_linear", activation, ACT_LINEAR_ACTIVATIONS)
+    if x.dim() == 0:
+        raise ValueError("memopt.act_linear: x must have at least 1 dimension, got a 0-d tensor")
+    width = x.shape[-1]
+    if activation == "swiglu" and width % 2:
+        raise ValueError(f"memopt.act_linear: x's last dimension must be even for swiglu ([gate | up]), got {width}")
+    act_width = width // 2 if activation == "swiglu" else width
+    _check_bias("act_linear", x, bias, width)
+    if linear_weight.dim() != 2 or linear_weight.shape[1] != act_width:
+        raise ValueError(
+            f"memopt.act_linear: linear_weight must have shape [out_features, {act_width}], "
+            f"got {list(linear_weight.shape)}"
+        )
+    if linear_weight.device != x.device:
+        raise ValueError(f"memopt.act_linear: linear_weight must be on x's device ({x.device}), got {linear_weight.device}")
+    _check_bias("act_linear", x, linear_bias, linear_weight.shape[0], name="linear_bias")
+    _extension.require_cuda_kernels("act_linear", x)
+    return ActLinearFunction.apply(
+        x.contiguous(), None if bias is None else bias.contiguous(), linear_weight, linear_bias, activation
+    )
+
+
+_REFERENCE_ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": lambda h: F.gelu(h, approximate="none"),
+    "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
+def bias_act_ref(
+    x: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "gelu", upcast: bool = False
+) -> torch.Tensor:
+    """Plain PyTorch ``act(x + bias)``; with ``upcast`` in float64 (and returned in float64)."""
+    if upcast:
+        x = x.double()
+        bias = None if bias is None else bias.double()
+    h = x if bias is None else x + bias
+    return _REFERENCE_ACTIVATIONS[activation](h)
+
+
+def swiglu_ref(x: torch.Tensor, bias: torch.Tensor | None = None, upcast: bool = False) -> torch.Tensor:
+    """Plain PyTorch ``silu(gate + b_gate) * (up + b_up)``; with ``upcast`` in float64."""
+    if upcast:
+        x = x.double()
+        bias = None if bias is None else bias.double()
+    h = x if bias is None else x + bias
+    gate, up = h.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def act_linear_ref(
+    x: torch.Tensor,
+    bias: torch.Tensor | None,
+    linear_weight: torch.Tensor,
+    linear_bias: torch.Tensor | None = None,
+    *,
+    activation: str = "gelu",
+    upcast: bool = False,
+) -> torch.Tensor:
+    """Plain PyTorch ``F.linear(act(x + bias), W, b)``; with ``upcast`` everything in float64."""
+    if activation == "swiglu":
+        y = swiglu_ref(x, bias, upcast=upcast)
+    else:
+        y = bias_act_ref(x, bias, activation, upcast=upcast)
+    if upcast:
+        linear_weight = linear_weight.double()
+        linear_bias = None if linear_bias is None else linear_bias.double()
+    return F.linear(y, linear_weight, linear_bias)

@@ -1,0 +1,484 @@
+"""Triton kernels for scaled dot-product attention that recompute the probabilities in backward.
+
+Forward (``_attn_fwd_kernel``): one program per (query block, batch x head); an online softmax
+over key blocks (FlashAttention-2's loop order) keeps a running row max and row sum in registers
+and writes only the output and one float32 log-sum-exp per row. Backward: ``_attn_bwd_delta_kernel``
+computes ``delta = rowsum(dout * out)``; ``_attn_bwd_dkdv_kernel`` runs one program per (key
+block, batch x kv head), walks the query blocks of every query head of its group and accumulates
+dk and dv in registers; ``_attn_bwd_dq_kernel`` runs one program per (query block, batch x head)
+and walks the key blocks. Each output element is written by exactly one program (no atomics), so
+gradients are bit-for-bit deterministic; grouped-query heads are summed inside the dkdv program.
+
+Layouts. ``q``: (B, H, Sq, D); ``k``, ``v``: (B, Hkv, Sk, D), any strides with the last one 1.
+``out`` is written in (B, Sq, H, D) memory order; ``lse``: (B, H, Sq) float32, natural log;
+``dq``: (B, H, Sq, D), ``dk``, ``dv``: (B, Hkv, Sk, D), contiguous.
+
+Causal masking is top-left aligned, as ``F.scaled_dot_product_attention(is_causal=True)``: query
+``i`` sees keys ``j <= i``, whatever ``Sq`` and ``Sk`` are, so no row is ever empty.
+
+Dropout on the probabilities. Element ``(b, h, i, j)`` of the (B, H, Sq, Sk) probability tensor has
+the linear index ``idx = ((b * H + h) * Sq + i) * Sk + j`` and draws the word ``idx % 4`` of
+``philox4x32_10(counter=offset + idx // 4, key=seed)``, i.e. ``tl.randint4x(seed, offset + idx // 4)``;
+it is kept iff that uint32 word is ``>= floor(p * 2^32)`` and kept values are scaled by
+``1 / (1 - p)``. This is the convention of ``csrc/philox.h`` applied to the probability tensor, so
+``memopt.ops._philox.dropout_keep_mask((B, H, Sq, Sk), p, seed, offset)`` rebuilds the same mask.
+When ``Sk % 4 == 0`` each row starts at a multiple of 4, so four adjacent probabilities share one
+counter and one Philox call yields all four (``GROUPED_RNG``); otherwise each probability makes
+its own call and keeps one word. Both give the same mask.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+def interpreter_enabled() -> bool:
+    """True when the @triton.jit kernels of this module were built for Triton's CPU interpreter."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+# Read once, when the decorators below run (Triton reads TRITON_INTERPRET at that moment too).
+INTERPRETED = interpreter_enabled()
+
+# GPU launch configurations, tuned by hand for Hopper (H100/H200, 227 KB shared memory per block):
+# nothing can be measured on the build machine, so this is a table, and
+# tests/test_attention_aot.py proves that every entry compiles for sm_90 without spilling.
+#   kernel -> (head_dim, dropout) -> (BLOCK_M, BLOCK_N, num_warps, num_stages)
+# BLOCK_M tiles queries and BLOCK_N keys in every kernel; one entry serves float16 and bfloat16,
+# causal or not. Dropout gets smaller tiles: Philox keeps four 32-bit words of state per element of
+# the score tile while it runs, which spills the plain tiles.
+GPU_CONFIGS = {
+    "fwd": {
+        (16, False): (128, 64, 4, 3), (16, True): (64, 64, 4, 3),
+        (32, False): (128, 64, 4, 3), (32, True): (64, 64, 4, 3),
+        (64, False): (128, 64, 4, 3), (64, True): (64, 64, 4, 3),
+        (128, False): (128, 64, 8, 3), (128, True): (64, 64, 8, 3),
+        (256, False): (64, 32, 8, 2), (256, True): (64, 32, 8, 2),
+    },
+    "bwd_dkdv": {
+        (16, False): (32, 128, 4, 3), (16, True): (32, 64, 4, 3),
+        (32, False): (32, 128, 4, 3), (32, True): (32, 64, 4, 3),
+        (64, False): (32, 128, 8, 3), (64, True): (32, 128, 8, 3),
+        (128, False): (32, 128, 8, 2), (128, True): (32, 64, 8, 2),
+        (256, False): (32, 32, 8, 1), (256, True): (32, 32, 8, 1),
+    },
+    "bwd_dq": {
+        (16, False): (128, 32, 4, 3), (16, True): (64, 32, 4, 3),
+        (32, False): (128, 32, 4, 3), (32, True): (64, 32, 4, 3),
+        (64, False): (128, 32, 4, 3), (64, True): (64, 32, 4, 3),
+        (128, False): (128, 32, 8, 2), (128, True): (64, 32, 4, 3),
+        (256, False): (64, 32, 8, 2), (256, True): (64, 32, 8, 2),
+    },
+    # rowsum(dout * out): no dropout variant, BLOCK_N unused.
+    "bwd_delta": {(d, False): (64, 0, 4, 1) for d in SUPPORTED_HEAD_DIMS},
+}
+
+# Under the interpreter the blocks are small so CPU tests stay fast, and tile edges are crossed
+# by short sequences.
+INTERPRETER_CONFIG = (16, 16, 1, 1)
+
+
+def launch_config(kernel: str, head_dim: int, dropout: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``kernel`` on this backend."""
+    if INTERPRETED:
+        return INTERPRETER_CONFIG
+    return GPU_CONFIGS[kernel][(head_dim, dropout and kernel != "bwd_delta")]
+
+
+@triton.jit
+def _dropout_keep(
+    seed, rng_offset, drop_threshold,
+    row_index,       # (BLOCK_M,) int64: index of each row's column 0 in the (B, H, Sq, Sk) tensor
+    start_n,         # first column of the tile
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    GROUPED: tl.constexpr,  # Sk % 4 == 0: four adjacent columns share one Philox call
+):
+    """(BLOCK_M, BLOCK_N) keep-mask: element idx keeps iff word idx % 4 of Philox(offset + idx // 4)
+    is >= drop_threshold."""
+    if GROUPED:
+        # Rows start at multiples of 4 and so does start_n: columns 4c..4c+3 are words 0..3 of
+        # one counter, so each call yields four elements instead of one.
+        counter = rng_offset + (row_index[:, None] + start_n) // 4 + tl.arange(0, BLOCK_N // 4)[None, :].to(tl.int64)
+        r0, r1, r2, r3 = tl.randint4x(seed, counter)
+        k0 = (r0.to(tl.int64) >= drop_threshold).to(tl.int8)
+        k1 = (r1.to(tl.int64) >= drop_threshold).to(tl.int8)
+        k2 = (r2.to(tl.int64) >= drop_threshold).to(tl.int8)
+        k3 = (r3.to(tl.int64) >= drop_threshold).to(tl.int8)
+        # tl.join adds a new minor dim, so the outer join interleaves: [k0, k1, k2, k3] per group.
+        keep = tl.reshape(tl.join(tl.join(k0, k2), tl.join(k1, k3)), (BLOCK_M, BLOCK_N)) != 0
+    else:
+        index = row_index[:, None] + (start_n + tl.arange(0, BLOCK_N))[None, :].to(tl.int64)
+        r0, r1, r2, r3 = tl.randint4x(seed, rng_offset + index // 4)
+        word = index % 4
+        r = tl.where(word == 0, r0, tl.where(word == 1, r1, tl.where(word == 2, r2, r3)))
+        keep = r.to(tl.int64) >= drop_threshold
+    return keep
+
+
+@triton.jit
+def _attn_fwd_kernel(
+    Q, K, V, Out, Lse,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    num_heads,       # H, query heads
+    group_size,      # H // Hkv: query heads sharing one key/value head
+    seq_q, seq_k,
+    qk_scale,        # softmax scale * log2(e): scores are kept in base 2
+    seed, rng_offset,  # Philox key and counter offset of the dropout mask
+    drop_threshold,  # uint32 words below this are dropped
+    keep_scale,      # 1 / (1 - dropout_p)
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    GROUPED_RNG: tl.constexpr,  # seq_k % 4 == 0: one Philox call per four probabilities
+    UPCAST_DOT: tl.constexpr,  # interpreter only: its low-precision tl.dot is wrong
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // num_heads
+    head = pid_bh % num_heads
+    kv_head = head // group_size
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+    k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    row_valid = offs_m < seq_q
+    q = tl.load(q_base + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # First element of this block's rows in the (B, H, Sq, Sk) probability tensor.
+    row_index = (pid_bh.to(tl.int64) * seq_q + offs_m.to(tl.int64)) * seq_k
+
+    hi = seq_k
+    if CAUSAL:
+        hi = tl.minimum(seq_k, (pid_m + 1) * BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        col_valid = offs_n < seq_k
+        k_t = tl.load(k_base + offs_n[None, :].to(tl.int64) * stride_kn + offs_d[:, None], mask=col_valid[None, :], other=0.0)
+        v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :], mask=col_valid[:, None], other=0.0)
+        if UPCAST_DOT:
+            k_t = k_t.to(tl.float32)
+            v = v.to(tl.float32)
+        scores = tl.dot(q, k_t) * qk_scale
+        valid = col_valid[None, :]
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= offs_m[:, None])
+        scores = tl.where(valid, scores, float("-inf"))
+        # Every row has a finite score in its first block (key 0 is always visible), so m_new is
+        # finite and alpha is 0 on the first iteration, never NaN.
+        m_new = tl.maximum(m_i, tl.max(scores, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            keep = _dropout_keep(seed, rng_offset, drop_threshold, row_index, start_n, BLOCK_M, BLOCK_N, GROUPED_RNG)
+            p = tl.where(keep, p * keep_scale, 0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    acc = acc / l_i[:, None]
+    out_base = Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+    tl.store(out_base + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :], acc.to(Out.dtype.element_ty), mask=row_valid[:, None])
+    lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # base 2 -> natural log: times ln(2)
+    tl.store(Lse + pid_bh.to(tl.int64) * seq_q + offs_m, lse, mask=row_valid)
+
+
+@triton.jit
+def _attn_bwd_delta_kernel(
+    Out, DOut, Delta,
+    stride_ob, stride_oh, stride_om,
+    stride_dob, stride_doh, stride_dom,
+    num_heads, seq_q,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // num_heads
+    head = pid_bh % num_heads
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_valid = offs_m < seq_q
+    o = tl.load(
+        Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
+        + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :],
+        mask=row_valid[:, None], other=0.0,
+    ).to(tl.float32)
+    do = tl.load(
+        DOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+        + offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :],
+        mask=row_valid[:, None], other=0.0,
+    ).to(tl.float32)
+    tl.store(Delta + pid_bh.to(tl.int64) * seq_q + offs_m, tl.sum(o * do, 1), mask=row_valid)
+
+
+@triton.jit
+def _attn_bwd_dkdv_kernel(
+    Q, K, V, DOut, Lse, Delta, DK, DV,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    num_heads, num_kv_heads, group_size,
+    seq_q, seq_k,
+    qk_scale,        # softmax scale * log2(e)
+    sm_scale,        # softmax scale, applied to dk once at the end
+    seed, rng_offset, drop_threshold, keep_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    GROUPED_RNG: tl.constexpr,  # seq_k % 4 == 0: one Philox call per four probabilities
+    UPCAST_DOT: tl.constexpr,
+):
+    # Transposed tiles throughout: rows are keys (BLOCK_N), columns are queries (BLOCK_M).
+    pid_n = tl.program_id(0)
+    pid_bkv = tl.program_id(1)
+    batch = pid_bkv // num_kv_heads
+    kv_head = pid_bkv % num_kv_heads
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_valid = offs_n < seq_k
+    k = tl.load(
+        K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+        + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
+        mask=key_valid[:, None], other=0.0,
+    )
+    v = tl.load(
+        V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+        + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
+        mask=key_valid[:, None], other=0.0,
+    )
+    if UPCAST_DOT:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+
+    # Under the top-left causal mask, queries before this key block see none of it.
+    lo = 0
+    if CAUSAL:
+        lo = (pid_n * BLOCK_N) // BLOCK_M * BLOCK_M
+    for g in range(0, group_size):
+        head = kv_head * group_size + g
+        bh = batch * num_heads + head
+        q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+        do_base = DOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+        for start_m in range(lo, seq_q, BLOCK_M):
+            offs_m = start_m + tl.arange(0, BLOCK_M)
+            query_valid = offs_m < seq_q
+            q = tl.load(q_base + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :], mask=query_valid[:, None], other=0.0)
+            do = tl.load(do_base + offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :], mask=query_valid[:, None], other=0.0)
+            if UPCAST_DOT:
+                q = q.to(tl.float32)
+                do = do.to(tl.float32)
+            lse = tl.load(Lse + bh.to(tl.int64) * seq_q + offs_m, mask=query_valid, other=0.0) * 1.4426950408889634
+            delta = tl.load(Delta + bh.to(tl.int64) * seq_q + offs_m, mask=query_valid, other=0.0)
+
+            scores_t = tl.dot(k, tl.trans(q)) * qk_scale
+            valid = key_valid[:, None] & query_valid[None, :]
+            if CAUSAL:
+                valid = valid & (offs_n[:, None] <= offs_m[None, :])
+            p_t = tl.where(valid, tl.exp2(scores_t - lse[None, :]), 0.0)
+            dp_t = tl.dot(v, tl.trans(do))
+            if DROPOUT:
+                row_index = (bh.to(tl.int64) * seq_q + offs_m.to(tl.int64)) * seq_k
+                keep = tl.trans(
+                    _dropout_keep(seed, rng_offset, drop_threshold, row_index, pid_n * BLOCK_N, BLOCK_M, BLOCK_N, GROUPED_RNG)
+                )
+                p_dropped_t = tl.where(keep, p_t * keep_scale, 0.0)
+                dp_t = tl.where(keep, dp_t * keep_scale, 0.0)
+            else:
+                p_dropped_t = p_t
+            dv += tl.dot(p_dropped_t.to(do.dtype), do)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk += tl.dot(ds_t.to(q.dtype), q)
+
+    dk = dk * sm_scale
+    # dk and dv are contiguous (B, Hkv, Sk, D).
+    out_offsets = (pid_bkv.to(tl.int64) * seq_k + offs_n[:, None].to(tl.int64)) * HEAD_DIM + offs_d[None, :]
+    tl.store(DK + out_offsets, dk.to(DK.dtype.element_ty), mask=key_valid[:, None])
+    tl.store(DV + out_offsets, dv.to(DV.dtype.element_ty), mask=key_valid[:, None])
+
+
+@triton.jit
+def _attn_bwd_dq_kernel(
+    Q, K, V, DOut, Lse, Delta, DQ,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    num_heads, group_size,
+    seq_q, seq_k,
+    qk_scale, sm_scale,
+    seed, rng_offset, drop_threshold, keep_scale,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    GROUPED_RNG: tl.constexpr,  # seq_k % 4 == 0: one Philox call per four probabilities
+    UPCAST_DOT: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    batch = pid_bh // num_heads
+    head = pid_bh % num_heads
+    kv_head = head // group_size
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    query_valid = offs_m < seq_q
+    q = tl.load(
+        Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
+        + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :],
+        mask=query_valid[:, None], other=0.0,
+    )
+    do = tl.load(
+        DOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
+        + offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :],
+        mask=query_valid[:, None], other=0.0,
+    )
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    lse = tl.load(Lse + pid_bh.to(tl.int64) * seq_q + offs_m, mask=query_valid, other=0.0) * 1.4426950408889634
+    delta = tl.load(Delta + pid_bh.to(tl.int64) * seq_q + offs_m, mask=query_valid, other=0.0)
+    k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
+    row_index = (pid_bh.to(tl.int64) * seq_q + offs_m.to(tl.int64)) * seq_k
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    hi = seq_k
+    if CAUSAL:
+        hi = tl.minimum(seq_k, (pid_m + 1) * BLOCK_M)
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        key_valid = offs_n < seq_k
+        k = tl.load(k_base + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :], mask=key_valid[:, None], other=0.0)
+        v_t = tl.load(v_base + offs_n[None, :].to(tl.int64) * stride_vn + offs_d[:, None], mask=key_valid[None, :], other=0.0)
+        if UPCAST_DOT:
+            k = k.to(tl.float32)
+            v_t = v_t.to(tl.float32)
+        scores = tl.dot(q, tl.trans(k)) * qk_scale
+        valid = query_valid[:, None] & key_valid[None, :]
+        if CAUSAL:
+            valid = valid & (offs_n[None, :] <= offs_m[:, None])
+        p = tl.where(valid, tl.exp2(scores - lse[:, None]), 0.0)
+        dp = tl.dot(do, v_t)
+        if DROPOUT:
+            keep = _dropout_keep(seed, rng_offset, drop_threshold, row_index, start_n, BLOCK_M, BLOCK_N, GROUPED_RNG)
+            dp = tl.where(keep, dp * keep_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+
+    dq = dq * sm_scale
+    tl.store(DQ + (pid_bh.to(tl.int64) * seq_q + offs_m[:, None].to(tl.int64)) * HEAD_DIM + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=query_valid[:, None])
+
+
+def _dropout_args(dropout_p: float, rng_key: torch.Tensor) -> tuple[int, int, int, float]:
+    """(seed, offset, threshold, keep_scale) for the kernels, read from the host-side key."""
+    if dropout_p == 0.0:
+        return 0, 0, 0, 1.0
+    seed, offset = (int(x) for x in rng_key.tolist())
+    scaled = dropout_p * 4294967296.0
+    threshold = 0xFFFFFFFF if scaled >= 4294967295.0 else int(scaled)
+    return seed, offset, threshold, 1.0 / (1.0 - dropout_p)
+
+
+def attention_fwd_triton(q, k, v, causal: bool, dropout_p: float, scale: float, rng_key):
+    """Launch the forward kernel. Returns ``out`` ((B, H, Sq, D) view of a (B, Sq, H, D) buffer)
+    and ``lse`` ((B, H, Sq) float32). Inputs are validated by the caller."""
+    batch, heads, seq_q, head_dim = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    out = torch.empty((batch, seq_q, heads, head_dim), device=q.device, dtype=q.dtype).transpose(1, 2)
+    lse = torch.empty((batch, heads, seq_q), device=q.device, dtype=torch.float32)
+    seed, offset, threshold, keep_scale = _dropout_args(dropout_p, rng_key)
+    block_m, block_n, num_warps, num_stages = launch_config("fwd", head_dim, dropout_p > 0.0)
+    grid = (triton.cdiv(seq_q, block_m), batch * heads)
+    _attn_fwd_kernel[grid](
+        q, k, v, out, lse,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        heads, heads // kv_heads, seq_q, seq_k,
+        scale * LOG2E, seed, offset, threshold, keep_scale,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        CAUSAL=causal, DROPOUT=dropout_p > 0.0, GROUPED_RNG=seq_k % 4 == 0, UPCAST_DOT=INTERPRETED,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out, lse
+
+
+def attention_bwd_triton(grad_out, q, k, v, out, lse, causal: bool, dropout_p: float, scale: float, rng_key):
+    """Launch the three backward kernels. Returns contiguous ``dq`` (B, H, Sq, D) and ``dk``,
+    ``dv`` (B, Hkv, Sk, D)."""
+    batch, heads, seq_q, head_dim = q.shape
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    delta = torch.empty((batch, heads, seq_q), device=q.device, dtype=torch.float32)
+    dq = torch.empty((batch, heads, seq_q, head_dim), device=q.device, dtype=q.dtype)
+    dk = torch.empty((batch, kv_heads, seq_k, head_dim), device=q.device, dtype=k.dtype)
+    dv = torch.empty((batch, kv_heads, seq_k, head_dim), device=q.device, dtype=v.dtype)
+    seed, offset, threshold, keep_scale = _dropout_args(dropout_p, rng_key)
+    dropout = dropout_p > 0.0
+
+    block_m, _, num_warps, num_stages = launch_config("bwd_delta", head_dim)
+    _attn_bwd_delta_kernel[(triton.cdiv(seq_q, block_m), batch * heads)](
+        out, grad_out, delta,
+        out.stride(0), out.stride(1), out.stride(2),
+        grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
+        heads, seq_q,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, num_warps=num_warps, num_stages=num_stages,
+    )
+    strides = (
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
+    )
+    block_m, block_n, num_warps, num_stages = launch_config("bwd_dkdv", head_dim, dropout)
+    _attn_bwd_dkdv_kernel[(triton.cdiv(seq_k, block_n), batch * kv_heads)](
+        q, k, v, grad_out, lse, delta, dk, dv,
+        *strides,
+        heads, kv_heads, group, seq_q, seq_k,
+        scale * LOG2E, scale, seed, offset, threshold, keep_scale,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        CAUSAL=causal, DROPOUT=dropout, GROUPED_RNG=seq_k % 4 == 0, UPCAST_DOT=INTERPRETED,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    block_m, block_n, num_warps, num_stages = launch_config("bwd_dq", head_dim, dropout)
+    _attn_bwd_dq_kernel[(triton.cdiv(seq_q, block_m), batch * heads)](
+        q, k, v, grad_out, lse, delta, dq,
+        *strides,
+        heads, group, seq_q, seq_k,
+        scale * LOG2E, scale, seed, offset, threshold, keep_scale,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        CAUSAL=causal, DROPOUT=dropout, GROUPED_RNG=seq_k % 4 == 0, UPCAST_DOT=INTERPRETED,
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return dq, dk, dv

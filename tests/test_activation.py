@@ -1,0 +1,398 @@
+"""bias_act, swiglu, act_linear: kernels against float64 PyTorch references, the rebuilt
+activation, gradcheck, opcheck, torch.compile, autocast, saved bytes, errors."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import memopt
+from memopt.ops.activation import (
+    ACTIVATIONS,
+    ActLinearFunction,
+    BiasActFunction,
+    SwiGLUFunction,
+    act_linear_ref,
+    bias_act_ref,
+    swiglu_ref,
+)
+
+from helpers import device_dtype_params, gpu, tolerances
+
+SHAPES = [(1, 33), (97, 33), (123, 1025), (2, 5, 33), (7,)]
+SWIGLU_SHAPES = [(1, 66), (97, 66), (123, 2050), (2, 5, 34), (8,)]
+
+
+def _shape_id(shape):
+    return "x".join(map(str, shape))
+
+
+def _bias(n, device, dtype, with_bias):
+    return torch.randn(n, device=device, dtype=dtype, requires_grad=True) if with_bias else None
+
+
+def _reference_grads(ref_fn, inputs, grad):
+    """Gradients of ref_fn in float64 with respect to the tensors in inputs (None stays None)."""
+    leaves = [None if t is None else t.detach().double().requires_grad_() for t in inputs]
+    out = ref_fn(*leaves)
+    out.backward(grad.double())
+    return out, [None if t is None else t.grad for t in leaves]
+
+
+@pytest.mark.parametrize("device,dtype", device_dtype_params())
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bias_act_matches_reference(device, dtype, activation, shape, with_bias):
+    x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+    bias = _bias(shape[-1], device, dtype, with_bias)
+    y = memopt.bias_act(x, bias, activation)
+    assert y.dtype == dtype and y.shape == x.shape
+    grad = torch.randn_like(y)
+    ref, (ref_dx, ref_db) = _reference_grads(lambda a, b: bias_act_ref(a, b, activation), (x, bias), grad)
+    torch.testing.assert_close(y.double(), ref.detach(), **tolerances(dtype))
+    y.backward(grad)
+    torch.testing.assert_close(x.grad.double(), ref_dx, **tolerances(dtype))
+    if with_bias:
+        assert bias.grad.dtype == dtype
+        torch.testing.assert_close(bias.grad.double(), ref_db, **tolerances(dtype))
+
+
+@pytest.mark.parametrize("device,dtype", device_dtype_params())
+@pytest.mark.parametrize("shape", SWIGLU_SHAPES, ids=_shape_id)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_swiglu_matches_reference(device, dtype, shape, with_bias):
+    x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+    bias = _bias(shape[-1], device, dtype, with_bias)
+    y = memopt.swiglu(x, bias)
+    assert y.dtype == dtype and y.shape == shape[:-1] + (shape[-1] // 2,)
+    grad = torch.randn_like(y)
+    ref, (ref_dx, ref_db) = _reference_grads(swiglu_ref, (x, bias), grad)
+    torch.testing.assert_close(y.double(), ref.detach(), **tolerances(dtype))
+    y.backward(grad)
+    torch.testing.assert_close(x.grad.double(), ref_dx, **tolerances(dtype))
+    if with_bias:
+        torch.testing.assert_close(bias.grad.double(), ref_db, **tolerances(dtype))
+
+
+def _float32_bias_params():
+    # A float32 bias beside lower-precision x: float64 x on CPU, half x on CUDA.
+    return [pytest.param("cpu", torch.float64, id="cpu-float64")] + [
+        pytest.param("cuda", dt, id=f"cuda-{str(dt).split('.')[-1]}", marks=gpu) for dt in (torch.float16, torch.bfloat16)
+    ]
+
+
+@pytest.mark.parametrize("device,dtype", _float32_bias_params())
+@pytest.mark.parametrize("activation", ACTIVATIONS + ("swiglu",))
+def test_float32_bias_with_other_input_dtype(device, dtype, activation):
+    x = torch.randn(97, 66, device=device, dtype=dtype, requires_grad=True)
+    bias = torch.randn(66, device=device, dtype=torch.float32, requires_grad=True)
+    if activation == "swiglu":
+        y, ref_fn = memopt.swiglu(x, bias), swiglu_ref
+    else:
+        y, ref_fn = memopt.bias_act(x, bias, activation), lambda a, b: bias_act_ref(a, b, activation)
+    assert y.dtype == dtype
+    grad = torch.randn_like(y)
+    ref, (ref_dx, ref_db) = _reference_grads(ref_fn, (x, bias), grad)
+    torch.testing.assert_close(y.double(), ref.detach(), **tolerances(dtype))
+    y.backward(grad)
+    assert bias.grad.dtype == torch.float32
+    torch.testing.assert_close(x.grad.double(), ref_dx, **tolerances(dtype))
+    torch.testing.assert_close(bias.grad.double(), ref_db, **tolerances(torch.float32 if dtype == torch.float64 else dtype))
+
+
+@pytest.mark.parametrize("device,dtype", device_dtype_params())
+@pytest.mark.parametrize("activation", ACTIVATIONS + ("swiglu",))
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_backward_returns_forward_output_exactly(device, dtype, activation, with_bias):
+    x = torch.randn(97, 66, device=device, dtype=dtype)
+    bias = torch.randn(66, device=device, dtype=dtype) if with_bias else None
+    if activation == "swiglu":
+        y = torch.ops.memopt.swiglu_fwd(x, bias)
+        grad_x, grad_bias, y_rebuilt = torch.ops.memopt.swiglu_bwd(torch.randn_like(y), x, bias, True)
+        _, _, absent = torch.ops.memopt.swiglu_bwd(torch.randn_like(y), x, bias, False)
+    else:
+        y = torch.ops.memopt.bias_act_fwd(x, bias, activation)
+        grad_x, grad_bias, y_rebuilt = torch.ops.memopt.bias_act_bwd(torch.randn_like(y), x, bias, activation, True)
+        _, _, absent = torch.ops.memopt.bias_act_bwd(torch.randn_like(y), x, bias, activation, False)
+    assert torch.equal(y_rebuilt, y)
+    assert absent.numel() == 0
+    assert grad_x.shape == x.shape
+    assert grad_bias.shape == ((66,) if with_bias else (0,))
+
+
+def test_relu_gradient_at_zero_is_zero_like_pytorch():
+    x = torch.tensor([-1.0, 0.0, 2.0], dtype=torch.float64, requires_grad=True)
+    memopt.bias_act(x, None, "relu").backward(torch.ones(3, dtype=torch.float64))
+    x_ref = x.detach().clone().requires_grad_()
+    F.relu(x_ref).backward(torch.ones(3, dtype=torch.float64))
+    assert torch.equal(x.grad, x_ref.grad)
+    assert x.grad[1].item() == 0.0
+
+
+def _away_from_zero(shape, margin=0.1):
+    """float64 values with |v| >= margin + 0.05: relu's kink stays out of gradcheck's reach."""
+    magnitude = margin + 0.05 + torch.rand(shape, dtype=torch.float64)
+    return torch.where(torch.rand(shape) < 0.5, -magnitude, magnitude)
+
+
+def _gradcheck_inputs(activation, shape):
+    """x and a small bias such that x + bias stays at least 0.1 away from relu's kink."""
+    x = _away_from_zero(shape) if activation == "relu" else torch.randn(shape, dtype=torch.float64)
+    bias = (torch.rand(shape[-1], dtype=torch.float64) - 0.5) * 0.1
+    return x.requires_grad_(), bias.requires_grad_()
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gradcheck_bias_act_float64(activation, with_bias):
+    x, bias = _gradcheck_inputs(activation, (5, 7))
+    assert torch.autograd.gradcheck(BiasActFunction.apply, (x, bias if with_bias else None, activation))
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gradcheck_swiglu_float64(with_bias):
+    x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(8, dtype=torch.float64, requires_grad=True) if with_bias else None
+    assert torch.autograd.gradcheck(SwiGLUFunction.apply, (x, bias))
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS + ("swiglu",))
+@pytest.mark.parametrize("with_linear_bias", [False, True])
+def test_gradcheck_act_linear_float64(activation, with_linear_bias):
+    x, bias = _gradcheck_inputs(activation, (2, 3, 8))
+    k = 4 if activation == "swiglu" else 8
+    weight = torch.randn(5, k, dtype=torch.float64, requires_grad=True)
+    linear_bias = torch.randn(5, dtype=torch.float64, requires_grad=True) if with_linear_bias else None
+    assert torch.autograd.gradcheck(ActLinearFunction.apply, (x, bias, weight, linear_bias, activation))
+
+
+@pytest.mark.parametrize("device,dtype", device_dtype_params())
+@pytest.mark.parametrize("activation", ACTIVATIONS + ("swiglu",))
+@pytest.mark.parametrize("shape", [(1, 34), (2, 61, 66)])
+def test_act_linear_matches_eager(device, dtype, activation, shape):
+    x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+    bias = torch.randn(shape[-1], device=device, dtype=dtype, requires_grad=True)
+    k = shape[-1] // 2 if activation == "swiglu" else shape[-1]
+    weight = (torch.randn(17, k, device=device, dtype=dtype) / k**0.5).requires_grad_()
+    linear_bias = torch.randn(17, device=device, dtype=dtype, requires_grad=True)
+    params = (x, bias, weight, linear_bias)
+
+    out = memopt.act_linear(*params, activation=activation)
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    ours = [out] + [p.grad for p in params]
+
+    ref64, grads64 = _reference_grads(lambda *a: act_linear_ref(*a, activation=activation), params, grad)
+    low = [p.detach().clone().requires_grad_() for p in params]
+    eager = act_linear_ref(*low, activation=activation)
+    eager.backward(grad)
+    eager_low = [eager] + [p.grad for p in low]
+    # flash-attention's rule: at most twice the error of eager PyTorch in the same dtype.
+    atol = tolerances(dtype)["atol"]
+    for name, got, low_precision, exact in zip(["out", "x", "bias", "weight", "linear_bias"], ours, eager_low,
+                                                 [ref64] + grads64):
+        assert got.dtype == dtype, name
+        err = (got.double() - exact.detach()).abs().max().item()
+        eager_err = (low_precision.double() - exact.detach()).abs().max().item()
+        assert err <= 2 * eager_err + atol, f"{name}: error {err} vs eager {eager_err}"
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS + ("swiglu",))
+def test_act_linear_under_cpu_autocast_matches_eager_autocast(activation):
+    x = torch.randn(3, 29, 66, requires_grad=True)
+    bias = torch.randn(66, requires_grad=True)
+    k = 33 if activation == "swiglu" else 66
+    weight = (torch.randn(40, k) / k**0.5).requires_grad_()
+    linear_bias = torch.randn(40, requires_grad=True)
+    params = (x, bias, weight, linear_bias)
+    low = [p.detach().clone().requires_grad_() for p in params]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = memopt.act_linear(*params, activation=activation)
+        eager = act_linear_ref(*low, activation=activation)
+    assert out.dtype == eager.dtype == torch.bfloat16
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    eager.backward(grad)
+    torch.testing.assert_close(out, eager, **tolerances(torch.bfloat16))
+    for p, q in zip(params, low):
+        assert p.grad.dtype == q.grad.dtype == torch.float32
+        scale = q.grad.abs().max().item()
+        torch.testing.assert_close(p.grad, q.grad, atol=1.6e-2 * scale, rtol=1.6e-2)
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("return_y", [False, True])
+def test_opcheck(with_bias, return_y):
+    x = torch.randn(5, 34, dtype=torch.float64)
+    bias = torch.randn(34, dtype=torch.float64) if with_bias else None
+    grad = torch.randn(5, 34, dtype=torch.float64)
+    for activation in ACTIVATIONS:
+        torch.library.opcheck(torch.ops.memopt.bias_act_fwd.default, (x, bias, activation))
+        torch.library.opcheck(torch.ops.memopt.bias_act_bwd.default, (grad, x, bias, activation, return_y))
+    torch.library.opcheck(torch.ops.memopt.swiglu_fwd.default, (x, bias))
+    torch.library.opcheck(torch.ops.memopt.swiglu_bwd.default, (grad[:, :17].contiguous(), x, bias, return_y))
+
+
+def test_compile_fullgraph(compile_cache):
+    x = torch.randn(2, 9, 34, requires_grad=True)
+    bias = torch.randn(34, requires_grad=True)
+    weight = torch.randn(6, 17, requires_grad=True)
+
+    def fn(a, b, w):
+        h = memopt.bias_act(a, b, "gelu_tanh") + memopt.swiglu(a, b).sum(-1, keepdim=True)
+        return memopt.act_linear(h, b, w, None, activation="swiglu")
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    out = compiled(x, bias, weight)
+    out.sum().backward()
+    got = [out.detach()] + [t.grad.clone() for t in (x, bias, weight)]
+    for t in (x, bias, weight):
+        t.grad = None
+    expected = fn(x, bias, weight)
+    expected.sum().backward()
+    torch.testing.assert_close(got[0], expected.detach())
+    for g, t in zip(got[1:], (x, bias, weight)):
+        torch.testing.assert_close(g, t.grad)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bias_act_saves_no_more_than_eager(activation, with_bias):
+    x = torch.randn(64, 96, requires_grad=True)
+    bias = torch.randn(96, requires_grad=True) if with_bias else None
+    nbytes = x.numel() * x.element_size()
+    fused = memopt.saved_bytes(memopt.bias_act, x, bias, activation)
+    eager = memopt.saved_bytes(lambda a, b: bias_act_ref(a, b, activation), x, bias)
+    # memopt keeps x and bias only (arguments, not counted). Eager relu keeps its output; gelu and
+    # silu keep their input, a new tensor x + bias when there is a bias, else x itself.
+    assert fused == 0
+    assert eager == (nbytes if activation == "relu" or with_bias else 0)
+    assert fused <= eager
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS + ("swiglu",))
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_act_linear_saves_the_activation_output_less(activation, with_bias):
+    rows, width, out_features = 2 * 48, 128, 80
+    x = torch.randn(2, 48, width, requires_grad=True)
+    bias = torch.randn(width, requires_grad=True) if with_bias else None
+    act_width = width // 2 if activation == "swiglu" else width
+    weight = torch.randn(out_features, act_width, requires_grad=True)
+    linear_bias = torch.randn(out_features, requires_grad=True)
+    y_bytes = rows * act_width * 4
+    h_bytes = rows * width * 4
+
+    def unfused(a, b, w, lb):
+        y = memopt.swiglu(a, b) if activation == "swiglu" else memopt.bias_act(a, b, activation)
+        return F.linear(y, w, lb)
+
+    def eager(a, b, w, lb):
+        return act_linear_ref(a, b, w, lb, activation=activation)
+
+    args = (x, bias, weight, linear_bias)
+    fused = memopt.saved_bytes(lambda *a: memopt.act_linear(*a, activation=activation), *args)
+    # x and the parameters are arguments (not counted): act_linear keeps nothing else.
+    assert fused == 0
+    # memopt's activation followed by F.linear keeps exactly the activation output more.
+    assert memopt.saved_bytes(unfused, *args) == fused + y_bytes
+    # Eager PyTorch keeps the activation output too, and besides, gelu/silu keep x + bias and
+    # swiglu keeps x + bias (its gate and up views) and silu(gate).
+    eager_extra = {
+        "relu": 0,
+        "gelu": h_bytes if with_bias else 0,
+        "gelu_tanh": h_bytes if with_bias else 0,
+        "silu": h_bytes if with_bias else 0,
+        "swiglu": (h_bytes if with_bias else 0) + y_bytes,
+    }[activation]
+    assert memopt.saved_bytes(eager, *args) == fused + y_bytes + eager_extra
+
+
+def _raises(call, match):
+    with pytest.raises((ValueError, RuntimeError), match=match):
+        call()
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: memopt.bias_act(torch.randn(3, 4), None, "tanh"), "activation must be one of"),
+        (lambda: torch.ops.memopt.bias_act_fwd(torch.randn(3, 4), None, "tanh"), "activation must be one of"),
+        (lambda: memopt.act_linear(torch.randn(3, 4), None, torch.randn(2, 4), activation="gelu2"),
+         "activation must be one of"),
+        (lambda: memopt.bias_act(torch.randn(3, 4), torch.randn(5)), r"bias must have shape \[4\]"),
+        (lambda: torch.ops.memopt.bias_act_fwd(torch.randn(3, 4), torch.randn(5), "gelu"), r"bias must have shape \[4\]"),
+        (lambda: torch.ops.memopt.swiglu_fwd(torch.randn(3, 4), torch.randn(2)), r"bias must have shape \[4\]"),
+        (lambda: memopt.bias_act(torch.randn(3, 4), torch.randn(4, device="meta")), "bias must be on x's device"),
+        (lambda: memopt.act_linear(torch.randn(3, 4), None, torch.randn(2, 4, device="meta")),
+         "linear_weight must be on x's device"),
+        (lambda: memopt.act_linear(torch.randn(3, 4), None, torch.randn(2, 3)), r"linear_weight must have shape \[out_features, 4\]"),
+        (lambda: memopt.act_linear(torch.randn(3, 4), None, torch.randn(2, 4), torch.randn(3)),
+         r"linear_bias must have shape \[2\]"),
+        (lambda: memopt.swiglu(torch.randn(3, 5)), "last dimension must be even"),
+        (lambda: torch.ops.memopt.swiglu_fwd(torch.randn(3, 5), None), "last dimension must be even"),
+        (lambda: memopt.act_linear(torch.randn(3, 5), None, torch.randn(2, 2), activation="swiglu"),
+         "last dimension must be even"),
+        (lambda: torch.ops.memopt.bias_act_fwd(torch.randn(4, 4).t(), None, "gelu"), "x must be contiguous"),
+        (lambda: torch.ops.memopt.swiglu_fwd(torch.randn(4, 4).t(), None), "x must be contiguous"),
+        (lambda: torch.ops.memopt.bias_act_fwd(torch.randn(4, 8), torch.randn(16)[::2], "gelu"), "bias must be contiguous"),
+        (lambda: torch.ops.memopt.bias_act_fwd(torch.randn(4, dtype=torch.float16), None, "gelu"), "x is"),
+        (lambda: torch.ops.memopt.bias_act_fwd(torch.ones(4, dtype=torch.int32), None, "gelu"), "x must be float32"),
+        (lambda: torch.ops.memopt.bias_act_fwd(torch.randn(4), torch.randn(4, dtype=torch.float64), "gelu"),
+         r"bias must have x's dtype \(Float\) or float32"),
+        (lambda: torch.ops.memopt.bias_act_bwd(torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4), None, "gelu",
+                                               False), "grad_y must have the dtype of x"),
+        (lambda: torch.ops.memopt.bias_act_bwd(torch.randn(3, 5), torch.randn(3, 4), None, "gelu", False),
+         "grad_y must have the forward output's shape"),
+        (lambda: torch.ops.memopt.swiglu_bwd(torch.randn(3, 4), torch.randn(3, 4), None, False),
+         r"grad_y must have the forward output's shape \[3, 2\]"),
+        (lambda: torch.ops.memopt.bias_act_fwd(torch.tensor(1.0), None, "gelu"), "at least 1 dimension"),
+    ],
+)
+def test_bad_input_raises_clear_error(call, match):
+    _raises(call, match)
+
+
+@gpu
+def test_mixed_devices_raise_at_op_level():
+    x = torch.randn(3, 4, device="cuda")
+    _raises(lambda: torch.ops.memopt.bias_act_fwd(x, torch.randn(4), "gelu"), "bias must be on x's device")
+    _raises(lambda: torch.ops.memopt.swiglu_fwd(x, torch.randn(4)), "bias must be on x's device")
+    _raises(lambda: torch.ops.memopt.bias_act_bwd(torch.randn(3, 4), x, None, "gelu", False), "grad_y must be on x's device")
+    _raises(lambda: torch.ops.memopt.bias_act_fwd(x.double(), None, "gelu"), "float64 on CUDA")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_bias_gradient_over_many_row_chunks_is_deterministic(dtype, activation):
+    # 5000 rows span many row chunks of the CUDA bias-gradient kernel; no atomics, so two runs agree bitwise.
+    x = torch.randn(5000, 1026, device="cuda", dtype=dtype)
+    bias = torch.randn(1026, device="cuda", dtype=torch.float32)
+    out_width = 513 if activation == "swiglu" else 1026
+    grad = torch.randn(5000, out_width, device="cuda", dtype=dtype)
+    if activation == "swiglu":
+        run = lambda: torch.ops.memopt.swiglu_bwd(grad, x, bias, False)  # noqa: E731
+        ref_fn = swiglu_ref
+    else:
+        run = lambda: torch.ops.memopt.bias_act_bwd(grad, x, bias, activation, False)  # noqa: E731
+        ref_fn = lambda a, b: bias_act_ref(a, b, activation)  # noqa: E731
+    grad_x, grad_bias, _ = run()
+    grad_x_again, grad_bias_again, _ = run()
+    assert torch.equal(grad_x, grad_x_again) and torch.equal(grad_bias, grad_bias_again)
+    _, (ref_dx, ref_db) = _reference_grads(ref_fn, (x, bias), grad)
+    torch.testing.assert_close(grad_x.double(), ref_dx, **tolerances(dtype))
+    # A float32 sum over 5000 rows of values rounded to dtype: relative to the sum of magnitudes.
+    scale = (ref_dx.abs().sum(0)).max().item()
+    torch.testing.assert_close(grad_bias.double(), ref_db, atol=tolerances(dtype)["atol"] * scale, rtol=0)
+
+
+@gpu
+def test_cuda_matches_cpu_float32():
+    x = torch.randn(97, 66)
+    bias = torch.randn(66)
+    grad = torch.randn(97, 66)
+    for activation in ACTIVATIONS:
+        cpu = torch.ops.memopt.bias_act_bwd(grad, x, bias, activation, True)
+        cuda = torch.ops.memopt.bias_act_bwd(grad.cuda(), x.cuda(), bias.cuda(), activation, True)
+        for a, b in zip(cpu, cuda):
+            torch.testing.assert_close(b.cpu(), a, **tolerances(torch.float32))

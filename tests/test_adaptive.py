@@ -1,0 +1,350 @@
+"""memopt.AdaptiveBatch: OOM back-off that keeps the gradient of the whole batch."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import subprocess
+import sys
+import weakref
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import memopt
+from memopt.adaptive import MicroBatchFloorError
+from tests.helpers import gpu
+
+DT = torch.float64
+
+
+class _BackwardBomb(torch.autograd.Function):
+    """Identity whose backward raises OOM, after the later layers' gradients have accumulated."""
+
+    @staticmethod
+    def forward(ctx, x, record):
+        ctx.record = record
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.record["ok"] = False
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated in backward)")
+
+
+class FlakyModel(torch.nn.Module):
+    """A small MLP that 'runs out of memory' when a micro-batch exceeds ``limit``.
+
+    ``where`` picks whether the failure happens in the forward (after computing an activation)
+    or in the backward (after part of the gradient has been accumulated into ``.grad``). Every
+    attempt is logged with its sample ids; failed attempts are marked, and weak references to the
+    failed attempts' activations are kept.
+    """
+
+    def __init__(self, limit: int, where: str = "backward"):
+        super().__init__()
+        self.l1 = torch.nn.Linear(5, 16, dtype=DT)
+        self.l2 = torch.nn.Linear(16, 16, dtype=DT)
+        self.l3 = torch.nn.Linear(16, 1, dtype=DT)
+        self.limit, self.where = limit, where
+        self.attempts: list[dict] = []
+        self.failed_activations: list[weakref.ref] = []
+
+    def forward(self, x, ids):
+        record = {"ids": ids.tolist(), "ok": True}
+        self.attempts.append(record)
+        h = torch.tanh(self.l1(x))
+        if x.shape[0] > self.limit:
+            self.failed_activations.append(weakref.ref(h))
+            if self.where == "forward":
+                record["ok"] = False
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated in forward)")
+            h = _BackwardBomb.apply(h, record)
+        return self.l3(torch.tanh(self.l2(h))).squeeze(-1)
+
+    def consumed(self) -> list[int]:
+        return [i for a in self.attempts if a["ok"] for i in a["ids"]]
+
+
+def mse(model, batch):
+    x, y, ids = batch
+    return F.mse_loss(model(x, ids), y)
+
+
+def make_batch(n: int):
+    return torch.randn(n, 5, dtype=DT), torch.randn(n, dtype=DT), torch.arange(n)
+
+
+def reference_grads(model, batch, loss_fn=mse):
+    ref = copy.deepcopy(model)
+    ref.limit = 10**9
+    loss_fn(ref, batch).backward()
+    return [p.grad for p in ref.parameters()], ref
+
+
+@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("n,limit", [(16, 5), (10, 3), (7, 1)])
+def test_oom_backoff_gives_full_batch_gradient(where, n, limit):
+    model = FlakyModel(limit, where)
+    batch = make_batch(n)
+    expected, ref = reference_grads(model, batch)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    stepper = memopt.AdaptiveBatch(model, opt, mse, micro_batch=n)
+    result = stepper.step(batch)
+    for p, g in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, g, rtol=1e-12, atol=1e-14)
+    assert sorted(model.consumed()) == list(range(n))
+    assert len(model.consumed()) == n
+    assert result.micro_batch <= limit and result.oom_retries >= 1
+    assert stepper.oom_count == result.oom_retries
+    ref_opt.step()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-12, atol=1e-14)
+
+
+def test_loss_is_the_batch_mean():
+    model = FlakyModel(limit=3)
+    batch = make_batch(10)
+    with torch.no_grad():
+        expected = mse(copy.deepcopy(model), batch).float()
+    model.attempts.clear()
+    result = memopt.AdaptiveBatch(model, torch.optim.SGD(model.parameters(), lr=0.1), mse, micro_batch=4).step(batch)
+    torch.testing.assert_close(result.loss, expected)
+
+
+def test_uneven_last_micro_batch_is_weighted_by_its_share():
+    model = FlakyModel(limit=100)
+    batch = make_batch(10)  # micro-batches 4, 4, 2
+    expected, _ = reference_grads(model, batch)
+    stepper = memopt.AdaptiveBatch(model, torch.optim.SGD(model.parameters(), lr=0.0), mse, micro_batch=4)
+    assert stepper.step(batch).micro_steps == 3
+    for p, g in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, g, rtol=1e-12, atol=1e-14)
+    # The snippet everyone copies (loss / number of micro-steps) gets this case wrong.
+    naive = copy.deepcopy(model)
+    naive.zero_grad(set_to_none=True)
+    for start in range(0, 10, 4):
+        (mse(naive, tuple(t[start:start + 4] for t in batch)) / 3).backward()
+    assert not torch.allclose(next(naive.parameters()).grad, expected[0])
+
+
+def test_failed_attempt_activations_are_freed():
+    for where in ("forward", "backward"):
+        model = FlakyModel(limit=2, where=where)
+        memopt.AdaptiveBatch(model, torch.optim.SGD(model.parameters(), lr=0.1), mse, micro_batch=8).step(make_batch(8))
+        assert model.failed_activations, "the simulated OOM did not fire"
+        assert all(ref() is None for ref in model.failed_activations), where
+
+
+def test_token_weighted_accumulation_with_variable_lengths():
+    torch.manual_seed(1)
+    n, t = 9, 6
+    lin = torch.nn.Linear(4, 1, dtype=DT)
+    x = torch.randn(n, t, 4, dtype=DT)
+    y = torch.randn(n, t, dtype=DT)
+    lengths = torch.tensor([6, 1, 3, 5, 2, 6, 1, 4, 2])
+    mask = torch.arange(t)[None, :] < lengths[:, None]
+
+    def loss_fn(model, batch):  # mean over the micro-batch's valid tokens
+        x, y, mask = batch
+        err = (model(x).squeeze(-1) - y) ** 2
+        return err[mask].mean()
+
+    ref = copy.deepcopy(lin)
+    loss_fn(ref, (x, y, mask)).backward()
+    stepper = memopt.AdaptiveBatch(lin, torch.optim.SGD(lin.parameters(), lr=0.0), loss_fn, micro_batch=2,
+                                   num_tokens=lambda b: int(b[2].sum()))
+    stepper.step((x, y, mask))
+    for p, q in zip(lin.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+    # Weighting by samples instead of tokens is measurably wrong here.
+    by_samples = copy.deepcopy(lin)
+    by_samples.zero_grad(set_to_none=True)
+    memopt.AdaptiveBatch(by_samples, torch.optim.SGD(by_samples.parameters(), lr=0.0), loss_fn,
+                         micro_batch=2).step((x, y, mask))
+    assert not torch.allclose(by_samples.weight.grad, ref.weight.grad)
+
+
+def test_floor_error_leaves_model_and_optimizer_unchanged():
+    model = FlakyModel(limit=0, where="backward")
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    entry = [torch.full_like(p, 7.0) for p in model.parameters()]
+    for p, g in zip(model.parameters(), entry):
+        p.grad = g
+    before = copy.deepcopy(model.state_dict())
+    stepper = memopt.AdaptiveBatch(model, opt, mse, micro_batch=4, min_micro_batch=2)
+    with pytest.raises(MicroBatchFloorError, match=r"micro-batch 2 \(min_micro_batch 2\).*unchanged"):
+        stepper.step(make_batch(4))
+    for p, g in zip(model.parameters(), entry):
+        assert p.grad is g and torch.equal(g, torch.full_like(p, 7.0))
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+    assert opt.state_dict()["state"] == {}
+
+
+def test_single_sample_that_does_not_fit():
+    model = FlakyModel(limit=0, where="forward")
+    stepper = memopt.AdaptiveBatch(model, torch.optim.SGD(model.parameters(), lr=0.1), mse)
+    with pytest.raises(MicroBatchFloorError, match="micro-batch 1"):
+        stepper.step(make_batch(1))
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_micro_batch_grows_back_and_logs(caplog):
+    model = FlakyModel(limit=2)
+    stepper = memopt.AdaptiveBatch(model, torch.optim.SGD(model.parameters(), lr=0.01), mse, micro_batch=8,
+                                   grow_after=2)
+    with caplog.at_level(logging.INFO, logger="memopt.adaptive"):
+        assert stepper.step(make_batch(8)).micro_batch == 2
+        assert "out of memory at micro-batch 8" in caplog.text and "retrying at 4" in caplog.text
+        model.limit = 100
+        stepper.step(make_batch(8))
+        assert stepper.micro_batch == 2  # one step without OOM is not yet grow_after=2
+        stepper.step(make_batch(8))
+        assert stepper.micro_batch == 4 and "2 steps without OOM; micro-batch 2 -> 4" in caplog.text
+        stepper.step(make_batch(8))
+        stepper.step(make_batch(8))
+        assert stepper.micro_batch == 8
+        stepper.step(make_batch(8))
+        stepper.step(make_batch(8))
+        assert stepper.micro_batch == 8  # never above the requested micro-batch
+
+
+def test_fp16_scaler_skip_is_counted_and_logged(caplog):
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    poison = {"on": False}
+
+    def loss_fn(model, batch):
+        loss = model(batch).float().pow(2).mean()
+        return loss * float("inf") if poison["on"] else loss
+
+    stepper = memopt.AdaptiveBatch(model, opt, loss_fn, micro_batch=2, amp_dtype=torch.float16)
+    assert isinstance(stepper.grad_scaler, torch.amp.GradScaler)
+    x = torch.randn(4, 4)
+    assert not stepper.step(x).skipped
+    before = [p.detach().clone() for p in model.parameters()]
+    poison["on"] = True
+    with caplog.at_level(logging.WARNING, logger="memopt.adaptive"):
+        result = stepper.step(x)
+    assert result.skipped and stepper.skipped_steps == 1
+    assert "optimizer step skipped" in caplog.text
+    for p, b in zip(model.parameters(), before):
+        assert torch.equal(p, b)
+    poison["on"] = False
+    assert not stepper.step(x).skipped and stepper.skipped_steps == 1
+
+
+def test_fp16_scaled_gradients_are_unscaled():
+    model = torch.nn.Linear(8, 1)
+    ref = copy.deepcopy(model)
+    x = torch.randn(6, 8)
+
+    def loss_fn(model, batch):
+        return model(batch).float().pow(2).mean()
+
+    loss_fn(ref, x).backward()
+    memopt.AdaptiveBatch(model, torch.optim.SGD(model.parameters(), lr=0.0), loss_fn, micro_batch=4,
+                         amp_dtype=torch.float16).step(x)
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=2e-2, rtol=2e-2)
+
+
+def test_bf16_autocast_runs_forward_in_bf16():
+    model = torch.nn.Linear(8, 1)
+    seen = []
+
+    def loss_fn(model, batch):
+        out = model(batch)
+        seen.append(out.dtype)
+        return out.float().pow(2).mean()
+
+    memopt.AdaptiveBatch(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn,
+                         amp_dtype=torch.bfloat16).step(torch.randn(4, 8))
+    assert seen == [torch.bfloat16]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(micro_batch=-1), "micro_batch must be a positive int"),
+    (dict(micro_batch=2, min_micro_batch=4), r"min_micro_batch \(4\) must not exceed micro_batch \(2\)"),
+    (dict(min_micro_batch=0), "min_micro_batch must be a positive int"),
+    (dict(grow_after=0), "grow_after must be a positive int"),
+    (dict(amp_dtype=torch.float32), "amp_dtype must be"),
+])
+def test_bad_arguments(kwargs, match):
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match=match):
+        memopt.AdaptiveBatch(model, torch.optim.SGD(model.parameters(), lr=0.1), mse, **kwargs)
+
+
+def test_bad_batch_and_loss_leave_model_unchanged():
+    model = FlakyModel(limit=100)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    stepper = memopt.AdaptiveBatch(model, opt, mse, micro_batch=2)
+    before = copy.deepcopy(model.state_dict())
+    x, y, ids = make_batch(4)
+    with pytest.raises(ValueError, match="share their leading"):
+        stepper.step((x, y[:3], ids))
+    with pytest.raises(ValueError, match="empty"):
+        stepper.step(make_batch(0))
+    bad = memopt.AdaptiveBatch(model, opt, lambda m, b: m(b[0], b[2]), micro_batch=2)  # not a scalar
+    with pytest.raises(TypeError, match="0-d tensor"):
+        bad.step(make_batch(4))
+    assert all(p.grad is None for p in model.parameters())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])
+    assert opt.state_dict()["state"] == {}
+
+
+def test_ddp_two_ranks_agree_and_match_global_gradient(tmp_path):
+    """Two gloo ranks on CPU; rank 1 runs out of memory above 2 samples, rank 0 never."""
+    worker = Path(__file__).with_name("ddp_adaptive_worker.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(worker),
+         str(tmp_path)], env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for rank in (0, 1):
+        assert (tmp_path / f"rank{rank}.ok").read_text() == "micro_batch=1 retries=2"  # 6 -> 3 -> 1 on both ranks
+
+
+@gpu
+def test_real_cuda_oom_is_recovered_from():
+    """A 512 MiB cap: micro-batch 16384 (about 1 GiB of activations) cannot fit, smaller ones do."""
+    torch.cuda.empty_cache()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 8192), torch.nn.GELU(), torch.nn.Linear(8192, 1))
+    x, y = torch.randn(16384, 256), torch.randn(16384)
+    ref = copy.deepcopy(model).double()
+    F.mse_loss(ref(x.double()).squeeze(-1), y.double()).backward()
+
+    model = model.cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    stepper = memopt.AdaptiveBatch(model, opt, lambda m, b: F.mse_loss(m(b[0]).squeeze(-1), b[1]), micro_batch=16384)
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(512 * 2**20 / total)
+    try:
+        batch = (x.cuda(), y.cuda())
+        result = stepper.step(batch)
+        report = memopt.memory_report()
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+        torch.cuda.empty_cache()
+    assert result.oom_retries >= 1 and result.micro_batch < 16384
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.double().cpu(), q.grad, rtol=1e-4, atol=1e-6)
+    assert report.allocated <= report.reserved and report.largest_free_block <= report.reserved
+
+
+@gpu
+def test_diagnose_a_real_cuda_oom():
+    total = torch.cuda.get_device_properties(0).total_memory
+    try:
+        torch.empty(2 * total, dtype=torch.uint8, device="cuda")
+    except torch.OutOfMemoryError as err:
+        diag = memopt.diagnose_oom(err)
+    assert diag.requested_bytes is not None and diag.requested_bytes >= 1.9 * total

@@ -1,0 +1,370 @@
+"""attention: Triton kernels (interpreter) and the native CPU path against a float64 reference,
+the dropout mask against the Philox reference, saved bytes, opcheck, compile, errors; GPU tests
+against F.scaled_dot_product_attention."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import memopt
+from memopt.ops import attention_triton
+from memopt.ops._philox import dropout_keep_mask
+from memopt.ops._rng import rng_key
+from memopt.ops.attention import AttentionFunction, attention_ref, cpu_backend
+
+from helpers import gpu
+
+needs_interpreter = pytest.mark.skipif(
+    not attention_triton.INTERPRETED, reason="the Triton CPU path needs TRITON_INTERPRET=1 before import"
+)
+BACKENDS = [
+    pytest.param("triton", marks=needs_interpreter),
+    pytest.param("native"),
+]
+
+# (atol, rtol) of attention outputs and gradients against the float64 reference. float32: the
+# kernels accumulate over seq_k and head_dim in float32, a few ulps per step. float64 (native
+# path): the saved log-sum-exp is float32 by contract, so recomputed probabilities carry its
+# rounding (about 1e-7 relative) into the gradients.
+ATTENTION_TOLERANCES = {
+    torch.float64: (2e-6, 2e-6),
+    torch.float32: (3e-5, 3e-5),
+}
+
+# (batch, heads, kv_heads, seq_q, seq_k, head_dim): odd lengths cross the interpreter's 16-wide
+# tiles, seq_q != seq_k both ways, grouped-query heads (2 and 1 kv heads for 4 query heads).
+SHAPES = [
+    (1, 1, 1, 1, 1, 32),
+    (1, 2, 2, 17, 17, 64),
+    (1, 2, 1, 100, 100, 32),
+    (1, 4, 2, 24, 70, 128),
+    (1, 4, 1, 70, 24, 16),
+    (2, 2, 2, 33, 20, 256),
+]
+
+
+def _shape_id(shape):
+    b, h, hkv, sq, sk, d = shape
+    return f"b{b}h{h}kv{hkv}q{sq}k{sk}d{d}"
+
+
+def _inputs(shape, dtype=torch.float32, device="cpu"):
+    b, h, hkv, sq, sk, d = shape
+    q = torch.randn(b, h, sq, d, dtype=dtype, device=device, requires_grad=True)
+    k = torch.randn(b, hkv, sk, d, dtype=dtype, device=device, requires_grad=True)
+    v = torch.randn(b, hkv, sk, d, dtype=dtype, device=device, requires_grad=True)
+    return q, k, v
+
+
+def _run_and_reference(q, k, v, causal, dropout_p, key):
+    out = memopt.attention(q, k, v, causal=causal, dropout_p=dropout_p, rng_key=key)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = attention_ref(q64, k64, v64, causal, dropout_p, None, key)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), grad.double())
+    return (out, *grads), (ref, *ref_grads)
+
+
+def _assert_close(actual, expected, dtype):
+    atol, rtol = ATTENTION_TOLERANCES[dtype]
+    for name, a, e in zip(("out", "grad_q", "grad_k", "grad_v"), actual, expected):
+        torch.testing.assert_close(a.double(), e, atol=atol, rtol=rtol, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
+def test_forward_and_gradients_match_reference(backend, causal, shape):
+    q, k, v = _inputs(shape)
+    with cpu_backend(backend):
+        actual, expected = _run_and_reference(q, k, v, causal, 0.0, None)
+    _assert_close(actual, expected, torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(1, 2, 2, 19, 19, 32), (1, 4, 2, 40, 24, 64)], ids=_shape_id)
+def test_dropout_matches_reference_with_regenerated_mask(backend, causal, shape):
+    q, k, v = _inputs(shape)
+    key = rng_key(2024, 12)
+    with cpu_backend(backend):
+        actual, expected = _run_and_reference(q, k, v, causal, 0.25, key)
+    _assert_close(actual, expected, torch.float32)
+
+
+def test_native_float64_matches_reference_tightly():
+    q, k, v = _inputs((1, 4, 2, 37, 29, 32), dtype=torch.float64)
+    with cpu_backend("native"):
+        actual, expected = _run_and_reference(q, k, v, True, 0.1, rng_key(5))
+    _assert_close(actual, expected, torch.float64)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("p", [0.1, 0.5])
+@pytest.mark.parametrize("seq_k", [32, 30], ids=["seqk-mult4", "seqk-odd"])
+def test_dropout_mask_is_the_documented_philox_mask(backend, p, seq_k):
+    # q = 0 gives uniform probabilities 1/Sk; v = identity (Sk <= head_dim) copies each row of the
+    # dropped probabilities into the output, so out * Sk * (1 - p) is the keep-mask itself.
+    # seq_k % 4 == 0 takes the kernels' four-words-per-Philox-call path, 30 the per-element one.
+    batch, heads, seq_q, head_dim = 1, 2, 48, 32
+    q = torch.zeros(batch, heads, seq_q, head_dim)
+    k = torch.randn(batch, heads, seq_k, head_dim)
+    v = torch.eye(seq_k, head_dim).expand(batch, heads, seq_k, head_dim).contiguous()
+    key = rng_key(77, 1000)
+    with cpu_backend(backend):
+        out = memopt.attention(q, k, v, dropout_p=p, rng_key=key)
+    assert torch.all(out[..., seq_k:] == 0)
+    mask = out[..., :seq_k] * (seq_k * (1 - p))
+    expected = dropout_keep_mask((batch, heads, seq_q, seq_k), p, 77, 1000)
+    torch.testing.assert_close(mask, expected.float(), atol=1e-5, rtol=0)
+    n = expected.numel()
+    rate = (mask > 0.5).double().mean().item()
+    assert abs(rate - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_same_key_is_bit_identical_and_seed_controls_it(backend):
+    q, k, v = _inputs((1, 2, 1, 21, 21, 32))
+    grad = torch.randn(1, 2, 21, 32)
+
+    def run(key=None):
+        out = memopt.attention(q, k, v, causal=True, dropout_p=0.3, rng_key=key)
+        return (out, *torch.autograd.grad(out, (q, k, v), grad))
+
+    with cpu_backend(backend):
+        first, second = run(rng_key(9)), run(rng_key(9))
+        torch.manual_seed(3)
+        seeded = run()
+        torch.manual_seed(3)
+        reseeded = run()
+        other = run()
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    for a, b in zip(seeded, reseeded):
+        assert torch.equal(a, b)
+    assert not torch.equal(reseeded[0], other[0])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+def test_triton_and_native_paths_agree(dropout_p):
+    q, k, v = _inputs((1, 4, 2, 45, 36, 64))
+    grad = torch.randn(1, 4, 45, 64)
+    results = {}
+    for backend in ("triton", "native"):
+        with cpu_backend(backend):
+            out = memopt.attention(q, k, v, causal=True, dropout_p=dropout_p, rng_key=rng_key(4))
+            results[backend] = (out, *torch.autograd.grad(out, (q, k, v), grad))
+    for a, b in zip(results["triton"], results["native"]):
+        torch.testing.assert_close(a, b, atol=3e-5, rtol=3e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_views_of_fused_qkv_and_output_layout(backend):
+    batch, seq, heads, head_dim = 2, 23, 2, 32
+    qkv = torch.randn(batch, seq, 3, heads, head_dim, requires_grad=True)
+    q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, S, D), strided, no copy
+    assert not q.is_contiguous() and q.stride(-1) == 1
+    with cpu_backend(backend):
+        out = memopt.attention(q, k, v, causal=True)
+    # out is a (B, H, S, D) view of a (B, S, H, D) buffer.
+    assert out.transpose(1, 2).is_contiguous()
+    grad = torch.randn_like(out)
+    (dqkv,) = torch.autograd.grad(out, qkv, grad)
+    qkv64 = qkv.detach().double().requires_grad_()
+    ref = attention_ref(*qkv64.permute(2, 0, 3, 1, 4).unbind(0), causal=True)
+    (ref_dqkv,) = torch.autograd.grad(ref, qkv64, grad.double())
+    _assert_close((out, dqkv), (ref, ref_dqkv), torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
+def test_saves_only_qkv_out_lse_and_key(backend, dropout_p):
+    batch, heads, seq, head_dim = 1, 2, 64, 32
+    q, k, v = _inputs((batch, heads, heads, seq, seq, head_dim))
+    key = rng_key(1)
+    with cpu_backend(backend), memopt.SavedTensorCounter() as counter:
+        memopt.attention(q, k, v, causal=True, dropout_p=dropout_p, rng_key=key)
+    tensor_bytes = batch * heads * seq * head_dim * 4
+    # q, k, v, out (float32), lse (one float32 per row) and the 16-byte key: O(seq), no Sq x Sk.
+    assert counter.total_bytes == 4 * tensor_bytes + batch * heads * seq * 4 + 16
+    qe, ke, ve = (t.detach().requires_grad_() for t in (q, k, v))
+    eager = memopt.saved_bytes(
+        lambda a, b, c: torch.softmax(a @ b.transpose(-1, -2), -1) @ c, qe, ke, ve
+    )
+    assert eager >= batch * heads * seq * seq * 4
+
+
+def test_gradcheck_native_float64():
+    q, k, v = _inputs((1, 2, 1, 7, 9, 16), dtype=torch.float64)
+    key = rng_key(8)
+    with cpu_backend("native"):
+        assert torch.autograd.gradcheck(
+            lambda a, b, c: AttentionFunction.apply(a, b, c, True, 0.2, 0.3, key), (q, k, v)
+        )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal,dropout_p", [(False, 0.0), (True, 0.2)])
+def test_opcheck(backend, causal, dropout_p):
+    q = torch.randn(1, 2, 9, 16)
+    k = torch.randn(1, 1, 11, 16)
+    v = torch.randn(1, 1, 11, 16)
+    key = rng_key(3)
+    with cpu_backend(backend):
+        torch.library.opcheck(torch.ops.memopt.attention_fwd.default, (q, k, v, causal, dropout_p, 0.25, key))
+        out, lse = torch.ops.memopt.attention_fwd(q, k, v, causal, dropout_p, 0.25, key)
+        grad_out = torch.randn_like(out)
+        torch.library.opcheck(
+            torch.ops.memopt.attention_bwd.default, (grad_out, q, k, v, out, lse, causal, dropout_p, 0.25, key)
+        )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_compile_fullgraph(backend, compile_cache):
+    q, k, v = _inputs((1, 2, 2, 20, 20, 32))
+    key = rng_key(11)
+
+    def fn(a, b, c):
+        return memopt.attention(a, b, c, causal=True, dropout_p=0.1, rng_key=key)
+
+    with cpu_backend(backend):
+        compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+        out = compiled(q, k, v)
+        torch.testing.assert_close(out, fn(q, k, v))
+        out.sum().backward()
+        dq = q.grad.clone()
+        q.grad = None
+        fn(q, k, v).sum().backward()
+    torch.testing.assert_close(dq, q.grad)
+
+
+def test_cpu_backend_switch_rejects_unknown_name():
+    with pytest.raises(ValueError, match="cpu backend must be"):
+        with cpu_backend("cuda"):
+            pass
+
+
+def _t(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: memopt.attention(_t(1, 2, 8, 32), _t(1, 2, 8, 32), _t(1, 2, 9, 32)), "k and v must have the same shape"),
+        (lambda: memopt.attention(_t(1, 2, 8, 32), _t(2, 2, 8, 32), _t(2, 2, 8, 32)), "batch=1"),
+        (lambda: memopt.attention(_t(1, 2, 8, 32), _t(1, 2, 8, 64), _t(1, 2, 8, 64)), "head_dim=32"),
+        (lambda: memopt.attention(_t(1, 3, 8, 32), _t(1, 2, 8, 32), _t(1, 2, 8, 32)), "multiple of the heads"),
+        (lambda: memopt.attention(_t(1, 2, 8, 48), _t(1, 2, 8, 48), _t(1, 2, 8, 48)), r"head_dim must be one of .*48"),
+        (lambda: memopt.attention(_t(2, 8, 32), _t(2, 8, 32), _t(2, 8, 32)), "must be 4-D"),
+        (lambda: memopt.attention(_t(1, 2, 8, 32), _t(1, 2, 8, 32), _t(1, 2, 8, 32), dropout_p=1.0), "dropout_p must be"),
+        (lambda: memopt.attention(_t(1, 2, 8, 32), _t(1, 2, 8, 32), _t(1, 2, 8, 32), dropout_p=-0.1), "dropout_p must be"),
+        (
+            lambda: memopt.attention(_t(1, 2, 8, 32), _t(1, 2, 8, 32, dtype=torch.float64), _t(1, 2, 8, 32)),
+            "one dtype",
+        ),
+        (
+            lambda: memopt.attention(_t(1, 2, 8, 32), _t(1, 2, 8, 32), _t(1, 2, 8, 32), rng_key=torch.zeros(3, dtype=torch.long)),
+            "rng_key",
+        ),
+        (
+            lambda: memopt.attention(_t(1, 2, 8, 32), _t(1, 2, 8, 32), _t(1, 2, 8, 32).to("meta")),
+            "one device",
+        ),
+        (lambda: memopt.attention(_t(1, 2, 0, 32), _t(1, 2, 8, 32), _t(1, 2, 8, 32)), "sequence lengths"),
+    ],
+)
+def test_bad_input_raises_clear_error(call, match):
+    with pytest.raises((ValueError, TypeError), match=match):
+        call()
+
+
+@needs_interpreter
+def test_interpreter_rejects_half_precision_and_unit_stride_violations():
+    with cpu_backend("triton"):
+        with pytest.raises(ValueError, match="in the Triton interpreter"):
+            memopt.attention(*(_t(1, 2, 8, 32, dtype=torch.bfloat16) for _ in range(3)))
+        q = _t(1, 2, 32, 8).transpose(-1, -2)
+        with pytest.raises(ValueError, match="unit stride"):
+            memopt.attention(q, _t(1, 2, 8, 32), _t(1, 2, 8, 32))
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: the Triton kernels against F.scaled_dot_product_attention in half precision.
+# ---------------------------------------------------------------------------------------------
+
+
+def _max_error(actual, reference):
+    return (actual.double() - reference).abs().max().item()
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 4, 4, 1024, 1024, 64), (1, 8, 2, 1537, 1537, 128), (2, 4, 1, 300, 1100, 32), (1, 4, 4, 1100, 257, 256),
+     (1, 2, 2, 1029, 1029, 16)],
+    ids=_shape_id,
+)
+def test_gpu_matches_sdpa(dtype, causal, shape):
+    # flash-attention's rule: memopt's error against float64 is at most about twice the error of
+    # PyTorch's own attention run in the same precision.
+    q, k, v = _inputs(shape, dtype=dtype, device="cuda")
+    group = shape[1] // shape[2]
+    out = memopt.attention(q, k, v, causal=causal)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    kx, vx = (t.repeat_interleave(group, 1) for t in (k, v))
+    sdpa = F.scaled_dot_product_attention(q, kx, vx, is_causal=causal)
+    sdpa_grads = torch.autograd.grad(sdpa, (q, k, v), grad)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = attention_ref(q64, k64, v64, causal)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), grad.double())
+    for name, a, s, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (sdpa, *sdpa_grads), (ref, *ref_grads)):
+        ours, theirs = _max_error(a, r), _max_error(s, r)
+        assert ours <= 2 * theirs + 1e-3 * r.abs().max().item(), f"{name}: memopt {ours:.3e}, sdpa {theirs:.3e}"
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("seq_k", [64, 62], ids=["seqk-mult4", "seqk-odd"])
+def test_gpu_dropout_mask_and_replay(dtype, seq_k):
+    batch, heads, seq_q, head_dim = 2, 4, 1030, 64
+    q = torch.zeros(batch, heads, seq_q, head_dim, dtype=dtype, device="cuda")
+    k = torch.randn(batch, heads, seq_k, head_dim, dtype=dtype, device="cuda")
+    v = torch.eye(seq_k, head_dim, dtype=dtype, device="cuda").expand(batch, heads, seq_k, head_dim).contiguous()
+    key = rng_key(123, 77)
+    out = memopt.attention(q, k, v, dropout_p=0.2, rng_key=key)
+    expected = dropout_keep_mask((batch, heads, seq_q, seq_k), 0.2, 123, 77).cuda()
+    assert torch.equal(out[..., :seq_k].float() > 0.5 / (seq_k * 0.8), expected)
+
+    qr, kr, vr = _inputs((1, 4, 2, 700, 700, 64), dtype=dtype, device="cuda")
+    grad = torch.randn(1, 4, 700, 64, dtype=dtype, device="cuda")
+
+    def run():
+        o = memopt.attention(qr, kr, vr, causal=True, dropout_p=0.1, rng_key=rng_key(5))
+        return (o, *torch.autograd.grad(o, (qr, kr, vr), grad))
+
+    first, second = run(), run()
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (qr, kr, vr))
+    ref = attention_ref(q64, k64, v64, True, 0.1, None, rng_key(5))
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), grad.double())
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    for name, a, r in zip(("out", "dq", "dk", "dv"), first, (ref, *ref_grads)):
+        assert _max_error(a, r) <= tol * max(1.0, r.abs().max().item()), name
+
+
+@gpu
+def test_gpu_saved_bytes_are_linear_in_seq():
+    batch, heads, seq, head_dim = 1, 8, 4096, 64
+    q, k, v = _inputs((batch, heads, heads, seq, seq, head_dim), dtype=torch.bfloat16, device="cuda")
+    with memopt.SavedTensorCounter() as counter:
+        memopt.attention(q, k, v, causal=True, dropout_p=0.1, rng_key=rng_key(0))
+    assert counter.total_bytes == 4 * batch * heads * seq * head_dim * 2 + batch * heads * seq * 4 + 16

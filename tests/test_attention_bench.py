@@ -1,0 +1,34 @@
+"""bench/attention.py runs end to end (cpu preset) and writes the documented JSON columns."""
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COLUMNS = {"name", "provider", "mode", "metric", "unit", "x", "median", "p20", "p80", "device", "torch", "triton", "commit", "date"}
+
+
+def test_cpu_preset_writes_rows(tmp_path):
+    out = tmp_path / "attention_cpu.json"
+    # The native CPU path: the interpreter would time Triton's Python emulation instead.
+    env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.attention", "--preset", "cpu", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "| case | seq | mode |" in proc.stdout
+    rows = json.loads(out.read_text())
+    assert rows and all(set(r) == COLUMNS for r in rows)
+    assert {r["provider"] for r in rows} == {"memopt", "sdpa", "eager"}
+    assert {r["mode"] for r in rows} == {"fwd", "fwd_bwd"}
+    for r in rows:
+        assert r["p20"] <= r["median"] <= r["p80"], r
+        assert r["median"] > 0, r
+    saved = {(r["provider"], r["x"], r["name"]): r["median"] for r in rows if r["metric"] == "saved_bytes"}
+    for (provider, seq, name), nbytes in saved.items():
+        if provider == "memopt":
+            # out (float32) + lse + key, q/k/v excluded; eager keeps the seq x seq probabilities.
+            assert nbytes == 2 * seq * 64 * 4 + 2 * seq * 4 + 16
+            assert saved[("eager", seq, name)] >= 2 * seq * seq * 4

@@ -1,0 +1,302 @@
+"""The benchmark harness: end-to-end on the tiny CPU preset, gradient flagging, unavailable and
+failing configurations, memory accounting, plots."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+import memopt
+from bench import compare, configs, plot
+from bench.memory import LiveTensorTracker
+from bench.model import FUSED_BLOCK_PARAMETER_NAMES, GPTBlock, LayerStack, fused_state_dict_from_eager
+from helpers import gpu
+
+TINY = replace(compare.PRESETS["tiny"], device="cpu")
+METRIC_COLUMNS = (
+    "step_time_ms_median",
+    "step_time_ms_p20",
+    "step_time_ms_p80",
+    "tokens_per_s",
+    "activation_bytes",
+    "saved_bytes",
+    "step_peak_tracked_bytes",
+    "grad_max_abs_diff",
+    "grad_max_rel_diff",
+    "time_vs_checkpoint",
+    "memory_vs_checkpoint",
+)
+
+
+def registry_config(name: str) -> configs.BenchConfig:
+    return next(c for c in configs.default_configs() if c.name == name)
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    assert compare.main(["--preset", "tiny", "--device", "cpu", "--out", str(out), "--no-progress"]) == 0
+    (json_path,) = out.glob("compare-tiny-cpu-*.json")
+    return json.loads(json_path.read_text()), json_path
+
+
+def test_tiny_run_has_every_column_for_every_configuration(tiny_run):
+    result, _ = tiny_run
+    assert result["kind"] == "compare"
+    for key in ("torch", "triton", "device_name", "commit", "date", "memopt_build"):
+        assert result["environment"][key], key
+    assert result["arguments"]["preset"] == "tiny"
+    names = [r["config"] for r in result["rows"]]
+    assert names == configs.config_names()
+    for row in result["rows"]:
+        assert set(row) == set(compare.ROW_COLUMNS) == set(result["columns"])
+        assert row["status"] == "ok" or row["status"].startswith(("not available (", "error (")), row
+    by_name = {r["config"]: r for r in result["rows"]}
+    for name in ("eager-math", "eager-sdpa", "torch-checkpoint", "torch-selective"):
+        row = by_name[name]
+        assert row["status"] == "ok", row
+        for column in METRIC_COLUMNS:
+            assert isinstance(row[column], float | int), (name, column, row[column])
+        assert row["step_time_ms_p20"] <= row["step_time_ms_median"] <= row["step_time_ms_p80"]
+        assert row["grad_check"] in ("ok", "reference"), row
+    assert by_name["eager-math"]["grad_check"] == "reference"
+    assert by_name["torch-checkpoint"]["time_vs_checkpoint"] == pytest.approx(1.0)
+    # Checkpointing must hold less for backward than the eager stack does.
+    assert by_name["torch-checkpoint"]["activation_bytes"] < by_name["torch-selective"]["activation_bytes"]
+    assert by_name["torch-selective"]["activation_bytes"] < by_name["eager-sdpa"]["activation_bytes"]
+
+
+def test_tiny_run_writes_a_plot_and_plot_module_redraws_it(tiny_run, tmp_path):
+    _, json_path = tiny_run
+    assert json_path.with_suffix(".png").stat().st_size > 1000
+    redrawn = tmp_path / "again.png"
+    assert plot.plot_file(json_path, redrawn) == [redrawn]
+    assert redrawn.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unavailable_configurations_are_listed_with_their_reason(monkeypatch):
+    monkeypatch.delattr(memopt, "FusedCheckpointBlock", raising=False)
+    monkeypatch.delattr(memopt, "wrap", raising=False)
+    wanted = ["eager-math", "torch-compile", "memopt-full", "memopt-wrap"]
+    rows = compare.run_comparison(TINY, [registry_config(n) for n in wanted], progress=False)
+    status = {r["config"]: r["status"] for r in rows}
+    assert [r["config"] for r in rows] == wanted
+    assert status["eager-math"] == "ok"
+    assert status["torch-compile"].startswith("not available (torch.compile not requested")
+    assert status["memopt-full"] == "not available (memopt.FusedCheckpointBlock is not in this build of memopt yet)"
+    assert status["memopt-wrap"] == "not available (memopt.wrap is not in this build of memopt yet)"
+    table = compare.markdown_table(rows)
+    for name in wanted:
+        assert f"| {name} |" in table
+
+
+class GradientScaler(nn.Module):
+    """Wraps a model and multiplies the gradient of its first parameter: a wrong configuration."""
+
+    def __init__(self, model: nn.Module, factor: float):
+        super().__init__()
+        self.inner = model
+        next(model.parameters()).register_hook(lambda g: g * factor)
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+def test_gradient_mismatch_is_flagged_not_dropped():
+    sdpa = registry_config("eager-sdpa")
+    faulty = replace(sdpa, name="faulty", build=lambda ctx: GradientScaler(sdpa.build(ctx), 1.01))
+    rows = compare.run_comparison(TINY, [registry_config("eager-math"), faulty, sdpa], progress=False)
+    by_name = {r["config"]: r for r in rows}
+    assert by_name["faulty"]["status"] == "ok"
+    assert by_name["faulty"]["grad_check"] == "MISMATCH"
+    assert by_name["faulty"]["grad_max_rel_diff"] == pytest.approx(0.01, rel=1e-2)
+    assert by_name["eager-sdpa"]["grad_check"] == "ok"
+    assert "| faulty |" in compare.markdown_table(rows) and "MISMATCH" in compare.markdown_table(rows)
+
+
+def test_low_precision_runs_check_against_float32_with_twice_the_eager_error():
+    sdpa = registry_config("eager-sdpa")
+    faulty = replace(sdpa, name="faulty", build=lambda ctx: GradientScaler(sdpa.build(ctx), 1.1))
+    settings = replace(TINY, dtype="bfloat16")
+    rows = compare.run_comparison(settings, [registry_config("eager-math"), sdpa, faulty], progress=False)
+    reference, ok, bad = rows
+    assert reference["grad_check"] == "reference" and reference["grad_reference"] == "eager-math in float32"
+    # bf16 rounding makes eager-math itself differ from float32; the tolerance is twice that.
+    assert 0 < reference["grad_max_rel_diff"]
+    assert reference["grad_rtol"] == pytest.approx(max(2 * reference["grad_max_rel_diff"], compare.GRAD_RTOL_FLOOR[torch.bfloat16]))
+    assert ok["grad_check"] == "ok"
+    assert bad["grad_check"] == "MISMATCH" and bad["grad_max_rel_diff"] > 0.05
+
+
+def test_a_failing_configuration_becomes_an_error_row():
+    def broken(ctx):
+        raise RuntimeError("kernel exploded")
+
+    bad = configs.BenchConfig("broken", "memopt", "raises on build", broken)
+    rows = compare.run_comparison(TINY, [registry_config("eager-math"), bad], progress=False)
+    assert rows[1]["status"] == "error (RuntimeError: kernel exploded)"
+    assert rows[1]["step_time_ms_median"] is None and rows[1]["grad_check"] == "n/a"
+
+
+def test_sweep_writes_one_row_per_value_and_config(tmp_path):
+    argv = ["--preset", "tiny", "--device", "cpu", "--sweep", "layers", "--sweep-values", "1,2"]
+    argv += ["--configs", "eager-sdpa,torch-checkpoint", "--out", str(tmp_path), "--no-progress"]
+    assert compare.main(argv) == 0
+    (json_path,) = tmp_path.glob("sweep-layers-tiny-cpu-*.json")
+    result = json.loads(json_path.read_text())
+    assert [(r["config"], r["x"]) for r in result["rows"]] == [
+        ("eager-sdpa", 1),
+        ("torch-checkpoint", 1),
+        ("eager-sdpa", 2),
+        ("torch-checkpoint", 2),
+    ]
+    eager = {r["x"]: r["activation_bytes"] for r in result["rows"] if r["config"] == "eager-sdpa"}
+    assert eager[2] > eager[1]
+    assert json_path.with_suffix(".png").exists()
+
+
+def test_live_tensor_tracker_counts_what_forward_leaves_for_backward():
+    batch, width = 8, 16
+    model = nn.Sequential(nn.Linear(width, width, bias=False), nn.ReLU(), nn.Linear(width, width, bias=False))
+    x = torch.randn(batch, width)
+    one_activation = batch * width * 4
+    with LiveTensorTracker(exclude=[*model.parameters(), x]) as tracker:
+        out = model(x)
+        # The first matmul's output dies (ReLU saves its result); the ReLU output (saved by the
+        # second Linear) and the returned output stay.
+        assert tracker.live_bytes("cpu") == 2 * one_activation
+        out.sum().backward()
+    with LiveTensorTracker(exclude=[*model.parameters(), x]) as tracker:
+        out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False)
+        assert tracker.live_bytes("cpu") == one_activation
+        assert tracker.peak_bytes("cpu") >= 2 * one_activation
+
+
+def test_layer_stack_checkpoint_modes_match_eager_gradients():
+    blocks = [GPTBlock(32, 2, 64, dropout=0.0, attention="sdpa") for _ in range(2)]
+    x = torch.randn(2, 8, 32)
+    grads = {}
+    for mode in ("none", "full", "selective"):
+        stack = LayerStack(list(blocks), mode)
+        stack.zero_grad(set_to_none=True)
+        compare.loss_fn(stack(x)).backward()
+        grads[mode] = [p.grad.clone() for p in stack.parameters()]
+    for mode in ("full", "selective"):
+        for got, want in zip(grads[mode], grads["none"]):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_math_and_sdpa_attention_agree_with_float64_reference():
+    block = GPTBlock(32, 4, 64, dropout=0.0, attention="math").double()
+    sdpa = GPTBlock(32, 4, 64, dropout=0.0, attention="sdpa").double()
+    sdpa.load_state_dict(block.state_dict())
+    x = torch.randn(2, 9, 32, dtype=torch.float64)
+    # Causality: changing the last position must not change earlier outputs.
+    y = block(x)
+    x2 = x.clone()
+    x2[:, -1] += 1.0
+    torch.testing.assert_close(block(x2)[:, :-1], y[:, :-1])
+    torch.testing.assert_close(sdpa(x), y)
+
+
+def test_fused_state_dict_mapping_names_the_keys_that_differ():
+    state = GPTBlock(32, 2, 64).state_dict()
+    assert list(fused_state_dict_from_eager(state)) == list(FUSED_BLOCK_PARAMETER_NAMES)
+    del state["qkv.bias"]
+    state["attn.in_proj_weight"] = torch.zeros(1)
+    with pytest.raises(KeyError, match=r"missing \['qkv.bias'\], unexpected \['attn.in_proj_weight'\]"):
+        fused_state_dict_from_eager(state)
+
+
+def test_quantile_interpolates_like_numpy():
+    values = [5.0, 1.0, 4.0, 2.0, 3.0]
+    assert compare.quantile(values, 0.5) == 3.0
+    assert compare.quantile(values, 0.2) == pytest.approx(1.8)
+    assert compare.quantile(values, 0.8) == pytest.approx(4.2)
+
+
+def test_unknown_config_name_is_rejected():
+    with pytest.raises(SystemExit, match="unknown names \\['nope'\\]"):
+        compare.select_configs("eager-math,nope")
+
+
+def test_kernel_benchmarks_run_on_tiny_shapes_and_list_missing_ops(tmp_path, monkeypatch):
+    from bench import kernels
+
+    monkeypatch.delattr(memopt, "layer_norm", raising=False)
+    argv = ["--preset", "tiny", "--device", "cpu", "--ops", "dropout_add,layer_norm", "--out", str(tmp_path), "--no-progress"]
+    assert kernels.main(argv) == 0
+    (json_path,) = tmp_path.glob("kernels-tiny-cpu-*.json")
+    result = json.loads(json_path.read_text())
+    rows = {(r["op"], r["provider"], r["metric"]): r for r in result["rows"]}
+    for key in ("op", "provider", "mode", "metric", "unit", "x", "median", "p20", "p80", "device", "versions", "commit", "date"):
+        assert all(key in r for r in result["rows"]), key
+    for provider in ("memopt", "eager"):
+        timing = rows[("dropout_add", provider, "time_fwd_bwd")]
+        assert timing["status"] == "ok" and timing["p20"] <= timing["median"] <= timing["p80"]
+        assert rows[("dropout_add", provider, "bandwidth")]["median"] > 0
+    # memopt keeps the 16-byte RNG key where eager dropout keeps a mask: bool on CUDA, x's
+    # dtype (float32) on CPU, where F.dropout multiplies by a Bernoulli tensor.
+    assert rows[("dropout_add", "memopt", "saved_bytes")]["median"] == 16
+    assert rows[("dropout_add", "eager", "saved_bytes")]["median"] in (64 * 128, 64 * 128 * 4)
+    assert rows[("layer_norm", "memopt", "time_fwd_bwd")]["status"] == "not available (memopt.layer_norm is not in this build of memopt yet)"
+    assert rows[("dropout_add", "compile", "time_fwd_bwd")]["status"].startswith("not available (torch.compile not requested")
+    assert json_path.with_suffix(".png").exists()
+
+
+class StandInFusedBlock(GPTBlock):
+    """Takes FusedCheckpointBlock's expected constructor and parameter names; computes like the
+    eager block. Lets the harness's memopt path run before the real block lands."""
+
+    def __init__(self, d_model, n_heads, d_ff, *, dropout, activation, norm, norm_first, causal, policy):
+        assert (activation, norm, norm_first, causal) == ("gelu", "layernorm", True, True)
+        assert policy in configs.FUSED_POLICIES
+        super().__init__(d_model, n_heads, d_ff, dropout, attention="sdpa")
+
+
+def test_memopt_configurations_build_from_the_reference_weights(monkeypatch):
+    monkeypatch.setattr(memopt, "FusedCheckpointBlock", StandInFusedBlock, raising=False)
+    monkeypatch.setattr(memopt, "wrap", lambda model: model, raising=False)
+    wanted = ["eager-math", "memopt-selective", "memopt-full", "memopt-offload", "memopt-wrap"]
+    rows = compare.run_comparison(TINY, [registry_config(n) for n in wanted], progress=False)
+    by_name = {r["config"]: r for r in rows}
+    for name in ("memopt-selective", "memopt-full", "memopt-wrap"):
+        assert by_name[name]["status"] == "ok", by_name[name]
+        # Same weights, same batch, same math: only SDPA-vs-matmul rounding separates them.
+        assert by_name[name]["grad_check"] == "ok" and by_name[name]["grad_max_rel_diff"] < 1e-5
+    assert by_name["memopt-offload"]["status"].startswith("not available (offload moves activations")
+
+
+@gpu
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_tiny_run_on_cuda_measures_peak_memory_and_checks_gradients(dtype):
+    settings = replace(TINY, device="cuda", dtype=dtype, threads=None)
+    wanted = ["eager-math", "eager-sdpa", "torch-checkpoint", "torch-selective"]
+    rows = compare.run_comparison(settings, [registry_config(n) for n in wanted], progress=False)
+    by_name = {r["config"]: r for r in rows}
+    for name in wanted:
+        row = by_name[name]
+        assert row["status"] == "ok", row
+        assert row["device"].startswith("cuda") and row["peak_gpu_bytes"] > 0
+        # Only scalars stay on the host (SDPA's dropout RNG seed and offset), no activations.
+        assert row["activation_bytes"] > 0 and row["activation_host_bytes"] < 1024
+        assert row["grad_check"] in ("ok", "reference"), row
+    assert by_name["torch-checkpoint"]["activation_bytes"] < by_name["eager-sdpa"]["activation_bytes"]
+    assert by_name["torch-checkpoint"]["memory_vs_checkpoint"] == pytest.approx(1.0)
+
+
+@gpu
+def test_kernel_benchmarks_run_on_cuda(tmp_path):
+    from bench import kernels
+
+    settings = replace(kernels.KERNEL_PRESETS["tiny"], device="cuda", dtype="bfloat16", threads=None)
+    result = kernels.run_kernels(settings, ["dropout_add"], progress=False)
+    rows = {(r["provider"], r["metric"]): r for r in result["rows"]}
+    for provider in ("memopt", "eager"):
+        assert rows[(provider, "time_fwd_bwd")]["status"] == "ok"
+        assert rows[(provider, "time_fwd_bwd")]["median"] > 0
+    assert rows[("memopt", "saved_bytes")]["median"] == 16

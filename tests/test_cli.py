@@ -1,0 +1,122 @@
+"""The memopt command line, memory_report and diagnose_oom."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import memopt
+from memopt.cli import main
+from memopt.estimate import ModelConfig
+
+XL_PARAMS = 1_557_611_200  # hand count in tests/test_estimate.py::test_gpt2_xl_matches_hand_arithmetic
+
+
+def run_json(capsys, *argv):
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_estimate_preset_json_matches_hand_arithmetic(capsys):
+    out = run_json(capsys, "estimate", "--preset", "gpt2-xl", "--micro-batch", "8", "--optimizer", "adam")
+    assert out["num_parameters"] == XL_PARAMS
+    b = out["breakdown"]
+    assert b["parameters"] + b["gradients"] + b["optimizer_state"] == 16 * XL_PARAMS
+    assert out["total_bytes"] == sum(b.values())
+    assert out["config"]["n_layers"] == 48 and out["config"]["d_model"] == 1600
+
+
+def test_estimate_flags_and_memory_fit(capsys):
+    out = run_json(capsys, "estimate", "--layers", "4", "--d-model", "256", "--heads", "4", "--vocab", "1000",
+                   "--seq", "128", "--micro-batch", "2", "--precision", "autocast", "--memory-gib", "1")
+    cfg = ModelConfig(n_layers=4, d_model=256, n_heads=4, vocab_size=1000, seq_len=128, micro_batch=2,
+                      precision="autocast")
+    assert out["total_bytes"] == memopt.estimate(cfg).total_bytes
+    assert out["fits"]["eager"]["max_micro_batch"] == memopt.max_micro_batch(2**30, cfg)
+    assert out["fits"]["checkpoint"]["max_micro_batch"] > out["fits"]["eager"]["max_micro_batch"]
+
+
+def test_estimate_table_output(capsys):
+    assert main(["estimate", "--preset", "gpt2", "--micro-batch", "4"]) == 0
+    text = capsys.readouterr().out
+    assert "parameters: 124,439,808" in text  # GPT-2 small: the published 124M
+    assert "attention_scores" in text and "total" in text
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["estimate", "--preset", "gpt2", "--micro-batch", "-3"], "micro_batch must be a positive int"),
+    (["estimate", "--layers", "2"], "missing --d-model"),
+    (["estimate", "--preset", "gpt2", "--policy", "nope"], "policy must be one of"),
+])
+def test_estimate_bad_input(capsys, argv, match):
+    assert main(argv) == 2
+    assert match in capsys.readouterr().err
+
+
+def test_unknown_optimizer_is_rejected_by_the_parser(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["estimate", "--preset", "gpt2", "--optimizer", "lion"])
+    assert exc.value.code == 2
+    assert "--optimizer" in capsys.readouterr().err
+
+
+def test_report_json_on_cpu(capsys):
+    out = run_json(capsys, "report", "--device", "cpu")
+    assert out["device"] == "cpu" and out["allocated"] > 0 and out["reserved"] is None
+
+
+def test_python_dash_m_memopt():
+    proc = subprocess.run([sys.executable, "-m", "memopt", "estimate", "--preset", "gpt2-large", "--json"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["num_parameters"] == 774_030_080
+
+
+def test_memory_report_cpu_says_so():
+    rep = memopt.memory_report("cpu")
+    assert rep.allocated > 0 and rep.peak_allocated > 0
+    assert "cpu" in str(rep) and "no CUDA allocator" in str(rep)
+
+
+def test_memory_report_rejects_other_devices():
+    with pytest.raises(ValueError, match="device must be a CUDA device or 'cpu'"):
+        memopt.memory_report("meta")
+
+
+def test_diagnose_oom_names_consumers_and_what_fits():
+    cfg = ModelConfig(**memopt.estimate_presets["gpt2-xl"], micro_batch=8)
+    err = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 6.25 GiB. GPU 0 has a total capacity "
+                                 "of 79.19 GiB of which 1.2 GiB is free.")
+    diag = memopt.diagnose_oom(err, config=cfg, memory_bytes=80 * 2**30)
+    assert diag.requested_bytes == int(6.25 * 2**30)
+    assert diag.largest[0][0] == "attention_scores"
+    assert diag.fits["eager"] == memopt.max_micro_batch(80 * 2**30, cfg)
+    assert diag.fits["checkpoint"] >= 8
+    text = str(diag)
+    assert "attention_scores" in text and "policy 'checkpoint' fits micro-batch 8" in text
+
+
+def test_diagnose_oom_when_nothing_fits():
+    cfg = ModelConfig(**memopt.estimate_presets["gpt2-xl"], micro_batch=8)
+    diag = memopt.diagnose_oom(torch.OutOfMemoryError("CUDA out of memory."), config=cfg, memory_bytes=16 * 2**30)
+    assert diag.requested_bytes is None
+    assert all(v == 0 for v in diag.fits.values())
+    assert "no policy fits micro-batch 1" in str(diag) and "optimizer state alone take" in str(diag)
+
+
+def test_diagnose_oom_without_config():
+    diag = memopt.diagnose_oom(torch.OutOfMemoryError("CUDA out of memory."))
+    assert "pass config=" in str(diag)
+
+
+def test_bench_passes_arguments_through(monkeypatch):
+    calls = []
+    monkeypatch.setattr(subprocess, "call", lambda argv: calls.append(argv) or 0)
+    assert main(["bench", "--preset", "quick", "--json"]) == 0
+    assert main(["bench", "--", "--help"]) == 0
+    assert calls == [[sys.executable, "-m", "bench", "--preset", "quick", "--json"],
+                     [sys.executable, "-m", "bench", "--help"]]

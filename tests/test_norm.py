@@ -1,0 +1,514 @@
+"""layer_norm, rms_norm and norm_linear: kernels against float64 references, gradients three ways
+(reference, gradcheck, opcheck), torch.compile, autocast, saved bytes and errors."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import memopt
+from memopt.ops.norm import (
+    LayerNormFunction,
+    NormLinearFunction,
+    RMSNormFunction,
+    layer_norm_ref,
+    rms_norm_ref,
+)
+
+from helpers import device_dtype_params, gpu, tolerances
+
+# Rows 1, 97, 123 and widths 33, 97, 1025 (odd, not multiples of a warp), plus 3-D inputs.
+SHAPES = [(1, 33), (97, 97), (123, 33), (3, 1025), (2, 5, 97), (4, 3, 33)]
+AFFINE = ["none", "weight", "weight_bias"]
+NORMS = ["layernorm", "rmsnorm"]
+
+
+def make_inputs(shape, device, dtype, affine, with_residual, param_dtype=None, norm="layernorm"):
+    n = shape[-1]
+    param_dtype = param_dtype or dtype
+    x = torch.randn(shape, device=device, dtype=dtype, requires_grad=True)
+    residual = torch.randn(shape, device=device, dtype=dtype, requires_grad=True) if with_residual else None
+    weight = bias = None
+    if affine != "none":
+        weight = (1 + 0.5 * torch.randn(n, device=device, dtype=param_dtype)).requires_grad_()
+    if affine == "weight_bias" and norm == "layernorm":
+        bias = (0.5 * torch.randn(n, device=device, dtype=param_dtype)).requires_grad_()
+    return x, residual, weight, bias
+
+
+def as_tuple(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+def grads_of(outputs, inputs, grad_outputs):
+    """Gradients of sum(out * g) w.r.t. the inputs that are tensors (None stays None)."""
+    present = [t for t in inputs if t is not None]
+    grads = iter(torch.autograd.grad(outputs, present, grad_outputs))
+    return [None if t is None else next(grads) for t in inputs]
+
+
+def double_leaf(t):
+    return None if t is None else t.detach().double().requires_grad_()
+
+
+def rounded_residual(x, residual, x64, residual64):
+    """residual64 shifted by a constant so that x64 + result equals x + residual rounded to x's
+    dtype: the kernels normalise the rounded sum (the residual_out they return)."""
+    if residual is None:
+        return None
+    rounding = ((x + residual).detach().double() - (x64 + residual64)).detach()
+    return residual64 + rounding
+
+
+def run_norm(norm, x, residual, weight, bias, eps):
+    if norm == "layernorm":
+        return as_tuple(memopt.layer_norm(x, weight, bias, eps=eps, residual=residual))
+    return as_tuple(memopt.rms_norm(x, weight, eps=eps, residual=residual))
+
+
+def run_norm_ref(norm, x, residual, weight, bias, eps):
+    if norm == "layernorm":
+        return as_tuple(layer_norm_ref(x, weight, bias, eps=eps, residual=residual, upcast=True))
+    return as_tuple(rms_norm_ref(x, weight, eps=eps, residual=residual, upcast=True))
+
+
+def check_against_reference(norm, x, residual, weight, bias, tol, eps=1e-5):
+    outs = run_norm(norm, x, residual, weight, bias, eps)
+    assert all(o.dtype == x.dtype and o.shape == x.shape and o.is_contiguous() for o in outs)
+    leaves = [double_leaf(t) for t in (x, residual, weight, bias)]
+    refs = run_norm_ref(norm, leaves[0], rounded_residual(x, residual, *leaves[:2]), *leaves[2:], eps)
+    for out, ref in zip(outs, refs):
+        torch.testing.assert_close(out.double(), ref, **tol)
+
+    grad_outs = [torch.randn_like(o) for o in outs]
+    inputs = (x, residual, weight, bias)
+    got = grads_of(outs, inputs, grad_outs)
+    expected = grads_of(refs, leaves, [g.double() for g in grad_outs])
+    for name, g, e, t in zip(("x", "residual", "weight", "bias"), got, expected, inputs):
+        if t is None:
+            continue
+        assert g.dtype == t.dtype, name
+        torch.testing.assert_close(g.double(), e, **tol, msg=lambda m: f"grad of {name}: {m}")
+
+
+@pytest.mark.parametrize("device,dtype", device_dtype_params())
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("affine", AFFINE)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("norm", NORMS)
+def test_norm_matches_reference(norm, device, dtype, shape, affine, with_residual):
+    inputs = make_inputs(shape, device, dtype, affine, with_residual, norm=norm)
+    check_against_reference(norm, *inputs, tolerances(dtype))
+
+
+# Mixed precision keeps float32 master parameters beside half activations; on CPU the same path
+# is float64 activations with float32 parameters.
+@pytest.mark.parametrize(
+    "device,dtype",
+    [
+        pytest.param("cpu", torch.float64, id="cpu-float64"),
+        pytest.param("cuda", torch.float16, id="cuda-float16", marks=gpu),
+        pytest.param("cuda", torch.bfloat16, id="cuda-bfloat16", marks=gpu),
+    ],
+)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("norm", NORMS)
+def test_float32_params_with_other_activation_dtype(norm, device, dtype, with_residual):
+    inputs = make_inputs((97, 123), device, dtype, "weight_bias", with_residual, torch.float32, norm=norm)
+    # float64 x with float32 parameters: the parameters' own rounding is in both computations.
+    tol = tolerances(torch.float32 if dtype == torch.float64 else dtype)
+    check_against_reference(norm, *inputs, tol)
+
+
+@pytest.mark.parametrize("device,dtype", device_dtype_params())
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("norm", NORMS)
+def test_statistics_match_reference(norm, device, dtype, with_residual):
+    x = torch.randn(123, 97, device=device, dtype=dtype)
+    residual = torch.randn_like(x) if with_residual else None
+    v = x.double() + (residual.double() if with_residual else 0)
+    stat_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    if norm == "layernorm":
+        _, residual_out, mean, rstd = torch.ops.memopt.layer_norm_fwd(x, residual, None, None, 1e-5)
+        torch.testing.assert_close(mean.double(), v.mean(-1), **tolerances(dtype))
+        expected_rstd = torch.rsqrt(v.var(-1, unbiased=False) + 1e-5)
+        assert mean.dtype == stat_dtype
+    else:
+        _, residual_out, rstd = torch.ops.memopt.rms_norm_fwd(x, residual, None, 1e-5)
+        expected_rstd = torch.rsqrt(v.pow(2).mean(-1) + 1e-5)
+    assert rstd.dtype == stat_dtype and rstd.shape == (123,)
+    torch.testing.assert_close(rstd.double(), expected_rstd, **tolerances(dtype))
+    assert residual_out.numel() == (x.numel() if with_residual else 0)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_backward_rebuilds_y_exactly_as_forward(norm):
+    x = torch.randn(97, 1025, dtype=torch.float32)
+    weight, bias = torch.randn(1025), torch.randn(1025)
+    grad_y = torch.randn_like(x)
+    if norm == "layernorm":
+        y, _, mean, rstd = torch.ops.memopt.layer_norm_fwd(x, None, weight, bias, 1e-5)
+        *_, rebuilt = torch.ops.memopt.layer_norm_bwd(grad_y, x, weight, bias, mean, rstd, None, True)
+    else:
+        y, _, rstd = torch.ops.memopt.rms_norm_fwd(x, None, weight, 1e-5)
+        *_, rebuilt = torch.ops.memopt.rms_norm_bwd(grad_y, x, weight, rstd, None, True)
+    assert torch.equal(rebuilt, y)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_parameter_gradients_do_not_depend_on_thread_count(norm):
+    x, residual, weight, bias = make_inputs((1000, 97), "cpu", torch.float32, "weight_bias", True, norm=norm)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, max(2, threads)):
+            torch.set_num_threads(count)
+            outs = run_norm(norm, x, residual, weight, bias, 1e-5)
+            results.append(grads_of(outs, (x, residual, weight, bias), [torch.ones_like(o) for o in outs]))
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*results):
+        assert (a is None and b is None) or torch.equal(a, b)
+
+
+def norm_linear_ref(norm, x, residual, norm_weight, norm_bias, linear_weight, linear_bias, eps):
+    normed = run_norm_ref(norm, x, residual, norm_weight, norm_bias, eps)
+    out = F.linear(normed[0], linear_weight, linear_bias)
+    return (out,) + normed[1:]
+
+
+@pytest.mark.parametrize("device,dtype", device_dtype_params())
+@pytest.mark.parametrize("shape", [(1, 33), (123, 97), (2, 5, 33)], ids=str)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("with_linear_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("norm", NORMS)
+def test_norm_linear_matches_reference(norm, device, dtype, shape, with_residual, with_linear_bias):
+    x, residual, norm_weight, norm_bias = make_inputs(shape, device, dtype, "weight_bias", with_residual, norm=norm)
+    out_features = 45
+    linear_weight = (torch.randn(out_features, shape[-1], device=device, dtype=dtype) / shape[-1] ** 0.5)
+    linear_weight.requires_grad_()
+    linear_bias = torch.randn(out_features, device=device, dtype=dtype, requires_grad=True) if with_linear_bias else None
+    eps = 1e-5
+    outs = as_tuple(
+        memopt.norm_linear(x, norm_weight, norm_bias, linear_weight, linear_bias, norm=norm, eps=eps, residual=residual)
+    )
+    inputs = (x, residual, norm_weight, norm_bias, linear_weight, linear_bias)
+    leaves = [double_leaf(t) for t in inputs]
+    refs = norm_linear_ref(norm, leaves[0], rounded_residual(x, residual, *leaves[:2]), *leaves[2:], eps)
+    # The matmul reduces over n: its error grows like sqrt(n) times the elementwise one.
+    tol = {k: v * 4 for k, v in tolerances(dtype).items()}
+    assert outs[0].shape == (*shape[:-1], out_features) and outs[0].dtype == dtype
+    for out, ref in zip(outs, refs):
+        torch.testing.assert_close(out.double(), ref, **tol)
+    grad_outs = [torch.randn_like(o) for o in outs]
+    got = grads_of(outs, inputs, grad_outs)
+    expected = grads_of(refs, leaves, [g.double() for g in grad_outs])
+    names = ("x", "residual", "norm_weight", "norm_bias", "linear_weight", "linear_bias")
+    if dtype in (torch.float16, torch.bfloat16):
+        # Half precision: flash-attention's rule. The weight gradient reduces over all rows, so
+        # a fixed tolerance is either loose or flaky; instead the kernel's error against float64
+        # may be at most twice the error of plain PyTorch run in the same dtype.
+        low = [None if t is None else t.detach().clone().requires_grad_() for t in inputs]
+        eager = eager_norm_linear(norm, *low, eps)
+        eager_grads = grads_of(eager, low, grad_outs)
+        for name, g, ge, e, t in zip(names, got, eager_grads, expected, inputs):
+            if t is None:
+                continue
+            assert g.dtype == t.dtype, name
+            err, eager_err = (g.double() - e).abs().max().item(), (ge.double() - e).abs().max().item()
+            assert err <= 2 * eager_err + tol["atol"] / 4, f"grad of {name}: error {err:.3g}, eager {eager_err:.3g}"
+        return
+    for name, g, e, t in zip(names, got, expected, inputs):
+        if t is None:
+            continue
+        assert g.dtype == t.dtype, name
+        torch.testing.assert_close(g.double(), e, **tol, msg=lambda m: f"grad of {name}: {m}")
+
+
+def eager_norm_linear(norm, x, residual, norm_weight, norm_bias, linear_weight, linear_bias, eps):
+    """What a user writes in plain PyTorch, in the inputs' own dtype."""
+    h = x if residual is None else x + residual
+    if norm == "layernorm":
+        normed = F.layer_norm(h, (h.shape[-1],), norm_weight, norm_bias, eps)
+    else:
+        normed = h * torch.rsqrt(h.float().pow(2).mean(-1, keepdim=True) + eps).to(h.dtype)
+        normed = normed if norm_weight is None else normed * norm_weight
+    out = F.linear(normed, linear_weight, linear_bias)
+    return (out,) if residual is None else (out, h)
+
+
+@pytest.mark.parametrize(
+    "device,dtype",
+    [
+        pytest.param("cpu", torch.bfloat16, id="cpu-bfloat16"),
+        pytest.param("cuda", torch.bfloat16, id="cuda-bfloat16", marks=gpu),
+        pytest.param("cuda", torch.float16, id="cuda-float16", marks=gpu),
+    ],
+)
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("norm", NORMS)
+def test_norm_linear_under_autocast_matches_norm_then_linear(norm, device, dtype, with_residual):
+    """float32 inputs and parameters under autocast: the linear runs in the autocast dtype."""
+    x, residual, norm_weight, norm_bias = make_inputs((2, 37, 97), device, torch.float32, "weight_bias",
+                                                      with_residual, norm=norm)
+    linear_weight = (torch.randn(64, 97, device=device) / 10).requires_grad_()
+    linear_bias = torch.randn(64, device=device, requires_grad=True)
+    inputs = (x, residual, norm_weight, norm_bias, linear_weight, linear_bias)
+
+    with torch.autocast(device, dtype=dtype):
+        fused = as_tuple(memopt.norm_linear(x, norm_weight, norm_bias, linear_weight, linear_bias, norm=norm,
+                                            residual=residual))
+        normed = run_norm(norm, x, residual, norm_weight, norm_bias, 1e-5)
+        eager = (F.linear(normed[0], linear_weight, linear_bias),) + normed[1:]
+    assert fused[0].dtype == eager[0].dtype == dtype
+    for a, b in zip(fused, eager):
+        torch.testing.assert_close(a, b, **tolerances(dtype))
+    grad_outs = [torch.randn_like(o) for o in fused]
+    got = grads_of(fused, inputs, grad_outs)
+    expected = grads_of(eager, inputs, grad_outs)
+    for g, e, t in zip(got, expected, inputs):
+        if t is not None:
+            assert g.dtype == e.dtype == torch.float32
+            # Both run the same bf16/fp16 matmuls on the same operands.
+            torch.testing.assert_close(g, e, **tolerances(dtype))
+
+
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_gradcheck_layer_norm_function(with_residual):
+    x, residual, weight, bias = (double_leaf(t) for t in make_inputs((5, 7), "cpu", torch.float64,
+                                                                       "weight_bias", with_residual))
+    assert torch.autograd.gradcheck(lambda *a: LayerNormFunction.apply(*a, 1e-5), (x, residual, weight, bias))
+
+
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_gradcheck_rms_norm_function(with_residual):
+    x, residual, weight, _ = (double_leaf(t) for t in make_inputs((5, 7), "cpu", torch.float64, "weight",
+                                                                   with_residual, norm="rmsnorm"))
+    assert torch.autograd.gradcheck(lambda *a: RMSNormFunction.apply(*a, 1e-6), (x, residual, weight))
+
+
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("norm", NORMS)
+def test_gradcheck_norm_linear_function(norm, with_residual):
+    x, residual, norm_weight, norm_bias = (
+        double_leaf(t) for t in make_inputs((2, 3, 7), "cpu", torch.float64, "weight_bias", with_residual, norm=norm)
+    )
+    linear_weight = torch.randn(5, 7, dtype=torch.float64, requires_grad=True)
+    linear_bias = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    is_rms = norm == "rmsnorm"
+    assert torch.autograd.gradcheck(
+        lambda *a: NormLinearFunction.apply(*a, is_rms, 1e-5),
+        (x, residual, norm_weight, norm_bias, linear_weight, linear_bias),
+    )
+
+
+@pytest.mark.parametrize("optional", [False, True], ids=["required_only", "with_optional"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_opcheck(optional, dtype):
+    x = torch.randn(2, 3, 33, dtype=dtype)
+    residual = torch.randn_like(x) if optional else None
+    weight = torch.randn(33, dtype=dtype) if optional else None
+    bias = torch.randn(33, dtype=dtype) if optional else None
+    grad_x_extra = torch.randn_like(x) if optional else None
+    ops = torch.ops.memopt
+    torch.library.opcheck(ops.layer_norm_fwd.default, (x, residual, weight, bias, 1e-5))
+    torch.library.opcheck(ops.rms_norm_fwd.default, (x, residual, weight, 1e-5))
+    _, _, mean, rstd = ops.layer_norm_fwd(x, None, weight, bias, 1e-5)
+    grad_y = torch.randn_like(x)
+    torch.library.opcheck(ops.layer_norm_bwd.default, (grad_y, x, weight, bias, mean, rstd, grad_x_extra, optional))
+    _, _, rstd = ops.rms_norm_fwd(x, None, weight, 1e-5)
+    torch.library.opcheck(ops.rms_norm_bwd.default, (grad_y, x, weight, rstd, grad_x_extra, optional))
+
+
+def test_opcheck_float32_params_with_float64_x():
+    x = torch.randn(4, 33, dtype=torch.float64)
+    weight, bias = torch.randn(33), torch.randn(33)
+    torch.library.opcheck(torch.ops.memopt.layer_norm_fwd.default, (x, None, weight, bias, 1e-5))
+    _, _, mean, rstd = torch.ops.memopt.layer_norm_fwd(x, None, weight, bias, 1e-5)
+    torch.library.opcheck(
+        torch.ops.memopt.layer_norm_bwd.default, (torch.randn_like(x), x, weight, bias, mean, rstd, None, True)
+    )
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_compile_fullgraph(norm, compile_cache):
+    x, residual, weight, bias = make_inputs((8, 33), "cpu", torch.float32, "weight_bias", True, norm=norm)
+    linear_weight = torch.randn(16, 33, requires_grad=True)
+
+    def block(x, residual):
+        normed, residual_out = run_norm(norm, x, residual, weight, bias, 1e-5)
+        out, _ = memopt.norm_linear(residual_out, weight, bias, linear_weight, norm=norm, residual=normed)
+        return out
+
+    compiled = torch.compile(block, backend="aot_eager", fullgraph=True)
+    out = compiled(x, residual)
+    torch.testing.assert_close(out, block(x, residual))
+    params = (x, residual, weight, linear_weight) + ((bias,) if bias is not None else ())
+    got = torch.autograd.grad(out.sum(), params)
+    expected = torch.autograd.grad(block(x, residual).sum(), params)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_compile_fullgraph_norm_linear_under_autocast(norm, compile_cache):
+    x, _, norm_weight, norm_bias = make_inputs((2, 8, 33), "cpu", torch.float32, "weight_bias", False, norm=norm)
+    linear_weight = torch.randn(16, 33, requires_grad=True)
+    params = [t for t in (x, norm_weight, norm_bias, linear_weight) if t is not None]
+
+    def fn(x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return memopt.norm_linear(x, norm_weight, norm_bias, linear_weight, norm=norm)
+
+    out = torch.compile(fn, backend="aot_eager", fullgraph=True)(x)
+    expected = fn(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected)
+    got = torch.autograd.grad(out.float().sum(), params)
+    wanted = torch.autograd.grad(expected.float().sum(), params)
+    for g, e in zip(got, wanted):
+        torch.testing.assert_close(g, e, **tolerances(torch.bfloat16))
+
+
+def stats_bytes(rows, norm):
+    per_stat = rows * 4  # float32 per row
+    return 2 * per_stat if norm == "layernorm" else per_stat
+
+
+def eager_norm(norm, x, weight, bias):
+    if norm == "layernorm":
+        return F.layer_norm(x, x.shape[-1:], weight, bias, 1e-5)
+    return rms_norm_ref(x, weight, 1e-5)
+
+
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("norm", NORMS)
+def test_norm_saves_no_more_than_eager(norm, with_residual):
+    rows, n = 64, 256
+    x, residual, weight, bias = make_inputs((rows, n), "cpu", torch.float32, "weight_bias", with_residual, norm=norm)
+    x_bytes = rows * n * 4
+
+    def ours(x, residual):
+        return run_norm(norm, x, residual, weight, bias, 1e-5)
+
+    def eager(x, residual):
+        summed = x if residual is None else x + residual
+        return eager_norm(norm, summed, weight, bias), summed
+
+    ours_bytes = memopt.saved_bytes(ours, x, residual, exclude=[weight, bias])
+    eager_bytes = memopt.saved_bytes(eager, x, residual, exclude=[weight, bias])
+    # The statistics, plus residual_out (what was normalised) when a residual was added.
+    assert ours_bytes == stats_bytes(rows, norm) + (x_bytes if with_residual else 0)
+    assert ours_bytes <= eager_bytes
+
+
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("norm", NORMS)
+def test_norm_linear_saves_exactly_the_norm_output_less(norm, with_residual):
+    batch, seq, n, out_features = 2, 32, 256, 512
+    x, residual, norm_weight, norm_bias = make_inputs((batch, seq, n), "cpu", torch.float32, "weight_bias",
+                                                      with_residual, norm=norm)
+    linear_weight = torch.randn(out_features, n, requires_grad=True)
+    linear_bias = torch.randn(out_features, requires_grad=True)
+    params = [p for p in (norm_weight, norm_bias, linear_weight, linear_bias) if p is not None]
+    rows, y_bytes = batch * seq, batch * seq * n * 4
+
+    def fused(x, residual):
+        return memopt.norm_linear(x, norm_weight, norm_bias, linear_weight, linear_bias, norm=norm, residual=residual)
+
+    def eager(x, residual):
+        normed = run_norm(norm, x, residual, norm_weight, norm_bias, 1e-5)
+        return F.linear(normed[0], linear_weight, linear_bias)
+
+    fused_bytes = memopt.saved_bytes(fused, x, residual, exclude=params)
+    eager_bytes = memopt.saved_bytes(eager, x, residual, exclude=params)
+    expected_fused = stats_bytes(rows, norm) + (y_bytes if with_residual else 0)
+    assert fused_bytes == expected_fused
+    assert eager_bytes - fused_bytes == y_bytes
+
+
+def t(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    "call,match",
+    [
+        (lambda: memopt.layer_norm(t(4, 8, dtype=torch.float16)), "x is torch.float16 on CPU|x is Half"),
+        (lambda: memopt.layer_norm(torch.ones(4, 8, dtype=torch.int64)), "x must be float32"),
+        (lambda: memopt.layer_norm(t(4, 8), t(7)), r"weight must have shape \[8\]"),
+        (lambda: memopt.rms_norm(t(4, 8), t(8, 1)), r"weight must have shape \[8\]"),
+        (lambda: memopt.layer_norm(t(4, 8), t(8), t(9)), r"bias must have shape \[8\]"),
+        (lambda: memopt.layer_norm(t(4, 8), t(8), residual=t(4, 9)), "residual must have the shape of x"),
+        (lambda: memopt.rms_norm(t(4, 8), residual=t(8)), "residual must have the shape of x"),
+        (lambda: memopt.layer_norm(t(4, 8), t(8, dtype=torch.float64)), "weight must have x's dtype"),
+        (lambda: memopt.layer_norm(t(4, 8), t(8), t(8, dtype=torch.float64)), "bias must have x's dtype"),
+        (lambda: memopt.rms_norm(t(4, 8), residual=t(4, 8, dtype=torch.float64)), "residual must have the dtype"),
+        (lambda: memopt.layer_norm(t(4, 8), t(8).to("meta")), "weight must be on x's device"),
+        (lambda: memopt.layer_norm(t(4, 8), eps=-1.0), "eps must be"),
+        (lambda: memopt.layer_norm(t(4, 0)), "non-empty last dimension"),
+        (lambda: torch.ops.memopt.layer_norm_fwd(t(8, 4).t(), None, None, None, 1e-5), "x must be contiguous"),
+        (lambda: torch.ops.memopt.rms_norm_fwd(t(8, 4).t(), None, None, 1e-5), "x must be contiguous"),
+        (lambda: torch.ops.memopt.rms_norm_bwd(t(4, 8), t(4, 8), None, t(5), None, False), "rstd must have shape"),
+        (
+            lambda: torch.ops.memopt.layer_norm_bwd(t(4, 8), t(4, 8), None, None, t(4, dtype=torch.float64), t(4),
+                                                    None, False),
+            "mean must be",
+        ),
+        (lambda: torch.ops.memopt.rms_norm_bwd(t(4, 9), t(4, 8), None, t(4), None, False), "grad_y must have the shape"),
+        (
+            lambda: torch.ops.memopt.rms_norm_bwd(t(4, 8), t(4, 8), None, t(4), t(8, 4).t(), False),
+            "grad_x_extra must be contiguous",
+        ),
+        (lambda: memopt.norm_linear(t(4, 8), None, None, t(6, 9)), r"linear_weight must have shape \[out_features, 8\]"),
+        (lambda: memopt.norm_linear(t(4, 8), None, None, t(6, 8), t(5)), r"linear_bias must have shape \[6\]"),
+        (lambda: memopt.norm_linear(t(4, 8), t(8), t(8), t(6, 8), norm="rmsnorm"), "norm_bias must be None"),
+        (lambda: memopt.norm_linear(t(4, 8), None, None, t(6, 8), norm="batchnorm"), "norm must be one of"),
+    ],
+)
+def test_bad_input_raises_clear_error(call, match):
+    with pytest.raises((ValueError, RuntimeError), match=match):
+        call()
+
+
+@gpu
+def test_mixed_devices_raise_at_the_op_level():
+    x = torch.randn(4, 8, device="cuda")
+    with pytest.raises(RuntimeError, match="weight must be on x's device"):
+        torch.ops.memopt.layer_norm_fwd(x, None, torch.randn(8), None, 1e-5)
+    with pytest.raises(RuntimeError, match="residual must be on x's device"):
+        torch.ops.memopt.rms_norm_fwd(x, torch.randn(4, 8), None, 1e-5)
+    with pytest.raises(ValueError, match="weight must be on x's device"):
+        memopt.rms_norm(x, torch.randn(8))
+
+
+@gpu
+@pytest.mark.parametrize("n", [1, 97, 1025, 4099, 16384, 20000])
+@pytest.mark.parametrize("norm", NORMS)
+def test_cuda_wide_and_odd_rows(norm, n):
+    inputs = make_inputs((67, n), "cuda", torch.float32, "weight_bias", True, norm=norm)
+    # Sums over up to 20000 elements: allow float32 reduction-order error.
+    check_against_reference(norm, *inputs, {"atol": 1e-4, "rtol": 1e-4})
+
+
+@gpu
+@pytest.mark.parametrize("norm", NORMS)
+def test_cuda_matches_cpu_kernel(norm):
+    inputs = make_inputs((123, 1025), "cpu", torch.float32, "weight_bias", True, norm=norm)
+    cpu_outs = run_norm(norm, *inputs, 1e-5)
+    cuda_inputs = [None if t is None else t.detach().cuda() for t in inputs]
+    cuda_outs = run_norm(norm, *cuda_inputs, 1e-5)
+    for a, b in zip(cpu_outs, cuda_outs):
+        torch.testing.assert_close(b.cpu(), a, atol=1e-5, rtol=1e-5)
+
+
+@gpu
+def test_cuda_runs_on_the_current_stream_and_device():
+    x, residual, weight, bias = make_inputs((97, 1025), "cuda", torch.bfloat16, "weight_bias", True)
+    expected = memopt.layer_norm(x, weight, bias, residual=residual)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        got = memopt.layer_norm(x, weight, bias, residual=residual)
+    torch.cuda.current_stream().wait_stream(stream)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)

@@ -51,6 +51,8 @@ step bench_attention "${STEP_TIMEOUT_BENCH_ATTENTION:-120}" python -m bench.atte
 # included) and the kernel micro-benchmarks: JSON, PNG and logs into $OUT.
 step bench_h200 "${STEP_TIMEOUT_BENCH_H200:-300}" python -m bench --preset h200 --out "$OUT" --no-progress
 step kernels_h200 "${STEP_TIMEOUT_KERNELS_H200:-150}" python -m bench.kernels --preset h200 --out "$OUT" --no-progress
+step bench_offload "${STEP_TIMEOUT_BENCH_OFFLOAD:-180}" python -m bench.offload --preset h200 \
+  --out "$OUT/offload-h200.json"
 if [ "${BENCH_SWEEPS:-0}" = 1 ]; then
   sweep_configs=eager-sdpa,torch-checkpoint,torch-selective,memopt-selective,memopt-full,memopt-offload
   for sweep in layers seq; do

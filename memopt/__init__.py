@@ -8,6 +8,7 @@ from memopt._extension import build_info
 from memopt.ops.activation import act_linear, bias_act, swiglu
 from memopt.ops.attention import attention
 from memopt.ops.dropout import dropout_add
+from memopt.offload import Offload, OffloadEngine, offload, offload_module_groups
 from memopt.ops.norm import layer_norm, norm_linear, rms_norm
 from memopt.saved import SavedTensorCounter, saved_bytes
 from memopt.adaptive import AdaptiveBatch, MicroBatchFloorError
@@ -23,6 +24,8 @@ __all__ = [
     "AdaptiveBatch",
     "MicroBatchFloorError",
     "ModelConfig",
+    "Offload",
+    "OffloadEngine",
     "Plan",
     "SavedTensorCounter",
     "act_linear",
@@ -39,6 +42,8 @@ __all__ = [
     "max_seq_len",
     "memory_report",
     "norm_linear",
+    "offload",
+    "offload_module_groups",
     "plan",
     "register_policy_formula",
     "rms_norm",

@@ -107,37 +107,48 @@ def _selective_context_fn(outer_hooks):
     return _ReportCachedToHooks(forward_context, outer_hooks[0]), recompute_context
 
 
-def _offload_context():
-    """The saved-tensors context of ``memopt.offload`` that moves saved tensors to host memory."""
+_shared_offload = None
+
+
+def _offload_module():
     try:
-        offload = importlib.import_module("memopt.offload")
+        return importlib.import_module("memopt.offload")
     except ImportError as exc:
         raise NotImplementedError(
             "memopt.checkpoint: offload=True needs memopt.offload (the activation offload engine), "
             "which this installation does not have"
         ) from exc
-    context = getattr(offload, "offload_saved_tensors", None)
-    if context is None:
-        raise NotImplementedError(
-            "memopt.checkpoint: offload=True needs memopt.offload.offload_saved_tensors(), "
-            "a saved_tensors_hooks context that moves saved tensors to host memory"
-        )
-    return context()
+
+
+def _offload_context(offload):
+    """The ``memopt.offload`` context that moves saved tensors to host memory.
+
+    ``offload=True`` uses one ``memopt.offload()`` shared by every call, so all layers share one
+    host pool and each call is one prefetch group; an ``Offload`` object is used as given.
+    """
+    global _shared_offload
+    module = _offload_module()
+    if isinstance(offload, module.Offload):
+        return offload
+    if _shared_offload is None:
+        _shared_offload = module.offload()
+    return _shared_offload
 
 
 def offload_available() -> bool:
     """Whether ``offload=True`` can run here (``memopt.offload`` is importable)."""
     try:
-        return hasattr(importlib.import_module("memopt.offload"), "offload_saved_tensors")
-    except ImportError:
+        _offload_module()
+    except NotImplementedError:
         return False
+    return True
 
 
 def checkpoint(
     fn: Callable,
     *args,
     policy: str = "selective",
-    offload: bool = False,
+    offload=False,
     preserve_rng_state: bool = True,
     use_reentrant: bool | None = None,
     determinism_check: str = "default",
@@ -156,10 +167,12 @@ def checkpoint(
         policy: ``"selective"`` (default) saves the outputs of matmuls and attention kernels
             (:data:`SELECTIVE_SAVED_OPS`) and recomputes everything else; ``"full"`` saves only
             the inputs and recomputes all of ``fn``; ``"none"`` runs ``fn`` as is.
-        offload: move what is saved to host memory through ``memopt.offload`` (raises
-            ``NotImplementedError`` when that module is not available). With ``"full"`` nothing
-            is saved besides the inputs, which the checkpoint holds itself, so there is nothing
-            to move.
+        offload: True moves what is saved to host memory through one ``memopt.offload()``
+            shared by all calls (each call is one prefetch group); an ``memopt.Offload`` object
+            is used instead of the shared one. Raises ``NotImplementedError`` when
+            ``memopt.offload`` is not available. With ``"full"`` the checkpoint keeps only the
+            inputs, which it holds itself, so there is nothing to move. On CPU tensors offload
+            is a no-op (see ``memopt.offload``).
         preserve_rng_state: as in ``torch.utils.checkpoint``; keep True when ``fn`` uses dropout.
         use_reentrant: accepted for drop-in compatibility; only False (or None) is supported.
         determinism_check: as in ``torch.utils.checkpoint`` (``"default"`` or ``"none"``).
@@ -186,7 +199,7 @@ def checkpoint(
                 "torch.utils.checkpoint.checkpoint accepts respect_saved_tensors_hooks "
                 f"(this is torch {torch.__version__})"
             )
-        with _offload_context():
+        with _offload_context(offload):
             return checkpoint(
                 fn,
                 *args,

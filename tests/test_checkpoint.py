@@ -1,6 +1,7 @@
 """memopt.checkpoint: equal outputs and gradients, RNG replay, what each policy saves, errors."""
 
 import importlib
+import sys
 import warnings
 
 import pytest
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 
 import memopt
 
-from helpers import tolerances
+from helpers import gpu, tolerances
 
 # The function memopt.checkpoint shadows its module of the same name as an attribute of memopt.
 ckpt = importlib.import_module("memopt.checkpoint")
@@ -161,12 +162,37 @@ def test_compile_fullgraph(policy, compile_cache):
         torch.testing.assert_close(grad, ref)
 
 
-def test_offload_without_engine_raises_not_implemented():
-    if ckpt.offload_available():
-        pytest.skip("memopt.offload is installed; its own tests cover offload")
+def test_offload_without_engine_raises_not_implemented(monkeypatch):
+    monkeypatch.setitem(sys.modules, "memopt.offload", None)  # import fails as if it were absent
     x = torch.randn(3, requires_grad=True)
     with pytest.raises(NotImplementedError, match="memopt.offload"):
         memopt.checkpoint(torch.sin, x, policy="none", offload=True)
+    assert not ckpt.offload_available()
+
+
+@pytest.mark.parametrize("policy", ["none", "selective"])
+def test_offload_moves_saved_tensors_and_keeps_results(policy):
+    # CPU tensors count as device tensors for this Offload, so the round trip really happens.
+    off = memopt.offload(min_bytes=0, pin_memory=False, allow_cpu_source=True)
+    inputs = _block_inputs(torch.float32)
+    out, grads, _ = _grads(lambda *a: memopt.checkpoint(_block, *a, policy=policy, offload=off, p=0.2), inputs, seed=6)
+    ref_out, ref_grads, _ = _grads(lambda *a: _block(*a, p=0.2), inputs, seed=6)
+    assert off.stats()["copies_to_host"] > 0
+    torch.testing.assert_close(out, ref_out)
+    for grad, ref in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, ref)
+
+
+@gpu
+@pytest.mark.parametrize("policy", ["none", "selective"])
+def test_offload_true_on_cuda(policy):
+    inputs = [t.detach().cuda().requires_grad_() for t in _block_inputs(torch.float32, n=1024, d=256, hidden=1024)]
+    out, grads, _ = _grads(lambda *a: memopt.checkpoint(_block, *a, policy=policy, offload=True, p=0.2), inputs, seed=6)
+    ref_out, ref_grads, _ = _grads(lambda *a: _block(*a, p=0.2), inputs, seed=6)
+    assert ckpt._shared_offload.stats()["copies_to_host"] > 0
+    torch.testing.assert_close(out, ref_out)
+    for grad, ref in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, ref)
 
 
 @pytest.mark.parametrize(

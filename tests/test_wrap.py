@@ -3,6 +3,7 @@
 import copy
 import importlib
 import itertools
+import sys
 
 import pytest
 import torch
@@ -245,11 +246,19 @@ def test_bad_policy_raises(policy, error, match):
         memopt.wrap(_encoder(2), policy=policy)
 
 
-def test_offload_policy_without_engine_raises():
-    if importlib.import_module("memopt.checkpoint").offload_available():
-        pytest.skip("memopt.offload is installed")
+def test_offload_policy_without_engine_raises(monkeypatch):
+    monkeypatch.setitem(sys.modules, "memopt.offload", None)  # import fails as if it were absent
     with pytest.raises(NotImplementedError, match="memopt.offload"):
         memopt.wrap(_encoder(2), policy="offload")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_offload_policy_matches_plain(device):
+    model = _encoder(2, dropout=0.1).to(device)
+    x = torch.randn(BATCH, SEQ, D_MODEL, device=device)
+    reference = _step(model, x, seed=8)
+    memopt.wrap(model, policy=["offload", "selective"])
+    _assert_same_step(_step(model, x, seed=8), reference)
 
 
 # -- the fused-block extension point --------------------------------------------------------

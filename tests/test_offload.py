@@ -1,0 +1,571 @@
+"""Activation offload (memopt.offload, memopt.OffloadEngine).
+
+On CPU the engine runs its whole path (pack, host copy, pool, coalescing, unpack) with
+``allow_cpu_source=True`` on pageable memory; the CUDA tests (marked gpu) check streams, peak
+memory and stale reads on a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import random
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import memopt
+from tests.helpers import gpu
+
+
+def cpu_engine(**kwargs) -> memopt.OffloadEngine:
+    kwargs.setdefault("pin_memory", False)
+    kwargs.setdefault("allow_cpu_source", True)
+    kwargs.setdefault("coalesce_bytes", 0)
+    kwargs.setdefault("staging_bytes", 0)
+    return memopt.OffloadEngine(**kwargs)
+
+
+def cpu_offload(**kwargs) -> memopt.Offload:
+    kwargs.setdefault("pin_memory", False)
+    kwargs.setdefault("allow_cpu_source", True)
+    kwargs.setdefault("min_bytes", 0)
+    return memopt.offload(**kwargs)
+
+
+def assert_same_tensor(got: torch.Tensor, want: torch.Tensor, exact_offset: bool = True) -> None:
+    """Same dtype, device, sizes, strides and values. Coalesced tensors come back inside their
+    group's shared buffer, so their storage offset is shifted (``exact_offset=False``)."""
+    assert got.dtype == want.dtype and got.device == want.device
+    assert got.shape == want.shape and got.stride() == want.stride()
+    if exact_offset:
+        assert got.storage_offset() == want.storage_offset()
+    assert torch.equal(got, want)
+
+
+def random_tensor(shape, dtype) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.rand(shape) > 0.5
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, dtype=dtype)
+    return torch.randint(-100 if dtype.is_signed else 0, 100, shape, dtype=dtype)
+
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.uint8,
+          torch.bool, torch.complex64]
+
+
+# --- engine round trips ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("coalesce", [False, True], ids=["single", "coalesced"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_round_trip_dtypes(dtype, coalesce):
+    engine = cpu_engine(coalesce_bytes=2**20 if coalesce else 0, staging_bytes=2**20)
+    tensors = [random_tensor(s, dtype) for s in [(), (0,), (97,), (7, 13), (2, 3, 5)]]
+    handles = [engine.pack(t) for t in tensors]
+    engine.end_group()
+    assert all(h >= 0 for h in handles)
+    for h, t in zip(handles, tensors):
+        got = engine.unpack(h)
+        assert_same_tensor(got, t, exact_offset=not coalesce)
+        if t.numel():
+            assert got.data_ptr() != t.data_ptr()
+    assert engine.stats()["copies_to_host"] == (1 if coalesce else len(tensors))
+
+
+@pytest.mark.parametrize("coalesce", [False, True], ids=["single", "coalesced"])
+def test_round_trip_non_contiguous(coalesce):
+    engine = cpu_engine(coalesce_bytes=2**20 if coalesce else 0, staging_bytes=2**20)
+    tensors = [
+        torch.randn(12, 9).t(),                       # transposed
+        torch.randn(10, 11)[1::3, 2::2],              # strided slice with an offset
+        torch.randn(5, 1).expand(5, 4),               # stride 0
+        torch.randn(4, 6, 8).permute(2, 0, 1),        # permuted
+        torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last),
+        torch.randn(30)[7:],                          # storage offset
+    ]
+    handles = [engine.pack(t) for t in tensors]
+    engine.end_group()
+    for h, t in zip(handles, tensors):
+        assert_same_tensor(engine.unpack(h), t, exact_offset=not coalesce)
+
+
+@pytest.mark.parametrize("coalesce", [False, True], ids=["single", "coalesced"])
+def test_views_of_one_storage_are_copied_once_and_share_the_restored_storage(coalesce):
+    engine = cpu_engine(coalesce_bytes=2**20 if coalesce else 0, staging_bytes=2**20)
+    base = torch.randn(16, 8)
+    views = [base, base[2:], base.t(), base.view(8, 16), base[:, 3]]
+    handles = [engine.pack(v) for v in views]
+    engine.end_group()
+    stats = engine.stats()
+    assert stats["copies_to_host"] == 1
+    assert stats["bytes_to_host"] == base.untyped_storage().nbytes()
+    assert stats["tensors_deduplicated"] == len(views) - 1
+    restored = [engine.unpack(h) for h in handles]
+    for got, want in zip(restored, views):
+        assert_same_tensor(got, want, exact_offset=not coalesce)
+    # The views keep their offsets relative to one another inside the one restored storage.
+    shift = restored[0].storage_offset()
+    assert all(got.storage_offset() - shift == want.storage_offset() for got, want in zip(restored, views))
+    pointers = {r.untyped_storage().data_ptr() for r in restored}
+    assert len(pointers) == 1 and base.untyped_storage().data_ptr() not in pointers
+    assert engine.stats()["copies_to_device"] == 1
+
+
+def test_tensor_saved_twice_is_copied_once():
+    engine = cpu_engine()
+    x = torch.randn(64, 64)
+    h1, h2 = engine.pack(x), engine.pack(x)
+    assert engine.stats()["copies_to_host"] == 1
+    assert_same_tensor(engine.unpack(h2), x)
+    assert_same_tensor(engine.unpack(h1), x)
+
+
+def test_storage_modified_between_two_saves_is_copied_again():
+    engine = cpu_engine()
+    x = torch.randn(32, 32)
+    first = engine.pack(x)
+    x.mul_(2)
+    second = engine.pack(x)
+    assert engine.stats()["copies_to_host"] == 2
+    assert_same_tensor(engine.unpack(second), x)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        engine.unpack(first)
+
+
+def test_in_place_modification_after_save_raises_like_autograd():
+    def run(ctx):
+        a = torch.randn(8, 8, requires_grad=True)
+        with ctx:
+            y = a.exp()  # exp saves its result
+        y.add_(1)
+        y.sum().backward()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(torch.enable_grad())  # plain autograd: the behaviour to match
+    with pytest.raises(RuntimeError, match="modified by an inplace operation.*expected version 0"):
+        run(cpu_offload())
+
+
+def test_release_returns_blocks_to_the_pool_and_unknown_handles_raise():
+    engine = cpu_engine()
+    handles = [engine.pack(torch.randn(1000)) for _ in range(3)]
+    held = engine.stats()["pool_bytes_held"]
+    assert engine.stats()["pool_bytes_in_use"] == held > 0
+    for h in handles:
+        engine.release(h)
+    stats = engine.stats()
+    assert stats["pool_bytes_in_use"] == 0 and stats["pool_bytes_held"] == held and stats["live_handles"] == 0
+    handles = [engine.pack(torch.randn(1000)) for _ in range(3)]
+    stats = engine.stats()
+    assert stats["pool_hits"] == 3 and stats["pool_misses"] == 3 and stats["pool_bytes_held"] == held
+    with pytest.raises(RuntimeError, match="handle 123456 is unknown"):
+        engine.unpack(123456)
+
+
+def test_coalescing_many_small_tensors_makes_one_copy_per_group():
+    engine = cpu_engine(coalesce_bytes=4096, staging_bytes=2**20)
+    tensors = [torch.randn(n) for n in (1, 3, 17, 100, 255)]
+    handles = [engine.pack(t) for t in tensors]
+    big = torch.randn(2048)  # 8 KiB >= coalesce_bytes: its own copy
+    big_handle = engine.pack(big)
+    engine.begin_group()
+    later = torch.randn(5)
+    later_handle = engine.pack(later)
+    engine.end_group()
+    stats = engine.stats()
+    assert stats["tensors_coalesced"] == 6
+    assert stats["copies_to_host"] == 3  # group 1's staging, the big tensor, group 2's staging
+    for h, t in zip(handles + [big_handle, later_handle], tensors + [big, later]):
+        assert_same_tensor(engine.unpack(h), t, exact_offset=t is big)
+
+
+def test_counters_and_layer_ahead_prefetch():
+    engine = cpu_engine(prefetch=1)
+    sizes = [(100,), (200,), (300,)]
+    tensors, handles = [], []
+    for s in sizes:
+        engine.begin_group()
+        tensors.append(torch.randn(s))
+        handles.append(engine.pack(tensors[-1]))
+    engine.end_group()
+    expected = sum(t.untyped_storage().nbytes() for t in tensors)
+    stats = engine.stats()
+    assert (stats["bytes_to_host"], stats["copies_to_host"], stats["tensors_offloaded"]) == (expected, 3, 3)
+    assert stats["bytes_to_device"] == 0
+    # Backward order: the last group first. Unpacking group g restores g-1 ahead of need.
+    assert_same_tensor(engine.unpack(handles[2]), tensors[2])
+    stats = engine.stats()
+    assert stats["demand_transfers"] == 1 and stats["prefetched_transfers"] == 1 and stats["copies_to_device"] == 2
+    assert_same_tensor(engine.unpack(handles[1]), tensors[1])
+    assert_same_tensor(engine.unpack(handles[0]), tensors[0])
+    stats = engine.stats()
+    assert (stats["demand_transfers"], stats["prefetched_transfers"]) == (1, 2)
+    assert (stats["bytes_to_device"], stats["copies_to_device"]) == (expected, 3)
+    assert stats["wait_seconds"] == 0.0
+
+
+def test_prefetch_skips_groups_without_copies():
+    engine = cpu_engine(prefetch=1)
+    first = torch.randn(10)
+    h_first = engine.pack(first)
+    engine.begin_group()  # a layer that saved nothing
+    engine.begin_group()
+    last = torch.randn(10)
+    h_last = engine.pack(last)
+    engine.end_group()
+    assert_same_tensor(engine.unpack(h_last), last)
+    assert engine.stats()["prefetched_transfers"] == 1
+    assert_same_tensor(engine.unpack(h_first), first)
+    assert engine.stats()["demand_transfers"] == 1
+
+
+def test_prefetch_group_restores_on_request():
+    engine = cpu_engine(prefetch=0)
+    x = torch.randn(50)
+    h = engine.pack(x)
+    group = engine.current_group()
+    engine.prefetch_group(group)
+    assert engine.stats()["prefetched_transfers"] == 1
+    assert_same_tensor(engine.unpack(h), x)
+    assert engine.stats()["demand_transfers"] == 0
+
+
+def test_host_budget_refuses_and_counts():
+    budget = 3 * 4096
+    engine = cpu_engine(max_host_bytes=budget)
+    tensors = [torch.randn(1024) for _ in range(5)]  # 4 KiB each, one 4 KiB size class each
+    handles = [engine.pack(t) for t in tensors]
+    assert handles[3] == handles[4] == -1 and min(handles[:3]) >= 0
+    stats = engine.stats()
+    assert stats["refused_tensors"] == 2 and stats["refused_bytes"] == 2 * 4096
+    assert stats["pool_bytes_held"] <= budget
+    engine.release(handles[0])
+    assert engine.pack(tensors[3]) >= 0  # room again
+
+
+def test_host_budget_evicts_idle_blocks_of_other_classes():
+    engine = cpu_engine(max_host_bytes=16384)
+    h = engine.pack(torch.randn(4096))  # 16 KiB class
+    engine.release(h)
+    small = [engine.pack(torch.randn(1024)) for _ in range(4)]  # 4 x 4 KiB, needs the idle 16 KiB back
+    assert min(small) >= 0
+    assert engine.stats()["pool_bytes_held"] <= 16384
+
+
+# --- through autograd -----------------------------------------------------------------------
+
+
+class MLP(nn.Module):
+    def __init__(self, width=32, depth=4):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(width, 2 * width), nn.GELU(), nn.Linear(2 * width, width))
+                                    for _ in range(depth))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x
+
+
+def transformer_stack(depth=3, d_model=32, dropout=0.1, device="cpu", dtype=torch.float32):
+    layers = nn.ModuleList(
+        nn.TransformerEncoderLayer(d_model, nhead=2, dim_feedforward=64, dropout=dropout, batch_first=True,
+                                   norm_first=True)
+        for _ in range(depth))
+    return layers.to(device=device, dtype=dtype)
+
+
+def run_stack(layers, x):
+    # The math attention backend: fused attention backward kernels may accumulate with atomics,
+    # which would make two runs differ in the last bit with or without offload.
+    with sdpa_kernel(SDPBackend.MATH):
+        for layer in layers:
+            x = layer(x)
+    return x
+
+
+def grads_of(model, inputs, forward, off=None, seed=1):
+    """(output, input grad, parameter grads) of forward(model, x).square().mean()."""
+    x = inputs.detach().clone().requires_grad_(True)
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(seed)
+    if off is None:
+        out = forward(model, x)
+    else:
+        with off:
+            out = forward(model, x)
+    out.float().square().mean().backward()
+    return out.detach(), x.grad, [p.grad for p in model.parameters()]
+
+
+def assert_bit_identical(got, want):
+    out_g, xg_g, pg_g = got
+    out_w, xg_w, pg_w = want
+    assert torch.equal(out_g, out_w)
+    assert torch.equal(xg_g, xg_w)
+    assert all(torch.equal(a, b) for a, b in zip(pg_g, pg_w))
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+@pytest.mark.parametrize("coalesce_bytes", [0, 2**20])
+def test_mlp_gradients_bit_identical(prefetch, coalesce_bytes):
+    model = MLP()
+    x = torch.randn(6, 32)
+    want = grads_of(model, x, lambda m, t: m(t))
+    off = cpu_offload(prefetch=prefetch, coalesce_bytes=coalesce_bytes)
+    groups = memopt.offload_module_groups(off, model.layers)
+    got = grads_of(model, x, lambda m, t: m(t), off)
+    groups.remove()
+    assert_bit_identical(got, want)
+    stats = off.stats()
+    assert stats["tensors_offloaded"] > 0 and stats["live_handles"] == 0
+    assert stats["bytes_to_device"] == stats["bytes_to_host"]
+
+
+def test_transformer_gradients_bit_identical_with_dropout():
+    layers = transformer_stack()
+    x = torch.randn(2, 7, 32)
+    want = grads_of(layers, x, run_stack)
+    off = cpu_offload(prefetch=1)
+    memopt.offload_module_groups(off, layers)
+    got = grads_of(layers, x, run_stack, off)
+    assert_bit_identical(got, want)
+    assert off.stats()["prefetched_transfers"] > 0
+
+
+def test_retain_graph_second_backward_matches():
+    model = MLP(depth=2)
+    x = torch.randn(4, 32, requires_grad=True)
+    off = cpu_offload()
+    memopt.offload_module_groups(off, model.layers)
+    with off:
+        loss = model(x).square().sum()
+    first = torch.autograd.grad(loss, [x, *model.parameters()], retain_graph=True)
+    second = torch.autograd.grad(loss, [x, *model.parameters()])
+    want = torch.autograd.grad(model(x).square().sum(), [x, *model.parameters()])
+    for a, b, c in zip(first, second, want):
+        assert torch.equal(a, c) and torch.equal(b, c)
+
+
+def test_budget_through_autograd_keeps_gradients_identical():
+    model = MLP()
+    x = torch.randn(6, 32)
+    want = grads_of(model, x, lambda m, t: m(t))
+    off = cpu_offload(max_host_bytes=3 * 4096, coalesce_bytes=0, staging_bytes=0)
+    got = grads_of(model, x, lambda m, t: m(t), off)
+    assert_bit_identical(got, want)
+    stats = off.stats()
+    assert stats["refused_tensors"] > 0 and stats["tensors_offloaded"] > 0
+
+
+def test_min_bytes_and_parameters_are_never_offloaded():
+    weight = nn.Parameter(torch.randn(64, 64))
+    leaf = torch.randn(16, 64, requires_grad=True)
+    off = cpu_offload(min_bytes=16 * 64 * 4)
+    with off:
+        big = leaf * 2              # 4 KiB activation, saved by the linear below
+        small = big[:2] * 1.0       # 512 B
+        out = torch.nn.functional.linear(big, weight).sum() + (small * small).sum()
+    out.backward()
+    stats = off.stats()
+    # linear saves big (offloaded) and weight (a parameter); small * small saves small twice.
+    assert stats["tensors_offloaded"] == 1
+    assert stats["bytes_to_host"] == big.untyped_storage().nbytes()
+
+
+def test_tensor_saved_twice_through_autograd_is_copied_once():
+    leaf = torch.randn(32, 32, requires_grad=True)
+    off = cpu_offload()
+    with off:
+        a = leaf * 2
+        y = a * a  # mul saves both operands: the same tensor twice
+    y.sum().backward()
+    stats = off.stats()
+    assert (stats["tensors_offloaded"], stats["tensors_deduplicated"], stats["copies_to_host"]) == (2, 1, 1)
+    assert torch.equal(leaf.grad, 8 * leaf.detach())
+
+
+@pytest.mark.parametrize("use_offload", [False, True])
+def test_offloaded_activation_is_freed_after_forward(use_offload):
+    """The point of offload: autograd no longer holds the activation once it was copied out."""
+    import weakref
+
+    leaf = torch.randn(64, 64, requires_grad=True)
+    off = cpu_offload(coalesce_bytes=0, staging_bytes=0)
+    with off if use_offload else torch.enable_grad():
+        a = leaf * 2
+        y = a.sin()  # sin saves its input a
+    alive = weakref.ref(a)
+    del a
+    assert (alive() is None) == use_offload
+    y.sum().backward()
+    assert torch.equal(leaf.grad, 2 * torch.cos(2 * leaf.detach()))
+
+
+def test_cpu_default_is_a_no_op():
+    model = MLP()
+    x = torch.randn(6, 32)
+    want = grads_of(model, x, lambda m, t: m(t))
+    off = memopt.offload(min_bytes=0)
+    got = grads_of(model, x, lambda m, t: m(t), off)
+    assert_bit_identical(got, want)
+    stats = off.stats()
+    assert stats["tensors_offloaded"] == 0 and stats["copies_to_host"] == 0 and stats["skipped_tensors"] > 0
+
+
+def test_pool_does_not_grow_over_50_training_steps():
+    model = MLP()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    off = cpu_offload(coalesce_bytes=1024, staging_bytes=2**16)
+    memopt.offload_module_groups(off, model.layers)
+    held, misses = [], []
+    for _ in range(50):
+        x = torch.randn(6, 32)
+        with off:
+            loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        stats = off.stats()
+        held.append(stats["pool_bytes_held"])
+        misses.append(stats["pool_misses"])
+        assert stats["live_handles"] == 0 and stats["pool_bytes_in_use"] == 0
+    assert held[0] > 0 and held[-1] == held[0]
+    assert misses[-1] == misses[0]
+    assert off.stats()["pool_hits"] > 0
+
+
+def test_bad_arguments_name_the_argument():
+    with pytest.raises(ValueError, match="min_bytes"):
+        memopt.offload(min_bytes=-1)
+    with pytest.raises(ValueError, match="prefetch"):
+        memopt.offload(prefetch=1.5)
+    with pytest.raises(ValueError, match="max_host_bytes"):
+        memopt.offload(max_host_bytes=-5)
+    with pytest.raises(ValueError, match="staging_bytes"):
+        memopt.offload(coalesce_bytes=10, staging_bytes=5)
+    with pytest.raises(RuntimeError, match="allow_cpu_source"):
+        memopt.OffloadEngine(pin_memory=False).pack(torch.randn(4))
+    with pytest.raises(TypeError, match="off must be a memopt.Offload"):
+        memopt.offload_module_groups(object(), [])
+    off = cpu_offload()
+    with off:
+        with pytest.raises(RuntimeError, match="already active"):
+            off.__enter__()
+
+
+# --- benchmark ------------------------------------------------------------------------------
+
+
+def test_bench_cpu_preset_writes_rows(tmp_path):
+    from bench import offload as bench_offload
+
+    path = bench_offload.main(["--preset", "cpu", "--out", str(tmp_path / "rows.json")])
+    import json
+
+    rows = json.loads(open(path).read())
+    keys = {"config", "provider", "metric", "unit", "value", "device", "torch", "commit", "date"}
+    assert rows and all(keys <= set(r) for r in rows)
+    providers = {r["provider"] for r in rows}
+    assert {"none", "offload"} <= providers
+    moved = [r["value"] for r in rows if r["provider"] == "offload" and r["metric"] == "bytes_to_host"]
+    assert moved and all(v > 0 for v in moved)
+
+
+# --- GPU ------------------------------------------------------------------------------------
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_gpu_gradients_bit_identical(dtype, prefetch):
+    layers = transformer_stack(depth=4, d_model=128, device="cuda", dtype=dtype)
+    x = torch.randn(4, 256, 128, device="cuda", dtype=dtype)
+    want = grads_of(layers, x, run_stack)
+    off = memopt.offload(min_bytes=2**14, prefetch=prefetch)
+    memopt.offload_module_groups(off, layers)
+    got = grads_of(layers, x, run_stack, off)
+    assert_bit_identical(got, want)
+    stats = off.stats()
+    assert stats["tensors_offloaded"] > 0 and stats["bytes_to_device"] == stats["bytes_to_host"]
+
+
+def _peak_activation_bytes(depth, use_offload):
+    torch.manual_seed(0)
+    layers = transformer_stack(depth=depth, d_model=256, dropout=0.0, device="cuda")
+    x = torch.randn(8, 512, 256, device="cuda", requires_grad=True)
+    param_bytes = sum(p.numel() * p.element_size() for p in layers.parameters())
+    off = memopt.offload(min_bytes=2**16, prefetch=1) if use_offload else None
+    if off is not None:
+        memopt.offload_module_groups(off, layers)
+    for _ in range(2):  # the second step runs with a warm pool and allocator
+        layers.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        if off is None:
+            out = run_stack(layers, x)
+        else:
+            with off:
+                out = run_stack(layers, x)
+        out.square().mean().backward()
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base - param_bytes  # parameter grads
+    return peak
+
+
+@gpu
+def test_gpu_peak_memory_does_not_grow_with_depth():
+    plain4, plain16 = _peak_activation_bytes(4, False), _peak_activation_bytes(16, False)
+    per_layer = (plain16 - plain4) / 12
+    assert per_layer > 0
+    off4, off16 = _peak_activation_bytes(4, True), _peak_activation_bytes(16, True)
+    assert off16 < plain16
+    assert off16 - off4 <= 2 * per_layer, (off4, off16, per_layer)
+
+
+@gpu
+def test_gpu_host_pool_flat_over_200_steps():
+    layers = transformer_stack(depth=4, d_model=128, device="cuda")
+    opt = torch.optim.SGD(layers.parameters(), lr=1e-4)
+    off = memopt.offload(min_bytes=2**14)
+    memopt.offload_module_groups(off, layers)
+    held = []
+    for _ in range(200):
+        x = torch.randn(4, 128, 128, device="cuda")
+        with off:
+            loss = run_stack(layers, x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        held.append(off.stats()["pool_bytes_held"])
+    assert held[0] > 0 and held[-1] == held[1]
+    assert off.stats()["live_handles"] == 0
+
+
+@gpu
+def test_gpu_stress_random_delays_no_stale_reads():
+    """Random device-side sleeps on the compute stream around every layer, forward and backward:
+    a missing stream wait shows up as a stale or half-copied tensor, so gradients would differ."""
+    layers = transformer_stack(depth=6, d_model=128, dropout=0.0, device="cuda")
+    rng = random.Random(0)
+
+    def sleep(*_):
+        torch.cuda._sleep(rng.randint(0, 200_000))
+
+    for layer in layers:
+        layer.register_forward_pre_hook(sleep)
+        layer.register_forward_hook(sleep)
+        layer.register_full_backward_pre_hook(sleep)
+    reference = copy.deepcopy(layers)
+    for step in range(10):
+        x = torch.randn(4, 256, 128, device="cuda")
+        want = grads_of(reference, x, run_stack, seed=step)
+        off = memopt.offload(min_bytes=2**12, prefetch=rng.randint(0, 2), coalesce_bytes=2**16)
+        groups = memopt.offload_module_groups(off, layers)
+        got = grads_of(layers, x, run_stack, off, seed=step)
+        groups.remove()
+        assert_bit_identical(got, want)

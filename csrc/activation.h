@@ -3,7 +3,7 @@
 // formulas and reject the same inputs with the same words.
 //
 // The formulas follow PyTorch's own kernels (aten/src/ATen/native/cpu/Activation.cpp):
-//   relu      y = max(x, 0)                          y' = x > 0 ? 1 : 0 (0 at x == 0, as PyTorch)
+//   relu      y = max(x, 0)                          y' = x <= 0 ? 0 : 1 (0 at x == 0, as PyTorch)
 //   gelu      y = x Phi(x)                           y' = Phi(x) + x phi(x)
 //   gelu_tanh y = x/2 (1 + tanh(u)), u = sqrt(2/pi) (x + 0.044715 x^3)
 //             y' = (1 + tanh u)/2 + x/2 (1 - tanh^2 u) sqrt(2/pi) (1 + 3 * 0.044715 x^2)
@@ -62,7 +62,7 @@ MEMOPT_HOST_DEVICE T sigmoid(T x) {
 template <Activation A, typename T>
 MEMOPT_HOST_DEVICE T activation_value(T x) {
   if constexpr (A == Activation::kRelu) {
-    return x > T(0) ? x : T(0);
+    return x < T(0) ? T(0) : x;  // NaN passes through, as in torch.relu
   } else if constexpr (A == Activation::kGelu) {
     return x * gelu_cdf(x);
   } else if constexpr (A == Activation::kGeluTanh) {
@@ -77,8 +77,8 @@ MEMOPT_HOST_DEVICE T activation_value(T x) {
 template <Activation A, typename T>
 MEMOPT_HOST_DEVICE ValueAndGrad<T> activation_value_and_grad(T x) {
   if constexpr (A == Activation::kRelu) {
-    const bool positive = x > T(0);
-    return {positive ? x : T(0), positive ? T(1) : T(0)};
+    // threshold_backward's rule: zero where x <= 0 (so at 0), the gradient elsewhere (NaN too).
+    return {x < T(0) ? T(0) : x, x <= T(0) ? T(0) : T(1)};
   } else if constexpr (A == Activation::kGelu) {
     const T cdf = gelu_cdf(x);
     const T pdf = act_exp(T(-0.5) * x * x) * T(0.39894228040143267794);  // 1 / sqrt(2 pi)

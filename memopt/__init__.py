@@ -16,6 +16,8 @@ from memopt.adaptive import AdaptiveBatch, MicroBatchFloorError
 from memopt.estimate import ModelConfig, estimate, max_micro_batch, max_seq_len, register_policy_formula
 from memopt.estimate import PRESETS as estimate_presets
 from memopt.report import diagnose_oom, memory_report
+from memopt.checkpoint import checkpoint
+from memopt.wrap import Plan, plan, unwrap, wrap
 
 __version__ = "0.1.0"
 
@@ -28,11 +30,13 @@ __all__ = [
     "ModelConfig",
     "Offload",
     "OffloadEngine",
+    "Plan",
     "SavedTensorCounter",
     "act_linear",
     "attention",
     "bias_act",
     "build_info",
+    "checkpoint",
     "diagnose_oom",
     "dropout_add",
     "estimate",
@@ -44,8 +48,11 @@ __all__ = [
     "norm_linear",
     "offload",
     "offload_module_groups",
+    "plan",
     "register_policy_formula",
     "rms_norm",
     "saved_bytes",
     "swiglu",
+    "unwrap",
+    "wrap",
 ]

@@ -1,0 +1,228 @@
+"""memopt.checkpoint: ``torch.utils.checkpoint.checkpoint`` with a per-op save/recompute policy.
+
+Policies:
+
+- ``"none"``: no checkpointing; autograd saves what it always saves.
+- ``"full"``: save only the inputs; the whole function is recomputed in backward.
+- ``"selective"``: save the outputs of the expensive ops (matmuls and attention kernels, listed
+  in :data:`SELECTIVE_SAVED_OPS`) and recompute the cheap ones (norms, activations, dropout,
+  softmax, views) from them.
+
+The checkpointed variants are PyTorch's non-reentrant checkpoint (``use_reentrant=False``) with
+the RNG state preserved, so dropout replays the same mask in the recompute; ``"selective"`` is
+PyTorch's selective activation checkpointing (``create_selective_checkpoint_contexts``) driven by
+the op list below.
+
+Saved-tensor accounting: PyTorch's selective checkpointing keeps the op outputs it saves in its
+own cache, outside autograd, so an enclosing ``torch.autograd.graph.saved_tensors_hooks`` (such as
+:class:`memopt.SavedTensorCounter`) does not see them by default. memopt routes them through the
+enclosing hooks: with ``respect_saved_tensors_hooks=True`` where ``torch.utils.checkpoint``
+accepts it, and on older torch (the argument is absent in torch 2.11..2.13) by handing each
+cached tensor to the enclosing pack hook once the forward is done. That older path only
+*reports* the tensors (enough for counting); it cannot move them, so ``offload=True`` with
+``"selective"`` needs a torch that has the argument.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import inspect
+from typing import Any, Callable
+
+import torch
+from torch.utils._pytree import tree_leaves
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+POLICIES = ("none", "selective", "full")
+
+_aten = torch.ops.aten
+
+
+def _existing_ops(names: list[str]) -> frozenset:
+    # Some attention kernels exist only in some builds or versions of torch.
+    ops = []
+    for name in names:
+        packet = getattr(_aten, name, None)
+        if packet is not None:
+            ops.extend(getattr(packet, overload) for overload in packet.overloads())
+    return frozenset(ops)
+
+
+SELECTIVE_SAVED_OPS: frozenset = _existing_ops(
+    [
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "linear",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_flash_attention_forward",
+        "_efficient_attention_forward",
+    ]
+)
+"""Ops whose outputs ``policy="selective"`` saves; every other op is recomputed."""
+
+_CHECKPOINT_RESPECTS_HOOKS = (
+    "respect_saved_tensors_hooks" in inspect.signature(torch.utils.checkpoint.checkpoint).parameters
+)
+
+
+def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class _ReportCachedToHooks:
+    """Forward context for torch without ``respect_saved_tensors_hooks``.
+
+    Runs PyTorch's caching mode, then hands every tensor it cached to the pack hook that was
+    active around the checkpoint, so counting hooks see what selective checkpointing keeps.
+    """
+
+    def __init__(self, caching_mode, pack_hook: Callable[[torch.Tensor], Any]):
+        self._caching_mode = caching_mode
+        self._pack_hook = pack_hook
+
+    def __enter__(self):
+        return self._caching_mode.__enter__()
+
+    def __exit__(self, *exc):
+        suppressed = self._caching_mode.__exit__(*exc)
+        for per_op in self._caching_mode.storage.values():
+            for entry in per_op.values():
+                for leaf in tree_leaves(entry):
+                    value = getattr(leaf, "val", None)
+                    if isinstance(value, torch.Tensor):
+                        self._pack_hook(value)
+        return suppressed
+
+
+def _selective_context_fn(outer_hooks):
+    forward_context, recompute_context = create_selective_checkpoint_contexts(_selective_policy)
+    if outer_hooks is None:
+        return forward_context, recompute_context
+    return _ReportCachedToHooks(forward_context, outer_hooks[0]), recompute_context
+
+
+_shared_offload = None
+
+
+def _offload_module():
+    try:
+        return importlib.import_module("memopt.offload")
+    except ImportError as exc:
+        raise NotImplementedError(
+            "memopt.checkpoint: offload=True needs memopt.offload (the activation offload engine), "
+            "which this installation does not have"
+        ) from exc
+
+
+def _offload_context(offload):
+    """The ``memopt.offload`` context that moves saved tensors to host memory.
+
+    ``offload=True`` uses one ``memopt.offload()`` shared by every call, so all layers share one
+    host pool and each call is one prefetch group; an ``Offload`` object is used as given.
+    """
+    global _shared_offload
+    module = _offload_module()
+    if isinstance(offload, module.Offload):
+        return offload
+    if _shared_offload is None:
+        _shared_offload = module.offload()
+    return _shared_offload
+
+
+def offload_available() -> bool:
+    """Whether ``offload=True`` can run here (``memopt.offload`` is importable)."""
+    try:
+        _offload_module()
+    except NotImplementedError:
+        return False
+    return True
+
+
+def checkpoint(
+    fn: Callable,
+    *args,
+    policy: str = "selective",
+    offload=False,
+    preserve_rng_state: bool = True,
+    use_reentrant: bool | None = None,
+    determinism_check: str = "default",
+    **kwargs,
+):
+    """Run ``fn(*args, **kwargs)``, saving for backward only what ``policy`` says.
+
+    A drop-in for ``torch.utils.checkpoint.checkpoint(fn, *args, use_reentrant=False, **kwargs)``:
+    same call shape, non-reentrant semantics (keyword arguments, nested structures and
+    non-tensor outputs work, ``torch.autograd.grad`` works), and the RNG state is restored for
+    the recompute so dropout draws the same mask twice.
+
+    Args:
+        fn: the function (or module) to run; its outputs are returned unchanged.
+        *args, **kwargs: passed to ``fn``.
+        policy: ``"selective"`` (default) saves the outputs of matmuls and attention kernels
+            (:data:`SELECTIVE_SAVED_OPS`) and recomputes everything else; ``"full"`` saves only
+            the inputs and recomputes all of ``fn``; ``"none"`` runs ``fn`` as is.
+        offload: True moves what is saved to host memory through one ``memopt.offload()``
+            shared by all calls (each call is one prefetch group); an ``memopt.Offload`` object
+            is used instead of the shared one. Raises ``NotImplementedError`` when
+            ``memopt.offload`` is not available. With ``"full"`` the checkpoint keeps only the
+            inputs, which it holds itself, so there is nothing to move. On CPU tensors offload
+            is a no-op (see ``memopt.offload``).
+        preserve_rng_state: as in ``torch.utils.checkpoint``; keep True when ``fn`` uses dropout.
+        use_reentrant: accepted for drop-in compatibility; only False (or None) is supported.
+        determinism_check: as in ``torch.utils.checkpoint`` (``"default"`` or ``"none"``).
+
+    Returns:
+        whatever ``fn`` returns.
+
+    With ``"selective"`` each forward supports one backward: a second backward through the
+    same graph (``retain_graph=True``, ``gradcheck``) raises ``RuntimeError``, as PyTorch's
+    selective checkpointing does; ``"full"`` and ``"none"`` allow it.
+    """
+    if not callable(fn):
+        raise TypeError(f"memopt.checkpoint: fn must be callable, got {type(fn).__name__}")
+    if policy not in POLICIES:
+        raise ValueError(f"memopt.checkpoint: policy must be one of {POLICIES}, got {policy!r}")
+    if use_reentrant:
+        raise ValueError(
+            "memopt.checkpoint: use_reentrant must be False or None; memopt uses non-reentrant checkpointing"
+        )
+    if offload:
+        if policy == "selective" and not _CHECKPOINT_RESPECTS_HOOKS:
+            raise NotImplementedError(
+                "memopt.checkpoint: offload=True with policy='selective' needs a torch whose "
+                "torch.utils.checkpoint.checkpoint accepts respect_saved_tensors_hooks "
+                f"(this is torch {torch.__version__})"
+            )
+        with _offload_context(offload):
+            return checkpoint(
+                fn,
+                *args,
+                policy=policy,
+                preserve_rng_state=preserve_rng_state,
+                determinism_check=determinism_check,
+                **kwargs,
+            )
+    if policy == "none":
+        return fn(*args, **kwargs)
+    options: dict[str, Any] = {
+        "use_reentrant": False,
+        "preserve_rng_state": preserve_rng_state,
+        "determinism_check": determinism_check,
+    }
+    if policy == "selective":
+        compiling = torch.compiler.is_compiling()
+        if _CHECKPOINT_RESPECTS_HOOKS:
+            options["respect_saved_tensors_hooks"] = True
+            outer_hooks = None
+        else:
+            # Under torch.compile the context must be PyTorch's own dispatch modes, and hooks
+            # play no part in tracing.
+            outer_hooks = None if compiling else torch._C._autograd._top_saved_tensors_default_hooks(False)
+        options["context_fn"] = functools.partial(_selective_context_fn, outer_hooks)
+    return torch.utils.checkpoint.checkpoint(fn, *args, **options, **kwargs)

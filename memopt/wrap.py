@@ -1,0 +1,570 @@
+"""memopt.wrap: apply a checkpoint policy to every repeated layer of an existing model.
+
+``wrap`` finds the model's repeated layers (the transformer blocks), replaces each one's
+``forward`` by an instance attribute that runs the original forward through
+:func:`memopt.checkpoint` with that layer's policy, and records what it did so that
+:func:`unwrap` puts every original forward back. Parameters, buffers, module names and the
+state_dict are untouched, so the model can be wrapped before or after ``fully_shard`` or
+``DistributedDataParallel`` and saved or loaded as usual.
+
+``plan`` measures each layer under each policy on an example input and chooses per-layer
+policies that fit a memory budget at the least recompute time; the resulting :class:`Plan` can be
+read, edited and passed to ``wrap(model, plan=plan)``.
+"""
+
+from __future__ import annotations
+
+import time
+import types
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from memopt.checkpoint import POLICIES, SELECTIVE_SAVED_OPS, checkpoint, offload_available
+from memopt.saved import SavedTensorCounter, _storage_key
+
+WRAP_POLICIES = POLICIES + ("offload",)
+"""Per-layer policies ``wrap`` accepts: ``"offload"`` saves what ``"none"`` saves, on the host."""
+
+_STATE_ATTR = "_memopt_wrap_state"
+_CONTAINERS = (nn.ModuleList, nn.Sequential)
+# Key/value cache arguments of Hugging Face layers across versions (4.x: past_key_value(s), 5.x: cache).
+_CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
+
+LayerSelector = type | tuple | Callable[[nn.Module], bool] | None
+
+
+@dataclass
+class _WrapState:
+    """What ``wrap`` changed on a model, so ``unwrap`` can undo it exactly."""
+
+    # layers whose forward wrap replaced (each carries a _LayerWrap)
+    wrapped: list[nn.Module] = field(default_factory=list)
+    # (parent, attribute, original layer) for layers swapped for a fused block
+    swapped: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list)
+    # (config, previous use_cache) for Hugging Face models
+    use_cache: tuple[Any, bool] | None = None
+    policies: dict[str, str] = field(default_factory=dict)
+
+
+# -- finding layers -------------------------------------------------------------------------
+
+
+def _outermost(named: Iterable[tuple[str, nn.Module]]) -> list[tuple[str, nn.Module]]:
+    # A layer nested inside another selected layer is covered by the outer one's checkpoint.
+    chosen: list[tuple[str, nn.Module]] = []
+    for name, module in named:
+        if not any(name.startswith(outer + ".") for outer, _ in chosen):
+            chosen.append((name, module))
+    return chosen
+
+
+def _most_repeated_class(model: nn.Module) -> type:
+    in_containers: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if isinstance(module, _CONTAINERS):
+            prefix = f"{name}." if name else ""
+            in_containers += [(prefix + child_name, child) for child_name, child in module.named_children()]
+    counts = Counter(type(module) for _, module in in_containers)
+    candidates = {cls for cls, count in counts.items() if count >= 2}
+    if not candidates:
+        raise ValueError(
+            "memopt.wrap: found no module class repeated inside an nn.ModuleList or nn.Sequential; "
+            "pass layers= (a class, a tuple of classes or a predicate)"
+        )
+    # Keep classes that occur outside every other candidate (the blocks, not the experts or
+    # sub-layers inside them), then take the most repeated of those.
+    candidate_names = [(name, m) for name, m in in_containers if type(m) in candidates]
+    outer_classes = Counter(type(m) for _, m in _outermost(candidate_names))
+    return max(outer_classes, key=lambda cls: (outer_classes[cls], -list(outer_classes).index(cls)))
+
+
+def find_layers(model: nn.Module, layers: LayerSelector = None) -> list[tuple[str, nn.Module]]:
+    """The repeated layers of ``model`` as ``(qualified name, module)`` in forward order.
+
+    Args:
+        model: the model.
+        layers: ``None`` picks the module class repeated most often inside an
+            ``nn.ModuleList``/``nn.Sequential``, outermost instances only (``TransformerEncoderLayer``,
+            ``LlamaDecoderLayer``, ``GPT2Block``, ``BertLayer``); a class or tuple of classes selects
+            instances of those; a callable ``layers(module) -> bool`` selects where it returns True.
+            Selected modules nested in another selected module are left out.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"memopt.wrap: model must be an nn.Module, got {type(model).__name__}")
+    if layers is None:
+        layer_class = _most_repeated_class(model)
+        predicate: Callable[[nn.Module], bool] = lambda m: type(m) is layer_class  # noqa: E731
+    elif isinstance(layers, type) or (isinstance(layers, tuple) and all(isinstance(c, type) for c in layers)):
+        classes = layers
+        predicate = lambda m: isinstance(m, classes)  # noqa: E731
+    elif callable(layers):
+        predicate = layers
+    else:
+        raise TypeError(
+            f"memopt.wrap: layers must be None, a class, a tuple of classes or a predicate, got {layers!r}"
+        )
+    found = _outermost((name, m) for name, m in model.named_modules() if m is not model and predicate(m))
+    if not found:
+        raise ValueError(f"memopt.wrap: layers={layers!r} selects no submodule of {type(model).__name__}")
+    return found
+
+
+def _per_layer_policies(names: Sequence[str], policy) -> list[str]:
+    if isinstance(policy, str):
+        chosen = [policy] * len(names)
+    elif isinstance(policy, dict):
+        unknown = [k for k in policy if not (isinstance(k, int) and 0 <= k < len(names)) and k not in names]
+        if unknown:
+            raise ValueError(
+                f"memopt.wrap: policy keys must be layer indices in [0, {len(names)}) or layer names "
+                f"{list(names)}, got {unknown}"
+            )
+        chosen = [policy.get(i, policy.get(name, "none")) for i, name in enumerate(names)]
+    elif isinstance(policy, (list, tuple)):
+        if len(policy) != len(names):
+            raise ValueError(f"memopt.wrap: policy has {len(policy)} entries for {len(names)} layers {list(names)}")
+        chosen = list(policy)
+    else:
+        raise TypeError(f"memopt.wrap: policy must be a string, a list or a dict, got {type(policy).__name__}")
+    for name, p in zip(names, chosen):
+        if p not in WRAP_POLICIES:
+            raise ValueError(f"memopt.wrap: policy for layer {name!r} must be one of {WRAP_POLICIES}, got {p!r}")
+        if p == "offload" and not offload_available():
+            raise NotImplementedError(
+                f"memopt.wrap: policy 'offload' for layer {name!r} needs memopt.offload, which this installation lacks"
+            )
+    return chosen
+
+
+# -- the fused-block extension point --------------------------------------------------------
+
+
+def _swap_for_fused_block(layer: nn.Module, policy: str) -> nn.Module | None:
+    """An equivalent ``memopt.FusedCheckpointBlock`` for ``layer``, or None to checkpoint it as is.
+
+    Used for ``nn.TransformerEncoderLayer`` when memopt has ``FusedCheckpointBlock`` and the
+    block supports the layer's configuration (``FusedCheckpointBlock.supports(layer)``); the
+    block must share the layer's parameters so that ``unwrap`` can put the layer back.
+    """
+    import memopt
+
+    block_class = getattr(memopt, "FusedCheckpointBlock", None)
+    if block_class is None or policy not in POLICIES or not isinstance(layer, nn.TransformerEncoderLayer):
+        return None
+    supports = getattr(block_class, "supports", None)
+    if supports is None or not supports(layer):
+        return None
+    return block_class.from_torch(layer, policy=policy)
+
+
+# -- wrap / unwrap --------------------------------------------------------------------------
+
+
+_LAYER_ATTR = "_memopt_wrap_layer"
+
+
+@dataclass
+class _LayerWrap:
+    name: str
+    policy: str
+    # The instance-level forward the layer had before wrap, or None for its class's forward.
+    previous_forward: Callable | None
+
+
+def _checkpointed_forward(self: nn.Module, *args, **kwargs):
+    """The forward ``wrap`` installs, bound to the layer with ``types.MethodType`` so that
+    ``copy.deepcopy`` of a wrapped model rebinds it to the copy."""
+    info: _LayerWrap = getattr(self, _LAYER_ATTR)
+    if torch.is_grad_enabled() and any(kwargs.get(k) is not None for k in _CACHE_KWARGS):
+        raise ValueError(
+            f"memopt.wrap: layer {info.name!r} got a key/value cache while computing gradients; the "
+            "recompute would append to the cache twice. Train with use_cache=False"
+        )
+    original = info.previous_forward or type(self).forward.__get__(self)
+    policy, offload = ("none", True) if info.policy == "offload" else (info.policy, False)
+    return checkpoint(original, *args, policy=policy, offload=offload, **kwargs)
+
+
+def wrap(
+    model: nn.Module,
+    *,
+    layers: LayerSelector = None,
+    policy: str | Sequence[str] | dict = "selective",
+    budget_bytes: int | None = None,
+    example_inputs: Any = None,
+    plan: "Plan | None" = None,
+) -> nn.Module:
+    """Checkpoint every repeated layer of ``model`` with a memopt policy, in place.
+
+    Example::
+
+        model = AutoModelForCausalLM.from_config(config)
+        memopt.wrap(model)                       # selective checkpointing of every block
+        loss = model(input_ids, labels=input_ids, use_cache=False).loss
+
+    Args:
+        model: any ``nn.Module``; it is modified in place and returned.
+        layers: which submodules are layers (see :func:`find_layers`).
+        policy: one of ``"selective"``, ``"full"``, ``"none"``, ``"offload"`` for every layer; or
+            a list with one per layer; or a dict from layer index or name to policy (layers not
+            in the dict are left as they are).
+        budget_bytes: choose per-layer policies with :func:`plan` so that the activations saved
+            for backward fit in this many bytes; needs ``example_inputs``.
+        example_inputs: a tuple of positional arguments (or a dict of keyword arguments) for
+            ``model`` that :func:`plan` measures with.
+        plan: a :class:`Plan` (from :func:`plan`, possibly edited) to apply.
+
+    Wrapping twice raises ``RuntimeError``: call :func:`unwrap` first. Hugging Face models get
+    ``config.use_cache = False`` while wrapped (a key/value cache cannot be recomputed), as their
+    own gradient checkpointing does; ``unwrap`` restores it.
+
+    Returns:
+        ``model``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"memopt.wrap: model must be an nn.Module, got {type(model).__name__}")
+    if getattr(model, _STATE_ATTR, None) is not None:
+        raise RuntimeError("memopt.wrap: model is already wrapped; call memopt.unwrap(model) first")
+    # transformers 5.x names it is_activation_checkpointing (the 4.x name warns there).
+    hf_checkpointing = getattr(model, "is_activation_checkpointing", None)
+    if hf_checkpointing is None:
+        hf_checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    if hf_checkpointing:
+        raise RuntimeError(
+            "memopt.wrap: the model has Hugging Face gradient checkpointing on; layers would be "
+            "checkpointed twice. Call model.gradient_checkpointing_disable() first"
+        )
+    if sum(x is not None for x in (budget_bytes, plan)) > 1:
+        raise ValueError("memopt.wrap: pass either budget_bytes or plan, not both")
+    if budget_bytes is not None:
+        if example_inputs is None:
+            raise ValueError("memopt.wrap: budget_bytes needs example_inputs to measure the layers with")
+        plan = _plan(model, example_inputs, budget_bytes, layers=layers)
+    found = find_layers(model, layers)
+    names = [name for name, _ in found]
+    if plan is not None:
+        if not isinstance(plan, Plan):
+            raise TypeError(f"memopt.wrap: plan must be a memopt.Plan, got {type(plan).__name__}")
+        if plan.layer_names != names:
+            raise ValueError(
+                f"memopt.wrap: plan is for layers {plan.layer_names}, but this model's layers are {names}"
+            )
+        policy = list(plan.policies)
+    policies = _per_layer_policies(names, policy)
+
+    state = _WrapState()
+    for (name, layer), layer_policy in zip(found, policies):
+        state.policies[name] = layer_policy
+        if layer_policy == "none":
+            continue
+        replacement = _swap_for_fused_block(layer, layer_policy)
+        if replacement is not None:
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            setattr(parent, attr, replacement)
+            state.swapped.append((parent, attr, layer))
+            continue
+        object.__setattr__(layer, _LAYER_ATTR, _LayerWrap(name, layer_policy, layer.__dict__.get("forward")))
+        layer.forward = types.MethodType(_checkpointed_forward, layer)
+        state.wrapped.append(layer)
+
+    config = getattr(model, "config", None)
+    if config is not None and getattr(config, "use_cache", False) is True:
+        state.use_cache = (config, True)
+        config.use_cache = False
+    object.__setattr__(model, _STATE_ATTR, state)
+    return model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Undo :func:`wrap`: every layer gets its original forward (and module) back.
+
+    Raises ``ValueError`` when ``model`` is not wrapped. Returns ``model``.
+    """
+    state: _WrapState | None = getattr(model, _STATE_ATTR, None)
+    if state is None:
+        raise ValueError("memopt.unwrap: model is not wrapped by memopt.wrap")
+    for layer in state.wrapped:
+        previous = getattr(layer, _LAYER_ATTR).previous_forward
+        object.__delattr__(layer, _LAYER_ATTR)
+        if previous is None:
+            del layer.forward
+        else:
+            layer.forward = previous
+    for parent, attr, original in state.swapped:
+        setattr(parent, attr, original)
+    if state.use_cache is not None:
+        config, value = state.use_cache
+        config.use_cache = value
+    object.__delattr__(model, _STATE_ATTR)
+    return model
+
+
+def wrapped_policies(model: nn.Module) -> dict[str, str]:
+    """The policy ``wrap`` gave each layer of ``model`` (empty when it is not wrapped)."""
+    state: _WrapState | None = getattr(model, _STATE_ATTR, None)
+    return {} if state is None else dict(state.policies)
+
+
+# -- planning -------------------------------------------------------------------------------
+
+
+@dataclass
+class Plan:
+    """Per-layer checkpoint policies and what they are predicted to cost.
+
+    Edit ``policies`` freely (``plan.policies[3] = "full"``) and apply with
+    ``memopt.wrap(model, plan=plan)``; the predictions follow the edit.
+
+    Attributes:
+        layer_names: qualified names of the layers, in forward order.
+        policies: the chosen policy per layer.
+        layer_bytes: per layer, bytes saved for backward under each measured policy (counted like
+            :func:`memopt.saved_bytes`: parameters, buffers and inputs that need no gradient left out).
+        layer_seconds: per layer, recompute seconds per step each policy adds (0 for ``"none"``).
+        other_bytes: bytes the rest of the model (embeddings, head, loss) saves.
+        shared_bytes: bytes of the layers' inputs that need no gradient and are shared between
+            layers (attention masks, rotary tables, position ids). Whether they are saved depends
+            on the policies, so the prediction counts them once, always: ``predicted_bytes`` is
+            an upper bound that is exact up to ``shared_bytes``.
+        budget_bytes: the budget the plan was made for, or None.
+    """
+
+    layer_names: list[str]
+    policies: list[str]
+    layer_bytes: list[dict[str, int]]
+    layer_seconds: list[dict[str, float]]
+    other_bytes: int
+    shared_bytes: int = 0
+    budget_bytes: int | None = None
+
+    @property
+    def predicted_bytes(self) -> int:
+        """Bytes the whole model saves for backward under ``policies``."""
+        return self.other_bytes + self.shared_bytes + sum(b[p] for b, p in zip(self.layer_bytes, self.policies))
+
+    @property
+    def predicted_extra_seconds(self) -> float:
+        """Recompute time ``policies`` add to one training step."""
+        return sum(s[p] for s, p in zip(self.layer_seconds, self.policies))
+
+    def __str__(self) -> str:
+        rows = [f"{'layer':<32} {'policy':<10} {'saved MiB':>10} {'extra ms':>9}"]
+        for name, p, b, s in zip(self.layer_names, self.policies, self.layer_bytes, self.layer_seconds):
+            rows.append(f"{name:<32} {p:<10} {b[p] / 2**20:>10.2f} {s[p] * 1e3:>9.2f}")
+        budget = "none" if self.budget_bytes is None else f"{self.budget_bytes / 2**20:.2f} MiB"
+        rows.append(
+            f"predicted {self.predicted_bytes / 2**20:.2f} MiB saved (other {self.other_bytes / 2**20:.2f} MiB, "
+            f"shared inputs {self.shared_bytes / 2**20:.2f} MiB), "
+            f"+{self.predicted_extra_seconds * 1e3:.2f} ms per step, budget {budget}"
+        )
+        return "\n".join(rows)
+
+
+class _OpTimer(TorchDispatchMode):
+    """Times every op of a forward, splitting off the ops that ``"selective"`` saves."""
+
+    def __init__(self, synchronize: Callable[[], None]):
+        super().__init__()
+        self._synchronize = synchronize
+        self.total = 0.0
+        self.saved_ops = 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._synchronize()
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        self._synchronize()
+        elapsed = time.perf_counter() - start
+        self.total += elapsed
+        if func in SELECTIVE_SAVED_OPS:
+            self.saved_ops += elapsed
+        return out
+
+
+def _fresh_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor]]:
+    """Leaf copies of captured layer inputs, keeping which ones require grad."""
+    no_grad_inputs: list[torch.Tensor] = []
+
+    def fresh(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        leaf = x.detach().requires_grad_(x.requires_grad)
+        if not leaf.requires_grad:
+            no_grad_inputs.append(leaf)
+        return leaf
+
+    new_args = torch.utils._pytree.tree_map(fresh, args)
+    new_kwargs = torch.utils._pytree.tree_map(fresh, kwargs)
+    return new_args, new_kwargs, no_grad_inputs
+
+
+def _shared_inputs(captured: Iterable[tuple[tuple, dict]], param_like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Tensor inputs of the layers that need no gradient (masks, rotary tables, position ids)."""
+    excluded = {_storage_key(t) for t in param_like}
+    return [
+        t
+        for args, kwargs in captured
+        for t in torch.utils._pytree.tree_leaves((args, kwargs))
+        if isinstance(t, torch.Tensor) and not t.requires_grad and _storage_key(t) not in excluded
+    ]
+
+
+def _call(model: nn.Module, example_inputs: Any):
+    if isinstance(example_inputs, dict):
+        return model(**example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return model(*example_inputs)
+    return model(example_inputs)
+
+
+def _measured_saved_bytes(fn: Callable, args: tuple, kwargs: dict, exclude: list[torch.Tensor]) -> int:
+    with SavedTensorCounter(exclude=exclude) as counter:
+        out = fn(*args, **kwargs)
+    del out
+    return counter.total_bytes
+
+
+def _choose(layer_bytes: list[dict[str, int]], layer_seconds: list[dict[str, float]], budget: int) -> list[str]:
+    """Greedy multiple-choice knapsack: start from ``"none"`` everywhere and, while over budget,
+    take the policy change with the most bytes saved per second of recompute added."""
+    chosen = ["none"] * len(layer_bytes)
+    total = sum(b["none"] for b in layer_bytes)
+    while total > budget:
+        best = None
+        for i, (b, s) in enumerate(zip(layer_bytes, layer_seconds)):
+            for option in b:
+                freed = b[chosen[i]] - b[option]
+                if freed <= 0:
+                    continue
+                cost = max(s[option] - s[chosen[i]], 1e-9)
+                # Ties (identical layers) go to the earliest layer, whose activations live longest.
+                if best is None or freed / cost > best[0]:
+                    best = (freed / cost, i, option, freed)
+        if best is None:
+            break
+        _, i, option, freed = best
+        chosen[i] = option
+        total -= freed
+    return chosen
+
+
+def plan(
+    model: nn.Module,
+    example_inputs: Any,
+    budget_bytes: int,
+    *,
+    layers: LayerSelector = None,
+    policies: Sequence[str] = POLICIES,
+) -> Plan:
+    """Choose a checkpoint policy per layer so that saved activations fit ``budget_bytes``.
+
+    One forward of ``model`` on ``example_inputs`` captures each layer's inputs (layers run
+    under ``"full"`` meanwhile, so this needs little memory). Each layer is then measured on its
+    own: bytes it saves for backward under every policy in ``policies`` (counted as
+    :func:`memopt.saved_bytes` counts them), and the time of its forward split into the ops
+    ``"selective"`` saves (matmuls, attention) and the rest (fastest of three runs after a
+    warm-up). The
+    recompute cost of ``"full"`` is the whole forward time, of ``"selective"`` the time of the
+    ops it does not save. Bytes saved outside the layers (``other_bytes``) are the whole model's
+    count minus the layers'; layer inputs that need no gradient and are shared by the layers
+    (masks, rotary tables) are counted once on their own (``shared_bytes``). Policies are chosen by :func:`_choose`, a greedy multiple-choice
+    knapsack (most bytes freed per second of recompute first); for identical layers it is
+    optimal up to one layer. The RNG state is restored afterwards.
+
+    Args:
+        model: the (unwrapped) model.
+        example_inputs: a tuple of positional arguments, a dict of keyword arguments, or one
+            tensor for ``model``; use the batch shape you will train with (bytes scale with it).
+        budget_bytes: bytes the whole model may save for backward.
+        layers: which submodules are layers (see :func:`find_layers`).
+        policies: the policies to choose among.
+
+    Returns:
+        a :class:`Plan`. Raises ``ValueError`` when even the cheapest choice exceeds the budget.
+    """
+    if not isinstance(budget_bytes, int) or budget_bytes < 0:
+        raise ValueError(f"memopt.plan: budget_bytes must be a non-negative int, got {budget_bytes!r}")
+    unknown = [p for p in policies if p not in POLICIES]
+    if unknown or "none" not in policies:
+        raise ValueError(f"memopt.plan: policies must include 'none' and be among {POLICIES}, got {list(policies)}")
+    if getattr(model, _STATE_ATTR, None) is not None:
+        raise RuntimeError("memopt.plan: model is wrapped; call memopt.unwrap(model) first")
+    found = find_layers(model, layers)
+    names = [name for name, _ in found]
+    param_like = list(model.parameters()) + list(model.buffers())
+    device = next(iter(param_like), torch.empty(0)).device
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        captured: dict[str, tuple[tuple, dict]] = {}
+
+        def capturer(name):
+            def capture(module, args, kwargs):
+                captured[name] = _fresh_inputs(args, kwargs)[:2]
+
+            return capture
+
+        handles = [layer.register_forward_pre_hook(capturer(name), with_kwargs=True) for name, layer in found]
+        # Layers run under "full" here: the model's own saved bytes are counted with little
+        # memory, and each layer's inputs are captured.
+        wrap(model, layers=layers, policy="full")
+        try:
+            with SavedTensorCounter(exclude=param_like) as counter:
+                out = _call(model, example_inputs)
+            del out
+        finally:
+            unwrap(model)
+            for handle in handles:
+                handle.remove()
+        shared = _shared_inputs(captured.values(), param_like)
+        shared_keys = {_storage_key(t) for t in shared}
+        # The shared layer inputs are accounted separately (Plan.shared_bytes).
+        bytes_with_full_layers = sum(n for key, n in counter._storages.items() if key not in shared_keys)
+
+        layer_bytes, layer_seconds, full_layer_bytes = [], [], []
+        for name, layer in found:
+            args, kwargs = captured[name]
+            measured = {}
+            for policy in dict.fromkeys((*policies, "full")):
+                fresh_args, fresh_kwargs, no_grad_inputs = _fresh_inputs(args, kwargs)
+                measured[policy] = _measured_saved_bytes(
+                    lambda *a, **k: checkpoint(layer, *a, policy=policy, **k),
+                    fresh_args,
+                    fresh_kwargs,
+                    param_like + no_grad_inputs,
+                )
+            full_layer_bytes.append(measured["full"])
+            layer_bytes.append({p: measured[p] for p in policies})
+            with torch.no_grad():
+                layer(*args, **kwargs)
+                # The fastest of three runs: one slow run (a busy host, a lazy init) should not
+                # decide the plan.
+                timers = [_OpTimer(synchronize) for _ in range(3)]
+                for timer in timers:
+                    with timer:
+                        layer(*args, **kwargs)
+            timer = min(timers, key=lambda t: t.total)
+            recompute = {"none": 0.0, "selective": timer.total - timer.saved_ops, "full": timer.total}
+            layer_seconds.append({p: recompute[p] for p in policies})
+
+        other_bytes = bytes_with_full_layers - sum(full_layer_bytes)
+
+    shared_bytes = sum({_storage_key(t): t.untyped_storage().nbytes() for t in shared}.values())
+    chosen = _choose(layer_bytes, layer_seconds, budget_bytes - other_bytes - shared_bytes)
+    result = Plan(names, chosen, layer_bytes, layer_seconds, other_bytes, shared_bytes, budget_bytes)
+    if result.predicted_bytes > budget_bytes:
+        raise ValueError(
+            f"memopt.plan: budget_bytes={budget_bytes} is below the least this model can save with "
+            f"{list(policies)} per layer ({result.predicted_bytes} bytes)"
+        )
+    return result
+
+
+# wrap's ``plan`` argument hides this function inside wrap.
+_plan = plan

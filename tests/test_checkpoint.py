@@ -1,0 +1,213 @@
+"""memopt.checkpoint: equal outputs and gradients, RNG replay, what each policy saves, errors."""
+
+import importlib
+import sys
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import memopt
+
+from helpers import gpu, tolerances
+
+# The function memopt.checkpoint shadows its module of the same name as an attribute of memopt.
+ckpt = importlib.import_module("memopt.checkpoint")
+
+POLICIES = ["none", "selective", "full"]
+
+
+def _block(x, w1, w2, gamma, p=0.0, scale=1.0):
+    """A pre-norm MLP block with dropout: norm, matmul, GELU, dropout, matmul, residual."""
+    h = F.layer_norm(x, x.shape[-1:], gamma)
+    h = F.gelu(h @ w1)
+    h = F.dropout(h, p, training=p > 0)
+    return x + scale * (h @ w2)
+
+
+def _block_inputs(dtype, n=37, d=24, hidden=48):
+    x = torch.randn(n, d, dtype=dtype, requires_grad=True)
+    w1 = torch.randn(d, hidden, dtype=dtype, requires_grad=True)
+    w2 = torch.randn(hidden, d, dtype=dtype, requires_grad=True)
+    gamma = torch.randn(d, dtype=dtype, requires_grad=True)
+    return x, w1, w2, gamma
+
+
+def _grads(fn, inputs, seed, **kwargs):
+    torch.manual_seed(seed)
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves, **kwargs)
+    out.square().sum().backward()
+    return out.detach(), [t.grad for t in leaves], torch.rand(3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_outputs_and_gradients_match_plain_run(dtype, policy, p):
+    inputs = _block_inputs(dtype)
+    ref_out, ref_grads, ref_next = _grads(_block, inputs, seed=5, p=p)
+    out, grads, next_random = _grads(
+        lambda *a, **k: memopt.checkpoint(_block, *a, policy=policy, **k), inputs, seed=5, p=p
+    )
+    torch.testing.assert_close(out, ref_out, **tolerances(dtype))
+    for grad, ref in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, ref, **tolerances(dtype))
+    # The recompute replays the RNG and leaves the caller's stream where a plain run leaves it.
+    assert torch.equal(next_random, ref_next)
+
+
+def test_dropout_actually_drops_so_replay_is_tested():
+    inputs = _block_inputs(torch.float64)
+    a, _, _ = _grads(_block, inputs, seed=1, p=0.3)
+    b, _, _ = _grads(_block, inputs, seed=2, p=0.3)
+    assert not torch.equal(a, b)
+
+
+def test_saved_bytes_per_policy():
+    n, d, hidden = 64, 32, 128
+    x, w1, w2, gamma = _block_inputs(torch.float32, n, d, hidden)
+    counted = {
+        policy: memopt.saved_bytes(
+            lambda *a: memopt.checkpoint(_block, *a, policy=policy), x, w1, w2, gamma
+        )
+        for policy in POLICIES
+    }
+    fp32 = 4
+    # Selective keeps the two matmul outputs, (n, hidden) and (n, d), and nothing else.
+    assert counted["selective"] == fp32 * (n * hidden + n * d)
+    # Full keeps nothing but the inputs, which saved_bytes leaves out.
+    assert counted["full"] == 0
+    # No checkpoint keeps at least the norm output, the pre-GELU activation and its output.
+    assert counted["none"] >= fp32 * (n * d + 2 * n * hidden)
+
+
+def test_saved_tensors_reach_outer_hooks_on_torch_without_respect_argument(monkeypatch):
+    """torch 2.11..2.13 lack respect_saved_tensors_hooks: the fallback reports the cached tensors."""
+    inputs = _block_inputs(torch.float32, 64, 32, 128)
+    with_argument = memopt.saved_bytes(lambda *a: memopt.checkpoint(_block, *a), *inputs)
+    monkeypatch.setattr(ckpt, "_CHECKPOINT_RESPECTS_HOOKS", False)
+    with warnings.catch_warnings():
+        # torch 2.14 warns that, asked nothing, it bypasses the hooks; the fallback covers that.
+        warnings.simplefilter("ignore", FutureWarning)
+        without_argument = memopt.saved_bytes(lambda *a: memopt.checkpoint(_block, *a), *inputs)
+        out, grads, _ = _grads(lambda *a: memopt.checkpoint(_block, *a, p=0.2), inputs, seed=3)
+    ref_out, ref_grads, _ = _grads(lambda *a: _block(*a, p=0.2), inputs, seed=3)
+    assert without_argument == with_argument > 0
+    torch.testing.assert_close(out, ref_out)
+    for grad, ref in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, ref)
+
+
+def test_selective_saves_attention_output_not_probabilities():
+    b, h, s, dh = 2, 2, 64, 16
+    q, k, v = (torch.randn(b, h, s, dh, requires_grad=True) for _ in range(3))
+    saved = memopt.saved_bytes(
+        lambda q, k, v: memopt.checkpoint(F.scaled_dot_product_attention, q, k, v, policy="selective"), q, k, v
+    )
+    plain = memopt.saved_bytes(F.scaled_dot_product_attention, q, k, v)
+    # The fused attention kernel's outputs are kept; no (s, s) probability matrix is.
+    assert 0 < saved < 4 * b * h * s * s
+    assert saved <= plain
+
+
+def test_kwargs_nested_outputs_and_autograd_grad():
+    x = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 6, dtype=torch.float64, requires_grad=True)
+
+    def fn(x, *, weight, tag):
+        return {"y": torch.tanh(x @ weight), "tag": tag}
+
+    out = memopt.checkpoint(fn, x, weight=w, tag="kept")
+    assert out["tag"] == "kept"
+    gx, gw = torch.autograd.grad(out["y"].sum(), (x, w))
+    ref_gx, ref_gw = torch.autograd.grad(torch.tanh(x @ w).sum(), (x, w))
+    torch.testing.assert_close(gx, ref_gx)
+    torch.testing.assert_close(gw, ref_gw)
+
+
+@pytest.mark.parametrize("policy", ["none", "full"])
+def test_gradcheck_float64(policy):
+    # gradcheck runs many backwards through one graph; "selective" allows one (test below).
+    inputs = _block_inputs(torch.float64, n=5, d=4, hidden=6)
+    assert torch.autograd.gradcheck(lambda *a: memopt.checkpoint(_block, *a, policy=policy), inputs)
+
+
+def test_selective_second_backward_raises():
+    inputs = _block_inputs(torch.float64, n=5, d=4, hidden=6)
+    out = memopt.checkpoint(_block, *inputs, policy="selective").sum()
+    out.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward an extra time"):
+        out.backward()
+
+
+def test_no_grad_runs_plainly():
+    inputs = _block_inputs(torch.float32)
+    with torch.no_grad():
+        out = memopt.checkpoint(_block, *inputs)
+    torch.testing.assert_close(out, _block(*inputs).detach())
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_compile_fullgraph(policy, compile_cache):
+    inputs = _block_inputs(torch.float32)
+    compiled = torch.compile(
+        lambda *a: memopt.checkpoint(_block, *a, policy=policy), backend="aot_eager", fullgraph=True
+    )
+    out, grads, _ = _grads(compiled, inputs, seed=0)
+    ref_out, ref_grads, _ = _grads(_block, inputs, seed=0)
+    torch.testing.assert_close(out, ref_out)
+    for grad, ref in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, ref)
+
+
+def test_offload_without_engine_raises_not_implemented(monkeypatch):
+    monkeypatch.setitem(sys.modules, "memopt.offload", None)  # import fails as if it were absent
+    x = torch.randn(3, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="memopt.offload"):
+        memopt.checkpoint(torch.sin, x, policy="none", offload=True)
+    assert not ckpt.offload_available()
+
+
+@pytest.mark.parametrize("policy", ["none", "selective"])
+def test_offload_moves_saved_tensors_and_keeps_results(policy):
+    # CPU tensors count as device tensors for this Offload, so the round trip really happens.
+    off = memopt.offload(min_bytes=0, pin_memory=False, allow_cpu_source=True)
+    inputs = _block_inputs(torch.float32)
+    out, grads, _ = _grads(lambda *a: memopt.checkpoint(_block, *a, policy=policy, offload=off, p=0.2), inputs, seed=6)
+    ref_out, ref_grads, _ = _grads(lambda *a: _block(*a, p=0.2), inputs, seed=6)
+    assert off.stats()["copies_to_host"] > 0
+    torch.testing.assert_close(out, ref_out)
+    for grad, ref in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, ref)
+
+
+@gpu
+@pytest.mark.parametrize("policy", ["none", "selective"])
+def test_offload_true_on_cuda(policy):
+    inputs = [t.detach().cuda().requires_grad_() for t in _block_inputs(torch.float32, n=1024, d=256, hidden=1024)]
+    out, grads, _ = _grads(lambda *a: memopt.checkpoint(_block, *a, policy=policy, offload=True, p=0.2), inputs, seed=6)
+    ref_out, ref_grads, _ = _grads(lambda *a: _block(*a, p=0.2), inputs, seed=6)
+    assert ckpt._shared_offload.stats()["copies_to_host"] > 0
+    torch.testing.assert_close(out, ref_out)
+    for grad, ref in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, ref)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        ({"policy": "some"}, ValueError, "policy must be one of"),
+        ({"policy": None}, ValueError, "policy must be one of"),
+        ({"use_reentrant": True}, ValueError, "use_reentrant"),
+    ],
+)
+def test_bad_arguments_raise(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        memopt.checkpoint(torch.sin, torch.randn(3, requires_grad=True), **kwargs)
+
+
+def test_fn_must_be_callable():
+    with pytest.raises(TypeError, match="fn must be callable"):
+        memopt.checkpoint(3, torch.randn(3))

@@ -1,0 +1,219 @@
+"""memopt.wrap on tiny Hugging Face models (random weights, no download): Llama and GPT-2.
+
+Losses and every gradient match the unwrapped model; saved bytes fall as the plan predicts and
+beat (or equal) Hugging Face's own ``gradient_checkpointing_enable``.
+"""
+
+import importlib
+
+import pytest
+import torch
+
+import memopt
+
+transformers = pytest.importorskip("transformers")
+
+wrap_module = importlib.import_module("memopt.wrap")
+
+VOCAB, BATCH, SEQ = 128, 2, 16
+
+
+def _llama(attn_implementation):
+    config = transformers.LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        attn_implementation=attn_implementation,
+    )
+    return transformers.LlamaForCausalLM(config).train()
+
+
+def _gpt2(attn_implementation, dropout):
+    config = transformers.GPT2Config(
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=64,
+        vocab_size=VOCAB,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+        attn_implementation=attn_implementation,
+    )
+    return transformers.GPT2LMHeadModel(config).train()
+
+
+MODELS = {
+    "llama-eager": lambda: _llama("eager"),
+    "llama-sdpa": lambda: _llama("sdpa"),
+    "gpt2-eager": lambda: _gpt2("eager", 0.0),
+    "gpt2-sdpa": lambda: _gpt2("sdpa", 0.0),
+    "gpt2-dropout": lambda: _gpt2("eager", 0.1),
+}
+
+
+def _input_ids():
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(123))
+
+
+def _step(model, seed=0):
+    model.zero_grad(set_to_none=True)
+    ids = _input_ids()
+    torch.manual_seed(seed)
+    loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+
+def _counted_bytes(model):
+    ids = _input_ids()
+    with memopt.SavedTensorCounter(exclude=list(model.parameters()) + list(model.buffers())) as counter:
+        model(input_ids=ids, labels=ids, use_cache=False)
+    return counter.total_bytes
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_loss_and_gradients_match_unwrapped(name, policy):
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    ref_loss, ref_grads = _step(model, seed=7)
+    memopt.wrap(model, policy=policy)
+    assert list(wrap_module.wrapped_policies(model).values()) == [policy, policy]
+    loss, grads = _step(model, seed=7)
+    torch.testing.assert_close(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    for key in ref_grads:
+        torch.testing.assert_close(grads[key], ref_grads[key], msg=lambda m: f"{key}: {m}")
+
+
+def test_gpt2_dropout_is_active_so_replay_is_tested():
+    torch.manual_seed(0)
+    model = _gpt2("eager", 0.1)
+    assert not torch.equal(_step(model, seed=1)[0], _step(model, seed=2)[0])
+
+
+@pytest.mark.parametrize("name", ["llama-sdpa", "gpt2-eager"])
+def test_finds_decoder_layers(name):
+    model = MODELS[name]()
+    layer_class = (
+        transformers.models.llama.modeling_llama.LlamaDecoderLayer
+        if name.startswith("llama")
+        else transformers.models.gpt2.modeling_gpt2.GPT2Block
+    )
+    found = wrap_module.find_layers(model)
+    assert [type(m) for _, m in found] == [layer_class, layer_class]
+
+
+def test_bert_encoder_layers_found_and_match():
+    config = transformers.BertConfig(
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=128,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
+    torch.manual_seed(0)
+    model = transformers.BertModel(config).train()
+    ids = _input_ids()
+    assert [type(m) for _, m in wrap_module.find_layers(model)] == [transformers.models.bert.modeling_bert.BertLayer] * 2
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids).last_hidden_state
+        out.square().mean().backward()
+        return out.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    ref_out, ref_grads = step()
+    memopt.wrap(model, policy="selective")
+    out, grads = step()
+    torch.testing.assert_close(out, ref_out)
+    assert grads.keys() == ref_grads.keys()
+    for key in ref_grads:
+        torch.testing.assert_close(grads[key], ref_grads[key], msg=lambda m: f"{key}: {m}")
+
+
+def _hf_checkpointing(model, enable):
+    """Hugging Face's own activation checkpointing (renamed in transformers 5.x)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        if enable:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.activation_checkpointing_disable()
+    elif enable:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.gradient_checkpointing_disable()
+
+
+@pytest.mark.parametrize("name", ["llama-sdpa", "llama-eager", "gpt2-eager"])
+def test_saved_bytes_against_hf_gradient_checkpointing(name):
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    counted = {"none": _counted_bytes(model)}
+    for policy in ["selective", "full"]:
+        memopt.wrap(model, policy=policy)
+        counted[policy] = _counted_bytes(model)
+        memopt.unwrap(model)
+    _hf_checkpointing(model, enable=True)
+    hf_full = _counted_bytes(model)
+    _hf_checkpointing(model, enable=False)
+    assert counted["full"] <= hf_full
+    assert hf_full < counted["selective"] < counted["none"]
+
+
+def test_wrap_turns_off_and_unwrap_restores_use_cache():
+    model = _llama("sdpa")
+    assert model.config.use_cache is True
+    memopt.wrap(model)
+    assert model.config.use_cache is False
+    ids = _input_ids()
+    model(input_ids=ids, labels=ids).loss.backward()
+    memopt.unwrap(model)
+    assert model.config.use_cache is True
+
+
+def test_wrap_refuses_model_with_hf_checkpointing_on():
+    model = _llama("sdpa")
+    _hf_checkpointing(model, enable=True)
+    with pytest.raises(RuntimeError, match="gradient checkpointing on"):
+        memopt.wrap(model)
+
+
+def test_cache_while_training_raises_clear_error():
+    model = _llama("sdpa")
+    memopt.wrap(model)
+    ids = _input_ids()
+    with pytest.raises(ValueError, match="use_cache=False"):
+        model(input_ids=ids, use_cache=True)
+
+
+@pytest.mark.parametrize("name", ["llama-sdpa", "gpt2-eager"])
+def test_plan_predicts_counted_bytes(name):
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    ids = _input_ids()
+    inputs = {"input_ids": ids, "labels": ids, "use_cache": False}
+    plan = memopt.plan(model, inputs, budget_bytes=10**9)
+    for mix in [["none", "none"], ["selective", "full"], ["full", "full"], ["none", "selective"]]:
+        plan.policies = mix
+        memopt.wrap(model, plan=plan)
+        counted = _counted_bytes(model)
+        memopt.unwrap(model)
+        # Shared inputs that need no gradient (masks, rotary cos/sin, position ids) are saved or
+        # not depending on the policies; the prediction counts them once, always.
+        assert plan.predicted_bytes - plan.shared_bytes <= counted <= plan.predicted_bytes, mix
+    assert 0 < plan.shared_bytes < 0.05 * plan.predicted_bytes
+    budget = plan.layer_bytes[0]["none"] + plan.layer_bytes[1]["selective"] + plan.other_bytes + plan.shared_bytes
+    chosen = memopt.plan(model, inputs, budget_bytes=budget)
+    assert chosen.predicted_bytes <= budget
+    assert chosen.policies != ["full", "full"]

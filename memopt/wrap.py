@@ -148,8 +148,9 @@ def _swap_for_fused_block(layer: nn.Module, policy: str) -> nn.Module | None:
     """An equivalent ``memopt.FusedCheckpointBlock`` for ``layer``, or None to checkpoint it as is.
 
     Used for ``nn.TransformerEncoderLayer`` when memopt has ``FusedCheckpointBlock`` and the
-    block supports the layer's configuration (``FusedCheckpointBlock.supports(layer)``); the
-    block must share the layer's parameters so that ``unwrap`` can put the layer back.
+    block reproduces the layer exactly (``FusedCheckpointBlock.supports(layer)``: relu/gelu,
+    head_dim the attention kernels take, all dropout 0, ...). The block shares the layer's
+    ``nn.Parameter`` objects, so training it trains the layer and ``unwrap`` can put the layer back.
     """
     import memopt
 
@@ -159,7 +160,7 @@ def _swap_for_fused_block(layer: nn.Module, policy: str) -> nn.Module | None:
     supports = getattr(block_class, "supports", None)
     if supports is None or not supports(layer):
         return None
-    return block_class.from_torch(layer, policy=policy)
+    return block_class.from_torch(layer, policy=policy, share_parameters=True)
 
 
 # -- wrap / unwrap --------------------------------------------------------------------------
@@ -212,12 +213,18 @@ def wrap(
         layers: which submodules are layers (see :func:`find_layers`).
         policy: one of ``"selective"``, ``"full"``, ``"none"``, ``"offload"`` for every layer; or
             a list with one per layer; or a dict from layer index or name to policy (layers not
-            in the dict are left as they are).
+            in the dict get ``"none"``).
         budget_bytes: choose per-layer policies with :func:`plan` so that the activations saved
             for backward fit in this many bytes; needs ``example_inputs``.
         example_inputs: a tuple of positional arguments (or a dict of keyword arguments) for
             ``model`` that :func:`plan` measures with.
         plan: a :class:`Plan` (from :func:`plan`, possibly edited) to apply.
+
+    An ``nn.TransformerEncoderLayer`` under ``"none"``, ``"selective"`` or ``"full"`` is
+    replaced by a ``memopt.FusedCheckpointBlock`` with that policy, sharing its parameters, when
+    the block reproduces it exactly (``FusedCheckpointBlock.supports``: relu/gelu, a head_dim the
+    attention kernels take, every dropout 0, no hooks); other layers, and ``"offload"``, run the
+    layer's own forward through :func:`memopt.checkpoint`, and ``"none"`` leaves them as they are.
 
     Wrapping twice raises ``RuntimeError``: call :func:`unwrap` first. Hugging Face models get
     ``config.use_cache = False`` while wrapped (a key/value cache cannot be recomputed), as their
@@ -260,14 +267,16 @@ def wrap(
     state = _WrapState()
     for (name, layer), layer_policy in zip(found, policies):
         state.policies[name] = layer_policy
-        if layer_policy == "none":
-            continue
+        # A fused block is swapped in under "none" too: it saves less than the torch layer
+        # (attention probabilities are rebuilt inside its kernels) at no recompute.
         replacement = _swap_for_fused_block(layer, layer_policy)
         if replacement is not None:
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name)
             setattr(parent, attr, replacement)
             state.swapped.append((parent, attr, layer))
+            continue
+        if layer_policy == "none":
             continue
         object.__setattr__(layer, _LAYER_ATTR, _LayerWrap(name, layer_policy, layer.__dict__.get("forward")))
         layer.forward = types.MethodType(_checkpointed_forward, layer)

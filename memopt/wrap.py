@@ -476,7 +476,8 @@ def plan(
     One forward of ``model`` on ``example_inputs`` captures each layer's inputs (layers run
     under ``"full"`` meanwhile, so this needs little memory). Each layer is then measured on its
     own: bytes it saves for backward under every policy in ``policies`` (counted as
-    :func:`memopt.saved_bytes` counts them), and the time of its forward split into the ops
+    :func:`memopt.saved_bytes` counts them; for a layer that ``wrap`` swaps for a
+    ``FusedCheckpointBlock``, the block's), and the time of its own forward split into the ops
     ``"selective"`` saves (matmuls, attention) and the rest (fastest of three runs after a
     warm-up). The
     recompute cost of ``"full"`` is the whole forward time, of ``"selective"`` the time of the
@@ -521,7 +522,8 @@ def plan(
 
         handles = [layer.register_forward_pre_hook(capturer(name), with_kwargs=True) for name, layer in found]
         # Layers run under "full" here: the model's own saved bytes are counted with little
-        # memory, and each layer's inputs are captured.
+        # memory, and each layer's inputs are captured (hooked layers are never swapped for a
+        # fused block, so the capture hooks run).
         wrap(model, layers=layers, policy="full")
         try:
             with SavedTensorCounter(exclude=param_like) as counter:
@@ -539,17 +541,18 @@ def plan(
         layer_bytes, layer_seconds, full_layer_bytes = [], [], []
         for name, layer in found:
             args, kwargs = captured[name]
-            measured = {}
-            for policy in dict.fromkeys((*policies, "full")):
+            def measure(fn):
                 fresh_args, fresh_kwargs, no_grad_inputs = _fresh_inputs(args, kwargs)
-                measured[policy] = _measured_saved_bytes(
-                    lambda *a, **k: checkpoint(layer, *a, policy=policy, **k),
-                    fresh_args,
-                    fresh_kwargs,
-                    param_like + no_grad_inputs,
-                )
-            full_layer_bytes.append(measured["full"])
-            layer_bytes.append({p: measured[p] for p in policies})
+                return _measured_saved_bytes(fn, fresh_args, fresh_kwargs, param_like + no_grad_inputs)
+
+            def checkpointed(policy):
+                return lambda *a, **k: checkpoint(layer, *a, policy=policy, **k)
+
+            # What wrap will run: the fused block it swaps in (sharing the layer's parameters),
+            # else the layer checkpointed. The whole-model pass above checkpointed the layer
+            # under "full", so other_bytes subtracts that measurement.
+            full_layer_bytes.append(measure(checkpointed("full")))
+            layer_bytes.append({p: measure(_swap_for_fused_block(layer, p) or checkpointed(p)) for p in policies})
             with torch.no_grad():
                 layer(*args, **kwargs)
                 # The fastest of three runs: one slow run (a busy host, a lazy init) should not

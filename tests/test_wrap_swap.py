@@ -295,3 +295,34 @@ def test_encoder_reads_from_the_block():
     assert block.linear1 is block.fc1 and block.linear2 is block.fc2 and block.activation_relu_or_gelu
     # The views register nothing: the block's parameters are its twelve own.
     assert len(dict(block.named_parameters())) == 12
+
+
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_swapped_encoder_compiles_fullgraph(policy, compile_cache):
+    model = _encoder(norm_first=True)
+    plain = copy.deepcopy(model)
+    x = _input()
+    expected = _step(plain, x, dict(plain.named_parameters()))
+    original_params = dict(model.named_parameters())
+    memopt.wrap(model, policy=policy)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    _assert_same_step(_step(compiled, x, original_params), expected)
+
+
+def test_plan_predicts_the_swapped_blocks_bytes():
+    model = _encoder(3)
+    x = _input()
+    exclude = list(model.parameters())
+    measured = {}
+    for policy in ("none", "selective", "full"):
+        memopt.wrap(model, policy=policy)
+        assert all(type(layer) is memopt.FusedCheckpointBlock for layer in model.layers)
+        with memopt.SavedTensorCounter(exclude=exclude) as counter:
+            model(x.clone().requires_grad_())
+        measured[policy] = counter.total_bytes
+        memopt.unwrap(model)
+    plan = memopt.plan(model, (x.clone().requires_grad_(),), budget_bytes=10**9)
+    for policy in ("none", "selective", "full"):
+        plan.policies = [policy] * 3
+        assert plan.predicted_bytes == measured[policy], policy
+    assert measured["full"] < measured["selective"] < measured["none"]

@@ -274,7 +274,9 @@ class FusedCheckpointBlock(_TransformerBlockBase):
         batch_first: input layout, ``(B, S, d_model)`` when True, else ``(S, B, d_model)`` (as
             ``nn.TransformerEncoderLayer(batch_first=False)``; costs a transpose copy).
 
-    ``forward(x, attn_mask=None, *, is_causal=False)``: ``attn_mask`` may be None or a causal
+    ``forward(x, attn_mask=None, *, is_causal=False, src_mask=None, src_key_padding_mask=None)``
+    (the last two are ``nn.TransformerEncoderLayer``'s names, see :meth:`forward`; :meth:`from_torch`
+    and :meth:`supports` convert torch layers): ``attn_mask`` may be None or a causal
     ``(S, S)`` mask (bool True above the diagonal, or float ``-inf`` above the diagonal and 0
     elsewhere); it is checked on the host (one device sync) unless ``is_causal=True`` vouches
     for it. Other masks raise ``ValueError``.
@@ -373,8 +375,9 @@ class FusedCheckpointBlock(_TransformerBlockBase):
         True for an ``nn.TransformerEncoderLayer`` (its own ``forward``, no hooks) with relu or
         gelu activation (function or module), either ``norm_first``, either ``batch_first``,
         ``head_dim`` in ``SUPPORTED_HEAD_DIMS``, biases on all of its linears and norms or on none,
-        affine LayerNorms with one eps, every parameter of one floating dtype on one device, and
-        **every dropout probability 0**: torch's layer has a fourth dropout site (between the
+        affine LayerNorms with one eps, every parameter of one dtype on one device that attention
+        takes there (``memopt.ops.attention.supported_dtypes``: fp16/bf16 on CUDA, so fp32 layers
+        meant for autocast are not supported), and **every dropout probability 0**: torch's layer has a fourth dropout site (between the
         activation and ``linear2``) that the block lacks, and its dropout masks come from another
         RNG, so with dropout > 0 training would differ. ``memopt.wrap`` checkpoints such layers
         as they are instead. Not checked here, raised at call time instead: attention masks other

@@ -326,3 +326,14 @@ def test_plan_predicts_the_swapped_blocks_bytes():
         plan.policies = [policy] * 3
         assert plan.predicted_bytes == measured[policy], policy
     assert measured["full"] < measured["selective"] < measured["none"]
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_eval_inference_matches_plain(batch_first):
+    # In eval mode without grad torch's layer takes its fused fast path; the block must agree.
+    model = _encoder(batch_first=batch_first).eval()
+    plain = copy.deepcopy(model)
+    x = _input(batch_first)
+    memopt.wrap(model, policy="selective")
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), plain(x), **F64_TOL)

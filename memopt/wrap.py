@@ -267,8 +267,9 @@ def wrap(
     state = _WrapState()
     for (name, layer), layer_policy in zip(found, policies):
         state.policies[name] = layer_policy
-        # A fused block is swapped in under "none" too: it saves less than the torch layer
-        # (attention probabilities are rebuilt inside its kernels) at no recompute.
+        # A fused block is swapped in under "none" too, so every policy runs the same kernels;
+        # it then saves the block's "none" set (memopt.block.saved_bytes_per_layer), which is
+        # not always less than what the torch layer saves.
         replacement = _swap_for_fused_block(layer, layer_policy)
         if replacement is not None:
             parent_name, _, attr = name.rpartition(".")

@@ -276,7 +276,9 @@ class _FakeFusedBlock(nn.Module):
         return layer.norm_first
 
     @classmethod
-    def from_torch(cls, layer, policy):
+    def from_torch(cls, layer, policy, share_parameters=False):
+        # wrap must ask for shared parameters: unwrap puts the layer back.
+        assert share_parameters
         return cls(layer, policy)
 
     @property
@@ -294,7 +296,7 @@ def test_fused_block_extension_point_is_unused_without_a_supporting_block(monkey
 
     class BlockWithoutSupports:
         @classmethod
-        def from_torch(cls, layer, policy):
+        def from_torch(cls, layer, policy, share_parameters=False):
             raise AssertionError("must not be called without supports()")
 
     monkeypatch.setattr(memopt, "FusedCheckpointBlock", BlockWithoutSupports, raising=False)

@@ -85,7 +85,7 @@ class Settings:
 
 PRESETS = {
     "cpu": Settings(),
-    # About 1.0e9 parameters (TinyLlama-like width, 16 layers), 8192 tokens per step.
+    # 0.85e9 parameters (TinyLlama-like width, 16 layers), 8192 tokens per step.
     "h200": Settings(
         preset="h200", device="cuda", dtype="bfloat16", models=("llama",), hidden=2048, layers=16, heads=16,
         kv_heads=4, intermediate=5632, vocab=32000, seq=2048, batch=4, warmup=2, repeats=8, threads=None,
@@ -315,6 +315,10 @@ class Runner:
 
 def run(settings: Settings) -> dict:
     """The whole run as the JSON-ready result."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError as exc:
+        raise SystemExit("bench.wrap: needs the transformers package (pip install transformers)") from exc
     device = resolve_device(settings.device)
     env = environment(device, settings.threads)
     rows = []

@@ -13,7 +13,8 @@ one model, one batch and the same initial weights, each configuration runs in tu
 
 Per row: step time (forward + backward, median and p20/p80 over the timed steps after warm-up;
 CUDA events on GPU), bytes saved for backward (``memopt.SavedTensorCounter``; parameters,
-buffers and the input ids left out), peak GPU memory of one step (GPU only), and as a sanity check
+buffers and the input ids left out), peak GPU memory of one step (GPU only: ``peak_gpu_bytes``
+absolute, ``peak_gpu_step_bytes`` above what was allocated before the step), and as a sanity check
 the loss and the largest gradient difference against ``plain`` (flagged ``MISMATCH`` beyond the
 dtype's tolerance). Planner rows add the budget, the per-layer policies chosen, the predicted
 bytes and recompute time, and whether the measured bytes fit the budget; a plan over its budget
@@ -156,6 +157,7 @@ def empty_row(model_name: str, config: str, settings: Settings) -> dict:
         "saved_bytes": None,
         "saved_vs_plain": None,
         "peak_gpu_bytes": None,
+        "peak_gpu_step_bytes": None,
         "loss": None,
         "loss_rel_diff": None,
         "grad_max_abs_diff": None,
@@ -173,6 +175,11 @@ def empty_row(model_name: str, config: str, settings: Settings) -> dict:
 
 
 ROW_COLUMNS = tuple(empty_row("x", "x", Settings()))
+
+
+def _error_status(exc: BaseException) -> str:
+    message = (str(exc).splitlines() or [""])[0][:160]
+    return f"error ({type(exc).__name__}: {message})"
 
 
 class Runner:
@@ -214,10 +221,14 @@ class Runner:
         if device.type == "cuda":
             self.model.zero_grad(set_to_none=True)
             torch.cuda.synchronize(device)
+            before = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
             self.step()
             torch.cuda.synchronize(device)
             row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
+            # The plain row runs before the harness holds its reference gradients; the step's
+            # own peak (activations, gradients, recompute) compares across rows.
+            row["peak_gpu_step_bytes"] = row["peak_gpu_bytes"] - before
         row["saved_bytes"] = self.saved_bytes()
 
         torch.manual_seed(settings.seed)
@@ -258,7 +269,7 @@ class Runner:
             finally:
                 undo()
         except Exception as exc:  # a configuration that breaks is reported, not allowed to stop the run
-            row["status"] = f"error ({type(exc).__name__}: {str(exc).splitlines()[0][:160]})"
+            row["status"] = _error_status(exc)
         return row
 
     def plan_row(self, fraction: float, plain_saved: int, plain_ms: float | None) -> dict:
@@ -267,10 +278,11 @@ class Runner:
         row.update(budget_fraction=fraction, budget_bytes=budget)
         try:
             plan = memopt.plan(self.model, self.inputs, budget_bytes=budget)
-        except ValueError as exc:
-            if "below the least" not in str(exc):
-                raise
-            row["status"] = "infeasible (budget below the least any per-layer choice saves)"
+        except Exception as exc:  # reported in the row like a failing configuration
+            infeasible = isinstance(exc, ValueError) and "below the least" in str(exc)
+            row["status"] = (
+                "infeasible (budget below the least any per-layer choice saves)" if infeasible else _error_status(exc)
+            )
             return row
         row.update(
             policies=policy_string(plan.policies),
@@ -350,7 +362,7 @@ def _num(value: float | None, fmt: str) -> str:
 def markdown_table(rows: list[dict]) -> str:
     """One line per (model, configuration); planner rows carry budget and predictions."""
     lines = [
-        "| model | config | policies | step ms (p20-p80) | time / hf | saved MiB | saved / plain | peak GPU MiB "
+        "| model | config | policies | step ms (p20-p80) | time / hf | saved MiB | saved / plain | step peak GPU MiB "
         "| loss rel diff | grad rel diff | check | budget MiB | predicted MiB | predicted +ms | measured +ms | fits |",
         "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---|",
     ]
@@ -363,7 +375,7 @@ def markdown_table(rows: list[dict]) -> str:
         fits = "" if r["within_budget"] is None else ("yes" if r["within_budget"] else "OVER BUDGET")
         lines.append(
             f"| {r['model']} | {r['config']} | {r['policies']} | {time_cell} | {_num(r['time_vs_hf'], '.2f')} "
-            f"| {_mib(r['saved_bytes'])} | {_num(r['saved_vs_plain'], '.2f')} | {_mib(r['peak_gpu_bytes'])} "
+            f"| {_mib(r['saved_bytes'])} | {_num(r['saved_vs_plain'], '.2f')} | {_mib(r['peak_gpu_step_bytes'])} "
             f"| {_num(r['loss_rel_diff'], '.1e')} | {_num(r['grad_max_rel_diff'], '.1e')} | {r['grad_check']} "
             f"| {_mib(r['budget_bytes'])} | {_mib(r['predicted_bytes'])} | {_num(r['predicted_extra_ms'], '.1f')} "
             f"| {_num(r['measured_extra_ms'], '.1f')} | {fits} |"

@@ -59,7 +59,7 @@ def test_configuration_rows_are_measured_and_gradients_match_plain(cpu_run):
             assert isinstance(row[column], float | int), (row["model"], row["config"], column)
         assert row["step_time_ms_p20"] <= row["step_time_ms_median"] <= row["step_time_ms_p80"]
         assert row["grad_check"] == ("reference" if row["config"] == "plain" else "ok"), row
-        assert row["peak_gpu_bytes"] is None
+        assert row["peak_gpu_bytes"] is None and row["peak_gpu_step_bytes"] is None
     by_key = {(r["model"], r["config"]): r for r in cpu_run["rows"]}
     for model in bench_wrap.MODELS:
         plain, hf = by_key[model, "plain"], by_key[model, "hf-checkpoint"]
@@ -126,3 +126,21 @@ def test_bad_arguments_name_the_flag(capsys):
     with pytest.raises(SystemExit):
         bench_wrap.main(["--models", "bert"])
     assert "--models" in capsys.readouterr().err
+
+
+def test_infeasible_and_failing_plans_become_rows(monkeypatch):
+    settings = bench_wrap.replace(bench_wrap.PRESETS["cpu"], layers=2, repeats=1, warmup=0)
+    device = bench_wrap.resolve_device("cpu")
+    runner = bench_wrap.Runner("gpt2", bench_wrap.build_model("gpt2", settings, device), settings, device)
+    plain_saved = runner.saved_bytes()
+    infeasible = runner.plan_row(0.001, plain_saved, None)
+    assert infeasible["status"].startswith("infeasible"), infeasible
+    assert infeasible["budget_bytes"] == int(0.001 * plain_saved) and infeasible["saved_bytes"] is None
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("planner broke")
+
+    monkeypatch.setattr(memopt, "plan", broken)
+    failed = runner.plan_row(0.5, plain_saved, None)
+    assert failed["status"] == "error (RuntimeError: planner broke)"
+    assert "error (RuntimeError: planner broke)" in bench_wrap.markdown_table([failed])

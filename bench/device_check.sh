@@ -53,6 +53,9 @@ step bench_h200 "${STEP_TIMEOUT_BENCH_H200:-300}" python -m bench --preset h200 
 step kernels_h200 "${STEP_TIMEOUT_KERNELS_H200:-150}" python -m bench.kernels --preset h200 --out "$OUT" --no-progress
 step bench_offload "${STEP_TIMEOUT_BENCH_OFFLOAD:-180}" python -m bench.offload --preset h200 \
   --out "$OUT/offload-h200.json"
+# memopt.wrap and memopt.plan on a Hugging Face Llama (hidden 2048, 16 layers, seq 2048, batch 4,
+# bf16) against Hugging Face's own checkpointing; fails when a plan's measured bytes exceed its budget.
+step bench_wrap_h200 "${STEP_TIMEOUT_BENCH_WRAP:-150}" python -m bench.wrap --preset h200 --out "$OUT/wrap_h200.json"
 if [ "${BENCH_SWEEPS:-0}" = 1 ]; then
   sweep_configs=eager-sdpa,torch-checkpoint,torch-selective,memopt-selective,memopt-full,memopt-offload
   for sweep in layers seq; do

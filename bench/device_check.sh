@@ -25,8 +25,19 @@ export PYTHONUNBUFFERED=1
 } | tee "$OUT/environment.txt"
 
 status=0
+# A device session is short (15 minutes including a cold start of several): every step's limit is
+# cut to what is left of DEVICE_CHECK_BUDGET seconds, and steps are ordered by what has never been
+# measured first. A step with under 20 s left is skipped and says so.
+BUDGET="${DEVICE_CHECK_BUDGET:-540}"
 step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log, keep going
   local name=$1 limit=$2; shift 2
+  local left=$((BUDGET - SECONDS - 5))
+  if [ "$left" -lt 20 ]; then
+    echo "== $name: skipped, the device-check budget (${BUDGET}s) is spent" | tee "$OUT/$name.log"
+    status=1
+    return 1
+  fi
+  [ "$limit" -le "$left" ] || limit=$left
   echo "== $name (limit ${limit}s): $*"
   local t0=$SECONDS
   timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
@@ -41,21 +52,21 @@ step build 240 bash -c "pip install --no-build-isolation --no-deps -e . || pytho
   || { echo "build failed"; exit 1; }
 step build_info 60 python -c "import memopt; print(memopt.build_info())"
 step gpu_tests "${STEP_TIMEOUT_GPU_TESTS:-200}" python -m pytest -q -m gpu -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml"
-# memopt.checkpoint/wrap lean on torch.utils.checkpoint internals that changed between 2.11 and
-# 2.14: run their CPU tests against this machine's torch too.
-step wrap_torch_compat "${STEP_TIMEOUT_WRAP_COMPAT:-150}" python -m pytest -q -x -p no:cacheprovider \
-  tests/test_checkpoint.py tests/test_wrap.py tests/test_distributed.py
-step bench_attention "${STEP_TIMEOUT_BENCH_ATTENTION:-120}" python -m bench.attention --preset h200 \
-  --seqs "${ATTENTION_SEQS:-4096,8192}" --out "$OUT/attention_h200.json"
 # The harness's GPU preset (bf16, d_model 2048, 16 heads, seq 2048, 4 layers, torch.compile
-# included) and the kernel micro-benchmarks: JSON, PNG and logs into $OUT.
+# included): FusedCheckpointBlock's policies against eager, checkpoint and selective checkpointing.
 step bench_h200 "${STEP_TIMEOUT_BENCH_H200:-300}" python -m bench --preset h200 --out "$OUT" --no-progress
-step kernels_h200 "${STEP_TIMEOUT_KERNELS_H200:-150}" python -m bench.kernels --preset h200 --out "$OUT" --no-progress
 step bench_offload "${STEP_TIMEOUT_BENCH_OFFLOAD:-180}" python -m bench.offload --preset h200 \
   --out "$OUT/offload-h200.json"
 # memopt.wrap and memopt.plan on a Hugging Face Llama (hidden 2048, 16 layers, seq 2048, batch 4,
 # bf16) against Hugging Face's own checkpointing; fails when a plan's measured bytes exceed its budget.
 step bench_wrap_h200 "${STEP_TIMEOUT_BENCH_WRAP:-150}" python -m bench.wrap --preset h200 --out "$OUT/wrap_h200.json"
+step kernels_h200 "${STEP_TIMEOUT_KERNELS_H200:-150}" python -m bench.kernels --preset h200 --out "$OUT" --no-progress
+step bench_attention "${STEP_TIMEOUT_BENCH_ATTENTION:-120}" python -m bench.attention --preset h200 \
+  --seqs "${ATTENTION_SEQS:-4096,8192}" --out "$OUT/attention_h200.json"
+# memopt.checkpoint/wrap lean on torch.utils.checkpoint internals that changed between 2.11 and
+# 2.14: run their CPU tests against this machine's torch too.
+step wrap_torch_compat "${STEP_TIMEOUT_WRAP_COMPAT:-150}" python -m pytest -q -x -p no:cacheprovider \
+  tests/test_checkpoint.py tests/test_wrap.py tests/test_distributed.py
 if [ "${BENCH_SWEEPS:-0}" = 1 ]; then
   sweep_configs=eager-sdpa,torch-checkpoint,torch-selective,memopt-selective,memopt-full,memopt-offload
   for sweep in layers seq; do

@@ -24,7 +24,7 @@ import math
 import torch
 
 from memopt.ops import attention_triton
-from memopt.ops import philox_mask  # noqa: F401  (fake impl of memopt::philox_keep_mask)
+from memopt.ops.philox_mask import philox_keep_mask
 from memopt.ops._philox import dropout_keep_mask
 from memopt.ops._rng import new_rng_key
 
@@ -122,11 +122,12 @@ def _check_inputs(q, k, v, dropout_p, rng_key) -> None:
 
 def _keep_mask_chunk(shape_bhqk, n0: int, n1: int, dropout_p: float, rng_key: torch.Tensor) -> torch.Tensor:
     """Keep-mask of columns ``n0:n1`` of the (B, H, Sq, Sk) probabilities (module docstring of
-    attention_triton: word ``idx % 4`` of Philox at counter ``offset + idx // 4``)."""
+    attention_triton: word ``idx % 4`` of Philox at counter ``offset + idx // 4``), drawn by the
+    C++ kernel of ``memopt::philox_keep_mask`` for the chunk's flat indices."""
     batch, heads, seq_q, seq_k = shape_bhqk
     rows = torch.arange(0, batch * heads * seq_q * seq_k, seq_k, dtype=torch.int64).view(batch, heads, seq_q, 1)
     index = rows + torch.arange(n0, n1, dtype=torch.int64)
-    return torch.ops.memopt.philox_keep_mask(index, dropout_p, rng_key)
+    return philox_keep_mask(index, dropout_p, rng_key)
 
 
 def _causal_visible(seq_q: int, n0: int, n1: int, device) -> torch.Tensor:

@@ -148,8 +148,9 @@ def _swap_for_fused_block(layer: nn.Module, policy: str) -> nn.Module | None:
     """An equivalent ``memopt.FusedCheckpointBlock`` for ``layer``, or None to checkpoint it as is.
 
     Used for ``nn.TransformerEncoderLayer`` when memopt has ``FusedCheckpointBlock`` and the
-    block supports the layer's configuration (``FusedCheckpointBlock.supports(layer)``); the
-    block must share the layer's parameters so that ``unwrap`` can put the layer back.
+    block reproduces the layer exactly (``FusedCheckpointBlock.supports(layer)``: relu/gelu,
+    head_dim the attention kernels take, all dropout 0, ...). The block shares the layer's
+    ``nn.Parameter`` objects, so training it trains the layer and ``unwrap`` can put the layer back.
     """
     import memopt
 
@@ -159,7 +160,7 @@ def _swap_for_fused_block(layer: nn.Module, policy: str) -> nn.Module | None:
     supports = getattr(block_class, "supports", None)
     if supports is None or not supports(layer):
         return None
-    return block_class.from_torch(layer, policy=policy)
+    return block_class.from_torch(layer, policy=policy, share_parameters=True)
 
 
 # -- wrap / unwrap --------------------------------------------------------------------------
@@ -212,12 +213,18 @@ def wrap(
         layers: which submodules are layers (see :func:`find_layers`).
         policy: one of ``"selective"``, ``"full"``, ``"none"``, ``"offload"`` for every layer; or
             a list with one per layer; or a dict from layer index or name to policy (layers not
-            in the dict are left as they are).
+            in the dict get ``"none"``).
         budget_bytes: choose per-layer policies with :func:`plan` so that the activations saved
             for backward fit in this many bytes; needs ``example_inputs``.
         example_inputs: a tuple of positional arguments (or a dict of keyword arguments) for
             ``model`` that :func:`plan` measures with.
         plan: a :class:`Plan` (from :func:`plan`, possibly edited) to apply.
+
+    An ``nn.TransformerEncoderLayer`` under ``"none"``, ``"selective"`` or ``"full"`` is
+    replaced by a ``memopt.FusedCheckpointBlock`` with that policy, sharing its parameters, when
+    the block reproduces it exactly (``FusedCheckpointBlock.supports``: relu/gelu, a head_dim the
+    attention kernels take, every dropout 0, no hooks); other layers, and ``"offload"``, run the
+    layer's own forward through :func:`memopt.checkpoint`, and ``"none"`` leaves them as they are.
 
     Wrapping twice raises ``RuntimeError``: call :func:`unwrap` first. Hugging Face models get
     ``config.use_cache = False`` while wrapped (a key/value cache cannot be recomputed), as their
@@ -260,14 +267,17 @@ def wrap(
     state = _WrapState()
     for (name, layer), layer_policy in zip(found, policies):
         state.policies[name] = layer_policy
-        if layer_policy == "none":
-            continue
+        # A fused block is swapped in under "none" too, so every policy runs the same kernels;
+        # it then saves the block's "none" set (memopt.block.saved_bytes_per_layer), which is
+        # not always less than what the torch layer saves.
         replacement = _swap_for_fused_block(layer, layer_policy)
         if replacement is not None:
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name)
             setattr(parent, attr, replacement)
             state.swapped.append((parent, attr, layer))
+            continue
+        if layer_policy == "none":
             continue
         object.__setattr__(layer, _LAYER_ATTR, _LayerWrap(name, layer_policy, layer.__dict__.get("forward")))
         layer.forward = types.MethodType(_checkpointed_forward, layer)
@@ -467,7 +477,8 @@ def plan(
     One forward of ``model`` on ``example_inputs`` captures each layer's inputs (layers run
     under ``"full"`` meanwhile, so this needs little memory). Each layer is then measured on its
     own: bytes it saves for backward under every policy in ``policies`` (counted as
-    :func:`memopt.saved_bytes` counts them), and the time of its forward split into the ops
+    :func:`memopt.saved_bytes` counts them; for a layer that ``wrap`` swaps for a
+    ``FusedCheckpointBlock``, the block's), and the time of its own forward split into the ops
     ``"selective"`` saves (matmuls, attention) and the rest (fastest of three runs after a
     warm-up). The
     recompute cost of ``"full"`` is the whole forward time, of ``"selective"`` the time of the
@@ -512,7 +523,8 @@ def plan(
 
         handles = [layer.register_forward_pre_hook(capturer(name), with_kwargs=True) for name, layer in found]
         # Layers run under "full" here: the model's own saved bytes are counted with little
-        # memory, and each layer's inputs are captured.
+        # memory, and each layer's inputs are captured (hooked layers are never swapped for a
+        # fused block, so the capture hooks run).
         wrap(model, layers=layers, policy="full")
         try:
             with SavedTensorCounter(exclude=param_like) as counter:
@@ -530,17 +542,18 @@ def plan(
         layer_bytes, layer_seconds, full_layer_bytes = [], [], []
         for name, layer in found:
             args, kwargs = captured[name]
-            measured = {}
-            for policy in dict.fromkeys((*policies, "full")):
+            def measure(fn):
                 fresh_args, fresh_kwargs, no_grad_inputs = _fresh_inputs(args, kwargs)
-                measured[policy] = _measured_saved_bytes(
-                    lambda *a, **k: checkpoint(layer, *a, policy=policy, **k),
-                    fresh_args,
-                    fresh_kwargs,
-                    param_like + no_grad_inputs,
-                )
-            full_layer_bytes.append(measured["full"])
-            layer_bytes.append({p: measured[p] for p in policies})
+                return _measured_saved_bytes(fn, fresh_args, fresh_kwargs, param_like + no_grad_inputs)
+
+            def checkpointed(policy):
+                return lambda *a, **k: checkpoint(layer, *a, policy=policy, **k)
+
+            # What wrap will run: the fused block it swaps in (sharing the layer's parameters),
+            # else the layer checkpointed. The whole-model pass above checkpointed the layer
+            # under "full", so other_bytes subtracts that measurement.
+            full_layer_bytes.append(measure(checkpointed("full")))
+            layer_bytes.append({p: measure(_swap_for_fused_block(layer, p) or checkpointed(p)) for p in policies})
             with torch.no_grad():
                 layer(*args, **kwargs)
                 # The fastest of three runs: one slow run (a busy host, a lazy init) should not

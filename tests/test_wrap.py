@@ -276,7 +276,9 @@ class _FakeFusedBlock(nn.Module):
         return layer.norm_first
 
     @classmethod
-    def from_torch(cls, layer, policy):
+    def from_torch(cls, layer, policy, share_parameters=False):
+        # wrap must ask for shared parameters: unwrap puts the layer back.
+        assert share_parameters
         return cls(layer, policy)
 
     @property
@@ -288,8 +290,16 @@ class _FakeFusedBlock(nn.Module):
         return self.layer(*args, **kwargs)
 
 
-def test_fused_block_extension_point_is_unused_without_the_block():
-    assert not hasattr(memopt, "FusedCheckpointBlock")
+def test_fused_block_extension_point_is_unused_without_a_supporting_block(monkeypatch):
+    monkeypatch.delattr(memopt, "FusedCheckpointBlock", raising=False)
+    assert wrap_module._swap_for_fused_block(_encoder(1).layers[0], "selective") is None
+
+    class BlockWithoutSupports:
+        @classmethod
+        def from_torch(cls, layer, policy, share_parameters=False):
+            raise AssertionError("must not be called without supports()")
+
+    monkeypatch.setattr(memopt, "FusedCheckpointBlock", BlockWithoutSupports, raising=False)
     assert wrap_module._swap_for_fused_block(_encoder(1).layers[0], "selective") is None
 
 

@@ -69,6 +69,11 @@ def _backend_for(device: torch.device) -> str:
     return "cuda" if device.type == "cuda" else _cpu_backend
 
 
+def supported_dtypes(device: torch.device | str) -> tuple[torch.dtype, ...]:
+    """The q/k/v dtypes attention takes on ``device`` (on CPU: with the current ``cpu_backend``)."""
+    return {"cuda": GPU_DTYPES, "triton": INTERPRETER_DTYPES, "native": NATIVE_DTYPES}[_backend_for(torch.device(device))]
+
+
 def _check_inputs(q, k, v, dropout_p, rng_key) -> None:
     """Validate once, at the op boundary, with messages naming the argument."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -98,7 +103,7 @@ def _check_inputs(q, k, v, dropout_p, rng_key) -> None:
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"memopt.attention: q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     backend = _backend_for(q.device)
-    allowed = {"cuda": GPU_DTYPES, "triton": INTERPRETER_DTYPES, "native": NATIVE_DTYPES}[backend]
+    allowed = supported_dtypes(q.device)
     if q.dtype not in allowed:
         where = {"cuda": "on CUDA", "triton": "in the Triton interpreter", "native": "on the native CPU path"}[backend]
         raise ValueError(f"memopt.attention: q, k, v dtype must be one of {allowed} {where}, got {q.dtype}")

@@ -1,0 +1,339 @@
+"""memopt.wrap swaps nn.TransformerEncoderLayer for a FusedCheckpointBlock that shares its
+parameters: equal outputs and gradients, shared training, exact unwrap, fewer saved bytes, and
+fallback to checkpointing for layers the block cannot reproduce."""
+
+import copy
+import importlib
+
+import pytest
+import torch
+from torch import nn
+
+import memopt
+from memopt.block import saved_bytes_per_layer
+from memopt.ops.attention import cpu_backend
+
+wrap_module = importlib.import_module("memopt.wrap")
+
+D_MODEL, HEADS, FFN, SEQ, BATCH = 64, 4, 128, 8, 2
+# The fused attention keeps its log-sum-exp in float32 for every dtype, so float64 runs agree
+# with torch's layer to about 1e-7, not to float64 rounding (as in tests/test_block.py).
+F64_TOL = {"atol": 1e-6, "rtol": 1e-5}
+
+
+@pytest.fixture(autouse=True)
+def native_cpu_attention():
+    """float64 needs attention's native CPU path (the Triton interpreter takes float32 only)."""
+    with cpu_backend("native"):
+        yield
+
+
+def _encoder(num_layers=2, *, batch_first=True, norm_first=False, activation="relu", dropout=0.0, d_model=D_MODEL, heads=HEADS):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(
+        d_model, heads, FFN, dropout=dropout, activation=activation,
+        batch_first=batch_first, norm_first=norm_first, dtype=torch.float64,
+    )  # fmt: skip
+    return nn.TransformerEncoder(layer, num_layers, enable_nested_tensor=False)
+
+
+def _input(batch_first=True, d_model=D_MODEL):
+    shape = (BATCH, SEQ, d_model) if batch_first else (SEQ, BATCH, d_model)
+    return torch.randn(shape, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+
+
+def _step(model, x, layer_params, **kwargs):
+    """Output, input gradient and the gradients of ``layer_params`` (name -> Parameter)."""
+    for p in layer_params.values():
+        p.grad = None
+    leaf = x.detach().clone().requires_grad_()
+    out = model(leaf, **kwargs)
+    out.square().mean().backward()
+    return out.detach(), leaf.grad, {name: p.grad.clone() for name, p in layer_params.items()}
+
+
+def _assert_same_step(got, expected):
+    torch.testing.assert_close(got[0], expected[0], **F64_TOL)
+    torch.testing.assert_close(got[1], expected[1], **F64_TOL)
+    assert got[2].keys() == expected[2].keys()
+    for name in expected[2]:
+        torch.testing.assert_close(got[2][name], expected[2][name], **F64_TOL, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("activation", ["relu", "gelu"])
+@pytest.mark.parametrize("norm_first", [False, True])
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+def test_swapped_encoder_matches_plain(policy, batch_first, norm_first, activation):
+    model = _encoder(batch_first=batch_first, norm_first=norm_first, activation=activation)
+    plain = copy.deepcopy(model)
+    x = _input(batch_first)
+    expected = _step(plain, x, dict(plain.named_parameters()))
+    # The original layers' parameters, under their torch names: the swapped blocks must share them.
+    original_params = dict(model.named_parameters())
+
+    memopt.wrap(model, policy=policy)
+    assert all(type(layer) is memopt.FusedCheckpointBlock for layer in model.layers)
+    assert [layer.policy for layer in model.layers] == [policy] * 2
+    assert wrap_module.wrapped_policies(model) == {"layers.0": policy, "layers.1": policy}
+    _assert_same_step(_step(model, x, original_params), expected)
+
+
+def test_blocks_share_the_layers_parameters():
+    model = _encoder()
+    originals = list(model.layers)
+    n_params = len(list(model.parameters()))
+    memopt.wrap(model, policy="selective")
+    for block, layer in zip(model.layers, originals):
+        attn = layer.self_attn
+        pairs = [
+            (block.qkv.weight, attn.in_proj_weight), (block.qkv.bias, attn.in_proj_bias),
+            (block.out_proj.weight, attn.out_proj.weight), (block.out_proj.bias, attn.out_proj.bias),
+            (block.fc1.weight, layer.linear1.weight), (block.fc1.bias, layer.linear1.bias),
+            (block.fc2.weight, layer.linear2.weight), (block.fc2.bias, layer.linear2.bias),
+            (block.norm1.weight, layer.norm1.weight), (block.norm1.bias, layer.norm1.bias),
+            (block.norm2.weight, layer.norm2.weight), (block.norm2.bias, layer.norm2.bias),
+        ]  # fmt: skip
+        assert all(a is b for a, b in pairs)
+    assert len(list(model.parameters())) == n_params
+
+
+@pytest.mark.parametrize("norm_first", [False, True])
+def test_training_through_wrapped_model_trains_the_original_layers(norm_first):
+    model = _encoder(norm_first=norm_first)
+    plain = copy.deepcopy(model)
+    originals = list(model.layers)
+    x = _input()
+    memopt.wrap(model, policy="selective")
+    for m in (plain, model):
+        optimizer = torch.optim.SGD(m.parameters(), lr=0.5)
+        m(x).square().mean().backward()
+        optimizer.step()
+    memopt.unwrap(model)
+    assert all(a is b for a, b in zip(model.layers, originals))
+    trained, reference = model.state_dict(), plain.state_dict()
+    assert list(trained) == list(reference)
+    for name in reference:
+        torch.testing.assert_close(trained[name], reference[name], **F64_TOL, msg=lambda m: f"{name}: {m}")
+    # The step moved the weights (so the comparison above is not of two untouched models).
+    assert not torch.equal(trained["layers.0.linear1.weight"], _encoder(norm_first=norm_first).state_dict()["layers.0.linear1.weight"])
+
+
+def test_unwrap_restores_layers_and_state_dict():
+    model = _encoder()
+    plain = copy.deepcopy(model)
+    originals = list(model.layers)
+    memopt.wrap(model, policy="full")
+    assert "layers.0.qkv.weight" in model.state_dict()
+    memopt.unwrap(model)
+    assert all(a is b for a, b in zip(model.layers, originals))
+    restored, reference = model.state_dict(), plain.state_dict()
+    assert list(restored) == list(reference)
+    for name in reference:
+        assert torch.equal(restored[name], reference[name]), name
+    x = _input()
+    torch.testing.assert_close(model(x), plain(x), atol=0, rtol=0)
+
+
+def test_causal_mask_through_the_encoder():
+    model = _encoder(norm_first=True)
+    plain = copy.deepcopy(model)
+    x = _input()
+    mask = nn.Transformer.generate_square_subsequent_mask(SEQ, dtype=torch.float64)
+    expected = _step(plain, x, dict(plain.named_parameters()), mask=mask, is_causal=True)
+    original_params = dict(model.named_parameters())
+    memopt.wrap(model, policy="selective")
+    _assert_same_step(_step(model, x, original_params, mask=mask, is_causal=True), expected)
+    # Without the is_causal hint the encoder detects the causal mask itself.
+    _assert_same_step(_step(model, x, original_params, mask=mask), expected)
+
+
+def test_unbatched_input_matches_plain():
+    for batch_first in (True, False):
+        model = _encoder(batch_first=batch_first)
+        plain = copy.deepcopy(model)
+        x = _input()[0]
+        memopt.wrap(model, policy="selective")
+        torch.testing.assert_close(model(x), plain(x), **F64_TOL)
+
+
+def test_padding_mask_and_other_masks_raise():
+    model = memopt.wrap(_encoder(), policy="selective")
+    x = _input()
+    padding = torch.zeros(BATCH, SEQ, dtype=torch.bool)
+    with pytest.raises(ValueError, match="src_key_padding_mask"):
+        model(x, src_key_padding_mask=padding)
+    with pytest.raises(ValueError, match="attn_mask must be causal"):
+        model(x, mask=torch.zeros(SEQ, SEQ, dtype=torch.bool).fill_diagonal_(True))
+    block = model.layers[0]
+    with pytest.raises(ValueError, match="not both"):
+        block(x, torch.zeros(SEQ, SEQ), src_mask=torch.zeros(SEQ, SEQ))
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_padding_mask_in_inference_fast_path_raises():
+    # An encoder built with nested tensors enabled converts src to a nested tensor in inference
+    # when given a padding mask, reading layers[0]'s attention and linear weights first.
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(D_MODEL, HEADS, FFN, dropout=0.0, batch_first=True, dtype=torch.float64)
+    model = memopt.wrap(nn.TransformerEncoder(layer, 2), policy="selective").eval()
+    padding = torch.zeros(BATCH, SEQ, dtype=torch.bool)
+    padding[0, -2:] = True
+    with torch.no_grad(), pytest.raises(ValueError, match="nested tensor.*src_key_padding_mask"):
+        model(_input(), src_key_padding_mask=padding)
+
+
+def test_selective_saves_fewer_bytes_than_plain():
+    model = _encoder(3)
+    x = _input()
+    exclude = list(model.parameters()) + [x]
+
+    def counted():
+        with memopt.SavedTensorCounter(exclude=exclude) as counter:
+            model(x)
+        return counter.total_bytes
+
+    plain_bytes = counted()
+    memopt.wrap(model, policy="selective")
+    wrapped_bytes = counted()
+    # Each block saves its selective set plus its input; the first input is x (excluded), the
+    # others are the previous block's outputs.
+    per_layer = saved_bytes_per_layer(
+        "selective", D_MODEL, HEADS, FFN, activation="relu", norm_first=False, dtype=torch.float64, batch=BATCH, seq=SEQ
+    )
+    assert wrapped_bytes == 3 * per_layer + 2 * BATCH * SEQ * D_MODEL * 8
+    assert wrapped_bytes < plain_bytes
+
+
+@pytest.mark.parametrize(
+    "make_model,reason",
+    [
+        (lambda: _encoder(dropout=0.1), "dropout > 0"),
+        (lambda: _encoder(d_model=48), "head_dim 12 unsupported"),
+        (lambda: _encoder().half(), "float16 unsupported by CPU attention"),
+    ],
+    ids=["dropout", "head_dim", "dtype"],
+)
+def test_unsupported_layers_fall_back_to_checkpointing(make_model, reason):
+    model = make_model()
+    plain = copy.deepcopy(model)
+    assert not memopt.FusedCheckpointBlock.supports(model.layers[0]), reason
+    x = _input(d_model=model.layers[0].self_attn.embed_dim).to(model.layers[0].linear1.weight.dtype)
+    torch.manual_seed(3)
+    expected = _step(plain, x, dict(plain.named_parameters()))
+    originals = list(model.layers)
+    memopt.wrap(model, policy="selective")
+    assert all(a is b for a, b in zip(model.layers, originals))
+    assert all(isinstance(getattr(layer, "_memopt_wrap_layer", None), wrap_module._LayerWrap) for layer in model.layers)
+    torch.manual_seed(3)
+    got = _step(model, x, dict(model.named_parameters()))
+    torch.testing.assert_close(got[0], expected[0], atol=0, rtol=0)
+    memopt.unwrap(model)
+    assert not any(hasattr(layer, "_memopt_wrap_layer") for layer in model.layers)
+
+
+def test_offload_policy_is_not_swapped():
+    layer = _encoder().layers[0]
+    assert wrap_module._swap_for_fused_block(layer, "offload") is None
+    assert isinstance(wrap_module._swap_for_fused_block(layer, "full"), memopt.FusedCheckpointBlock)
+
+
+def _layer(heads=HEADS, dropout=0.0, **kwargs):
+    return nn.TransformerEncoderLayer(D_MODEL, heads, FFN, dropout=dropout, **kwargs)
+
+
+class _CustomLayer(nn.TransformerEncoderLayer):
+    def forward(self, src, *args, **kwargs):
+        return super().forward(src, *args, **kwargs) * 2
+
+
+def test_supports_accepts_what_the_block_reproduces_and_rejects_the_rest():
+    supports = memopt.FusedCheckpointBlock.supports
+    assert supports(_layer())
+    assert supports(_layer(activation=nn.GELU(), norm_first=True, batch_first=True))
+    assert supports(_layer(bias=False))
+    hooked = _layer()
+    hooked.register_forward_hook(lambda *args: None)
+    odd_eps = _layer()
+    odd_eps.norm2.eps = 1e-6
+    fp_mixed = _layer()
+    fp_mixed.linear2.double()
+    attention_dropout_only = _layer()
+    attention_dropout_only.self_attn.dropout = 0.1
+    rejected = {
+        "dropout": _layer(dropout=0.1),
+        "attention dropout": attention_dropout_only,
+        "silu": _layer(activation=nn.SiLU()),
+        "head_dim 8": _layer(heads=8),
+        "hook": hooked,
+        "subclass forward": _CustomLayer(D_MODEL, HEADS, FFN, dropout=0.0),
+        "eps": odd_eps,
+        "dtypes": fp_mixed,
+        "not a layer": nn.Linear(4, 4),
+    }
+    for name, layer in rejected.items():
+        assert not supports(layer), name
+
+
+def test_from_torch_copies_unless_sharing():
+    layer = _layer(norm_first=True).double()
+    copied = memopt.FusedCheckpointBlock.from_torch(layer, policy="full")
+    shared = memopt.FusedCheckpointBlock.from_torch(layer, policy="full", share_parameters=True)
+    assert copied.qkv.weight is not layer.self_attn.in_proj_weight
+    assert shared.qkv.weight is layer.self_attn.in_proj_weight
+    assert all(p.device.type == "cpu" for p in shared.parameters())
+    x = torch.randn(SEQ, BATCH, D_MODEL, dtype=torch.float64)
+    torch.testing.assert_close(copied(x), layer(x), **F64_TOL)
+    torch.testing.assert_close(shared(x), layer(x), **F64_TOL)
+
+
+def test_encoder_reads_from_the_block():
+    block = memopt.FusedCheckpointBlock.from_torch(_layer(batch_first=True), share_parameters=True)
+    attn = block.self_attn
+    assert attn.batch_first and attn._qkv_same_embed_dim and attn.num_heads == HEADS and attn.embed_dim == D_MODEL
+    assert attn.in_proj_weight is block.qkv.weight and attn.out_proj is block.out_proj
+    assert block.linear1 is block.fc1 and block.linear2 is block.fc2 and block.activation_relu_or_gelu
+    # The views register nothing: the block's parameters are its twelve own.
+    assert len(dict(block.named_parameters())) == 12
+
+
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_swapped_encoder_compiles_fullgraph(policy, compile_cache):
+    model = _encoder(norm_first=True)
+    plain = copy.deepcopy(model)
+    x = _input()
+    expected = _step(plain, x, dict(plain.named_parameters()))
+    original_params = dict(model.named_parameters())
+    memopt.wrap(model, policy=policy)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    _assert_same_step(_step(compiled, x, original_params), expected)
+
+
+def test_plan_predicts_the_swapped_blocks_bytes():
+    model = _encoder(3)
+    x = _input()
+    exclude = list(model.parameters())
+    measured = {}
+    for policy in ("none", "selective", "full"):
+        memopt.wrap(model, policy=policy)
+        assert all(type(layer) is memopt.FusedCheckpointBlock for layer in model.layers)
+        with memopt.SavedTensorCounter(exclude=exclude) as counter:
+            model(x.clone().requires_grad_())
+        measured[policy] = counter.total_bytes
+        memopt.unwrap(model)
+    plan = memopt.plan(model, (x.clone().requires_grad_(),), budget_bytes=10**9)
+    for policy in ("none", "selective", "full"):
+        plan.policies = [policy] * 3
+        assert plan.predicted_bytes == measured[policy], policy
+    assert measured["full"] < measured["selective"] < measured["none"]
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_eval_inference_matches_plain(batch_first):
+    # In eval mode without grad torch's layer takes its fused fast path; the block must agree.
+    model = _encoder(batch_first=batch_first).eval()
+    plain = copy.deepcopy(model)
+    x = _input(batch_first)
+    memopt.wrap(model, policy="selective")
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), plain(x), **F64_TOL)

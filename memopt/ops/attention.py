@@ -24,7 +24,8 @@ import math
 import torch
 
 from memopt.ops import attention_triton
-from memopt.ops._philox import dropout_keep_mask, philox4x32_10
+from memopt.ops.philox_mask import philox_keep_mask
+from memopt.ops._philox import dropout_keep_mask
 from memopt.ops._rng import new_rng_key
 
 SUPPORTED_HEAD_DIMS = attention_triton.SUPPORTED_HEAD_DIMS
@@ -124,16 +125,14 @@ def _check_inputs(q, k, v, dropout_p, rng_key) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def _keep_mask_chunk(shape_bhqk, n0: int, n1: int, dropout_p: float, seed: int, offset: int) -> torch.Tensor:
+def _keep_mask_chunk(shape_bhqk, n0: int, n1: int, dropout_p: float, rng_key: torch.Tensor) -> torch.Tensor:
     """Keep-mask of columns ``n0:n1`` of the (B, H, Sq, Sk) probabilities (module docstring of
-    attention_triton: word ``idx % 4`` of Philox at counter ``offset + idx // 4``)."""
+    attention_triton: word ``idx % 4`` of Philox at counter ``offset + idx // 4``), drawn by the
+    C++ kernel of ``memopt::philox_keep_mask`` for the chunk's flat indices."""
     batch, heads, seq_q, seq_k = shape_bhqk
-    rows = torch.arange(batch * heads * seq_q, dtype=torch.int64).view(batch, heads, seq_q, 1)
-    index = rows * seq_k + torch.arange(n0, n1, dtype=torch.int64)
-    words = philox4x32_10(offset + index // 4, seed).gather(-1, (index % 4).unsqueeze(-1)).squeeze(-1)
-    scaled = dropout_p * 4294967296.0
-    threshold = 0xFFFFFFFF if scaled >= 4294967295.0 else int(scaled)
-    return words >= threshold
+    rows = torch.arange(0, batch * heads * seq_q * seq_k, seq_k, dtype=torch.int64).view(batch, heads, seq_q, 1)
+    index = rows + torch.arange(n0, n1, dtype=torch.int64)
+    return philox_keep_mask(index, dropout_p, rng_key)
 
 
 def _causal_visible(seq_q: int, n0: int, n1: int, device) -> torch.Tensor:
@@ -149,7 +148,6 @@ def _attention_fwd_native(q, k, v, causal, dropout_p, scale, rng_key):
     batch, heads, seq_q, head_dim = q.shape
     seq_k = k.shape[2]
     group = heads // k.shape[1]
-    seed, offset = (int(x) for x in rng_key.tolist())
     row_max = torch.full((batch, heads, seq_q, 1), -math.inf, dtype=q.dtype)
     row_sum = torch.zeros((batch, heads, seq_q, 1), dtype=q.dtype)
     acc = torch.zeros((batch, heads, seq_q, head_dim), dtype=q.dtype)
@@ -167,7 +165,7 @@ def _attention_fwd_native(q, k, v, causal, dropout_p, scale, rng_key):
         probs = torch.exp(scores - new_max)
         row_sum = row_sum * alpha + probs.sum(-1, keepdim=True)
         if dropout_p > 0.0:
-            keep = _keep_mask_chunk((batch, heads, seq_q, seq_k), n0, n1, dropout_p, seed, offset)
+            keep = _keep_mask_chunk((batch, heads, seq_q, seq_k), n0, n1, dropout_p, rng_key)
             probs = torch.where(keep, probs / (1.0 - dropout_p), torch.zeros_like(probs))
         acc = acc * alpha + torch.matmul(probs, v_chunk)
         row_max = new_max
@@ -181,7 +179,6 @@ def _attention_bwd_native(grad_out, q, k, v, out, lse, causal, dropout_p, scale,
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     group = heads // kv_heads
-    seed, offset = (int(x) for x in rng_key.tolist())
     grad_out = grad_out.to(q.dtype)
     delta = (grad_out * out).sum(-1, keepdim=True)
     lse = lse.to(q.dtype).unsqueeze(-1)
@@ -197,7 +194,7 @@ def _attention_bwd_native(grad_out, q, k, v, out, lse, causal, dropout_p, scale,
             probs = probs.masked_fill(~_causal_visible(seq_q, n0, n1, q.device), 0.0)
         grad_probs = torch.matmul(grad_out, v_chunk.transpose(-1, -2))
         if dropout_p > 0.0:
-            keep = _keep_mask_chunk((batch, heads, seq_q, seq_k), n0, n1, dropout_p, seed, offset)
+            keep = _keep_mask_chunk((batch, heads, seq_q, seq_k), n0, n1, dropout_p, rng_key)
             dropped = torch.where(keep, probs / (1.0 - dropout_p), torch.zeros_like(probs))
             grad_probs = torch.where(keep, grad_probs / (1.0 - dropout_p), torch.zeros_like(grad_probs))
         else:

@@ -512,3 +512,30 @@ def test_cuda_runs_on_the_current_stream_and_device():
     torch.cuda.current_stream().wait_stream(stream)
     for a, b in zip(got, expected):
         assert torch.equal(a, b)
+
+
+# A GPU run once died in the host process (SIGSEGV) inside layer_norm_bwd when handed the
+# stride-0 gradient that `y.sum().backward()` produces; the CPU kernels raise the contiguity error.
+# The call runs in a child process so that a crash fails this test instead of the whole session.
+_STRIDE0_GRAD_SCRIPT = """
+import torch, memopt
+x = torch.randn(64, 128, device="cuda", dtype=torch.bfloat16)
+w = torch.ones(128, device="cuda", dtype=torch.bfloat16)
+b = torch.zeros(128, device="cuda", dtype=torch.bfloat16)
+y, _, mean, rstd = torch.ops.memopt.layer_norm_fwd(x, None, w, b, 1e-5)
+grad = torch.ones((), device="cuda", dtype=torch.bfloat16).expand_as(y)
+try:
+    torch.ops.memopt.layer_norm_bwd(grad, x, w, b, mean, rstd, None, True)
+except RuntimeError as err:
+    print("raised:", err)
+"""
+
+
+@gpu
+def test_cuda_norm_bwd_rejects_stride0_gradient_without_crashing():
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", _STRIDE0_GRAD_SCRIPT], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"child process died ({proc.returncode}): {proc.stderr[-2000:]}"
+    assert "grad_y must be contiguous" in proc.stdout, proc.stdout + proc.stderr[-2000:]

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import memopt
+from bench.wrap import hf_checkpointing
 
 transformers = pytest.importorskip("transformers")
 
@@ -142,19 +143,6 @@ def test_bert_encoder_layers_found_and_match():
         torch.testing.assert_close(grads[key], ref_grads[key], msg=lambda m: f"{key}: {m}")
 
 
-def _hf_checkpointing(model, enable):
-    """Hugging Face's own activation checkpointing (renamed in transformers 5.x)."""
-    if hasattr(model, "activation_checkpointing_enable"):
-        if enable:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            model.activation_checkpointing_disable()
-    elif enable:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    else:
-        model.gradient_checkpointing_disable()
-
-
 @pytest.mark.parametrize("name", ["llama-sdpa", "llama-eager", "gpt2-eager"])
 def test_saved_bytes_against_hf_gradient_checkpointing(name):
     torch.manual_seed(0)
@@ -164,9 +152,9 @@ def test_saved_bytes_against_hf_gradient_checkpointing(name):
         memopt.wrap(model, policy=policy)
         counted[policy] = _counted_bytes(model)
         memopt.unwrap(model)
-    _hf_checkpointing(model, enable=True)
+    hf_checkpointing(model, enable=True)
     hf_full = _counted_bytes(model)
-    _hf_checkpointing(model, enable=False)
+    hf_checkpointing(model, enable=False)
     assert counted["full"] <= hf_full
     assert hf_full < counted["selective"] < counted["none"]
 
@@ -184,7 +172,7 @@ def test_wrap_turns_off_and_unwrap_restores_use_cache():
 
 def test_wrap_refuses_model_with_hf_checkpointing_on():
     model = _llama("sdpa")
-    _hf_checkpointing(model, enable=True)
+    hf_checkpointing(model, enable=True)
     with pytest.raises(RuntimeError, match="gradient checkpointing on"):
         memopt.wrap(model)
 

@@ -14,6 +14,7 @@ read, edited and passed to ``wrap(model, plan=plan)``.
 
 from __future__ import annotations
 
+import copy
 import time
 import types
 from collections import Counter
@@ -22,9 +23,8 @@ from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from memopt.checkpoint import POLICIES, SELECTIVE_SAVED_OPS, checkpoint, offload_available
+from memopt.checkpoint import POLICIES, checkpoint, offload_available
 from memopt.saved import SavedTensorCounter, _storage_key
 
 WRAP_POLICIES = POLICIES + ("offload",)
@@ -175,6 +175,13 @@ class _LayerWrap:
     policy: str
     # The instance-level forward the layer had before wrap, or None for its class's forward.
     previous_forward: Callable | None
+    # For "offload": True (memopt.checkpoint's shared engine) or the memopt.Offload to use.
+    offload: Any = True
+
+    def __deepcopy__(self, memo):
+        # A deep copy of the model shares the offload engine (one host pool per process); the
+        # copied forward is rebound by deepcopy itself.
+        return _LayerWrap(self.name, self.policy, copy.deepcopy(self.previous_forward, memo), self.offload)
 
 
 def _checkpointed_forward(self: nn.Module, *args, **kwargs):
@@ -187,7 +194,7 @@ def _checkpointed_forward(self: nn.Module, *args, **kwargs):
             "recompute would append to the cache twice. Train with use_cache=False"
         )
     original = info.previous_forward or type(self).forward.__get__(self)
-    policy, offload = ("none", True) if info.policy == "offload" else (info.policy, False)
+    policy, offload = ("none", info.offload) if info.policy == "offload" else (info.policy, False)
     return checkpoint(original, *args, policy=policy, offload=offload, **kwargs)
 
 
@@ -199,6 +206,7 @@ def wrap(
     budget_bytes: int | None = None,
     example_inputs: Any = None,
     plan: "Plan | None" = None,
+    offload: Any = None,
 ) -> nn.Module:
     """Checkpoint every repeated layer of ``model`` with a memopt policy, in place.
 
@@ -219,6 +227,9 @@ def wrap(
         example_inputs: a tuple of positional arguments (or a dict of keyword arguments) for
             ``model`` that :func:`plan` measures with.
         plan: a :class:`Plan` (from :func:`plan`, possibly edited) to apply.
+        offload: the ``memopt.Offload`` that ``"offload"`` layers send their saved tensors
+            through (and that :func:`plan` measures with when ``budget_bytes`` is given); None
+            uses the one ``memopt.checkpoint(..., offload=True)`` shares between all calls.
 
     An ``nn.TransformerEncoderLayer`` under ``"none"``, ``"selective"`` or ``"full"`` is
     replaced by a ``memopt.FusedCheckpointBlock`` with that policy, sharing its parameters, when
@@ -251,7 +262,7 @@ def wrap(
     if budget_bytes is not None:
         if example_inputs is None:
             raise ValueError("memopt.wrap: budget_bytes needs example_inputs to measure the layers with")
-        plan = _plan(model, example_inputs, budget_bytes, layers=layers)
+        plan = _plan(model, example_inputs, budget_bytes, layers=layers, offload=offload)
     found = find_layers(model, layers)
     names = [name for name, _ in found]
     if plan is not None:
@@ -261,8 +272,11 @@ def wrap(
             raise ValueError(
                 f"memopt.wrap: plan is for layers {plan.layer_names}, but this model's layers are {names}"
             )
+        plan.check()
         policy = list(plan.policies)
     policies = _per_layer_policies(names, policy)
+    if offload is not None:
+        _check_offload(offload, "memopt.wrap")
 
     state = _WrapState()
     for (name, layer), layer_policy in zip(found, policies):
@@ -279,7 +293,8 @@ def wrap(
             continue
         if layer_policy == "none":
             continue
-        object.__setattr__(layer, _LAYER_ATTR, _LayerWrap(name, layer_policy, layer.__dict__.get("forward")))
+        layer_wrap = _LayerWrap(name, layer_policy, layer.__dict__.get("forward"), True if offload is None else offload)
+        object.__setattr__(layer, _LAYER_ATTR, layer_wrap)
         layer.forward = types.MethodType(_checkpointed_forward, layer)
         state.wrapped.append(layer)
 
@@ -334,15 +349,21 @@ class Plan:
     Attributes:
         layer_names: qualified names of the layers, in forward order.
         policies: the chosen policy per layer.
-        layer_bytes: per layer, bytes saved for backward under each measured policy (counted like
-            :func:`memopt.saved_bytes`: parameters, buffers and inputs that need no gradient left out).
-        layer_seconds: per layer, recompute seconds per step each policy adds (0 for ``"none"``).
+        layer_bytes: per layer, bytes saved for backward that stay on the layer's device under
+            each measured policy (counted like :func:`memopt.saved_bytes`: parameters, buffers
+            and inputs that need no gradient left out; under ``"offload"``, what the offload
+            engine leaves on the device: tensors under its ``min_bytes`` and storages a small
+            view keeps alive).
+        layer_seconds: per layer, seconds each policy adds to the layer's forward + backward
+            over ``"none"`` (measured, never below 0).
         other_bytes: bytes the rest of the model (embeddings, head, loss) saves.
         shared_bytes: bytes of the layers' inputs that need no gradient and are shared between
             layers (attention masks, rotary tables, position ids). Whether they are saved depends
             on the policies, so the prediction counts them once, always: ``predicted_bytes`` is
             an upper bound that is exact up to ``shared_bytes``.
         budget_bytes: the budget the plan was made for, or None.
+        layer_host_bytes: per layer, bytes each policy keeps in host memory (only ``"offload"``
+            keeps any).
     """
 
     layer_names: list[str]
@@ -352,49 +373,74 @@ class Plan:
     other_bytes: int
     shared_bytes: int = 0
     budget_bytes: int | None = None
+    layer_host_bytes: list[dict[str, int]] = field(default_factory=list)
+
+    def check(self) -> None:
+        """Raise ``ValueError`` unless every layer's policy is one the plan measured."""
+        if len(self.policies) != len(self.layer_names):
+            raise ValueError(
+                f"memopt.Plan: {len(self.policies)} policies for {len(self.layer_names)} layers {self.layer_names}"
+            )
+        for name, policy, measured in zip(self.layer_names, self.policies, self.layer_bytes):
+            if policy not in measured:
+                raise ValueError(
+                    f"memopt.Plan: policy {policy!r} of layer {name!r} was not measured; "
+                    f"the plan measured {sorted(measured)} (pass policies= to memopt.plan)"
+                )
 
     @property
     def predicted_bytes(self) -> int:
-        """Bytes the whole model saves for backward under ``policies``."""
+        """Bytes the whole model saves for backward on its device under ``policies``."""
+        self.check()
         return self.other_bytes + self.shared_bytes + sum(b[p] for b, p in zip(self.layer_bytes, self.policies))
 
     @property
+    def predicted_host_bytes(self) -> int:
+        """Bytes ``"offload"`` layers keep in host memory under ``policies``."""
+        self.check()
+        return sum(h.get(p, 0) for h, p in zip(self.layer_host_bytes, self.policies))
+
+    @property
     def predicted_extra_seconds(self) -> float:
-        """Recompute time ``policies`` add to one training step."""
+        """Time ``policies`` add to one training step (forward + backward) over no checkpointing."""
+        self.check()
         return sum(s[p] for s, p in zip(self.layer_seconds, self.policies))
 
     def __str__(self) -> str:
-        rows = [f"{'layer':<32} {'policy':<10} {'saved MiB':>10} {'extra ms':>9}"]
-        for name, p, b, s in zip(self.layer_names, self.policies, self.layer_bytes, self.layer_seconds):
-            rows.append(f"{name:<32} {p:<10} {b[p] / 2**20:>10.2f} {s[p] * 1e3:>9.2f}")
+        host = [h.get(p, 0) for h, p in zip(self.layer_host_bytes, self.policies)] or [0] * len(self.policies)
+        rows = [f"{'layer':<32} {'policy':<10} {'saved MiB':>10} {'host MiB':>9} {'extra ms':>9}"]
+        for name, p, b, h, s in zip(self.layer_names, self.policies, self.layer_bytes, host, self.layer_seconds):
+            rows.append(f"{name:<32} {p:<10} {b[p] / 2**20:>10.2f} {h / 2**20:>9.2f} {s[p] * 1e3:>9.2f}")
         budget = "none" if self.budget_bytes is None else f"{self.budget_bytes / 2**20:.2f} MiB"
         rows.append(
-            f"predicted {self.predicted_bytes / 2**20:.2f} MiB saved (other {self.other_bytes / 2**20:.2f} MiB, "
-            f"shared inputs {self.shared_bytes / 2**20:.2f} MiB), "
+            f"predicted {self.predicted_bytes / 2**20:.2f} MiB saved on the device (other "
+            f"{self.other_bytes / 2**20:.2f} MiB, shared inputs {self.shared_bytes / 2**20:.2f} MiB), "
+            f"{self.predicted_host_bytes / 2**20:.2f} MiB on the host, "
             f"+{self.predicted_extra_seconds * 1e3:.2f} ms per step, budget {budget}"
         )
         return "\n".join(rows)
 
 
-class _OpTimer(TorchDispatchMode):
-    """Times every op of a forward, splitting off the ops that ``"selective"`` saves."""
+class _PlacementCounter(SavedTensorCounter):
+    """Counts saved storages split by where ``off`` would keep them: device or host."""
 
-    def __init__(self, synchronize: Callable[[], None]):
-        super().__init__()
-        self._synchronize = synchronize
-        self.total = 0.0
-        self.saved_ops = 0.0
+    def __init__(self, exclude: list[torch.Tensor], off):
+        super().__init__(exclude=exclude)
+        self._off = off
+        self._host_storages: dict[tuple[int, str], int] = {}
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self._synchronize()
-        start = time.perf_counter()
-        out = func(*args, **(kwargs or {}))
-        self._synchronize()
-        elapsed = time.perf_counter() - start
-        self.total += elapsed
-        if func in SELECTIVE_SAVED_OPS:
-            self.saved_ops += elapsed
-        return out
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in self._excluded:
+            self.num_tensors += 1
+            placement = self._host_storages if self._off._should_offload(t) else self._storages
+            placement[key] = t.untyped_storage().nbytes()
+        return t
+
+    @property
+    def host_bytes(self) -> int:
+        # A storage one saved view keeps on the device stays there whatever happens to the others.
+        return sum(n for key, n in self._host_storages.items() if key not in self._storages)
 
 
 def _fresh_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor]]:
@@ -433,35 +479,99 @@ def _call(model: nn.Module, example_inputs: Any):
     return model(example_inputs)
 
 
-def _measured_saved_bytes(fn: Callable, args: tuple, kwargs: dict, exclude: list[torch.Tensor]) -> int:
-    with SavedTensorCounter(exclude=exclude) as counter:
-        out = fn(*args, **kwargs)
-    del out
-    return counter.total_bytes
+def _layer_signature(layer: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """Layers with equal signatures (class, parameter shapes, input shapes) take equal time."""
+
+    def describe(x):
+        if isinstance(x, torch.Tensor):
+            return ("tensor", tuple(x.shape), x.dtype, str(x.device), x.requires_grad)
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        return ("object", type(x).__qualname__, id(x))
+
+    leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+    params = tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in layer.named_parameters())
+    return (type(layer), layer.training, params, str(spec), tuple(describe(leaf) for leaf in leaves))
+
+
+def _step_seconds(
+    fn: Callable, args: tuple, kwargs: dict, params: list[torch.Tensor], synchronize: Callable[[], None], repeats: int
+) -> float:
+    """Fastest of ``repeats`` forward + backward passes of ``fn`` (after one warm-up), gradients
+    taken with ``torch.autograd.grad`` so that no parameter's ``.grad`` changes."""
+
+    def once() -> float:
+        fresh_args, fresh_kwargs, _ = _fresh_inputs(args, kwargs)
+        wrt = params + [
+            t
+            for t in torch.utils._pytree.tree_leaves((fresh_args, fresh_kwargs))
+            if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        synchronize()
+        start = time.perf_counter()
+        out = fn(*fresh_args, **fresh_kwargs)
+        outputs = [t for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if outputs and wrt:
+            grad_outputs = [torch.ones_like(t) for t in outputs]
+            torch.autograd.grad(outputs, wrt, grad_outputs, allow_unused=True)
+        synchronize()
+        return time.perf_counter() - start
+
+    once()
+    # The fastest run: one slow run (a busy host, a lazy init) should not decide the plan.
+    return min(once() for _ in range(repeats))
+
+
+_FRONTIER_LIMIT = 4096
+# Tie-break between equal plans: stronger policies on earlier layers (their activations are
+# freed last in backward).
+_POLICY_STRENGTH = {"none": 0, "offload": 1, "selective": 2, "full": 3}
 
 
 def _choose(layer_bytes: list[dict[str, int]], layer_seconds: list[dict[str, float]], budget: int) -> list[str]:
-    """Greedy multiple-choice knapsack: start from ``"none"`` everywhere and, while over budget,
-    take the policy change with the most bytes saved per second of recompute added."""
-    chosen = ["none"] * len(layer_bytes)
-    total = sum(b["none"] for b in layer_bytes)
-    while total > budget:
-        best = None
-        for i, (b, s) in enumerate(zip(layer_bytes, layer_seconds)):
-            for option in b:
-                freed = b[chosen[i]] - b[option]
-                if freed <= 0:
-                    continue
-                cost = max(s[option] - s[chosen[i]], 1e-9)
-                # Ties (identical layers) go to the earliest layer, whose activations live longest.
-                if best is None or freed / cost > best[0]:
-                    best = (freed / cost, i, option, freed)
-        if best is None:
-            break
-        _, i, option, freed = best
-        chosen[i] = option
-        total -= freed
-    return chosen
+    """The per-layer policies with the least total seconds whose bytes fit ``budget``.
+
+    A multiple-choice knapsack solved by dynamic programming over the layers, keeping the Pareto
+    frontier of (bytes, seconds) partial plans: exact while the frontier holds at most
+    ``_FRONTIER_LIMIT`` plans; past that, plans are bucketed by bytes (the fastest per bucket
+    kept), which can cost at most one bucket's width of bytes of optimality. When nothing fits,
+    returns the plan with the fewest bytes.
+    """
+    frontier: list[tuple[int, float, tuple[str, ...]]] = [(0, 0.0, ())]
+    for b, s in zip(layer_bytes, layer_seconds):
+        extended = [(total + b[o], seconds + s[o], choice + (o,)) for total, seconds, choice in frontier for o in b]
+        within = [plan for plan in extended if plan[0] <= budget]
+        if not within:
+            # Nothing fits: keep only the least-bytes plan, so the caller can report by how much.
+            frontier = [min(extended, key=lambda plan: (plan[0], plan[1]))]
+            continue
+        within.sort(key=lambda plan: (plan[0], plan[1], tuple(-_POLICY_STRENGTH.get(o, 0) for o in plan[2])))
+        pareto = []
+        for plan in within:
+            if not pareto or plan[1] < pareto[-1][1]:
+                pareto.append(plan)
+        if len(pareto) > _FRONTIER_LIMIT:
+            width = (pareto[-1][0] - pareto[0][0]) / _FRONTIER_LIMIT + 1
+            buckets: dict[int, tuple[int, float, tuple[str, ...]]] = {}
+            for plan in pareto:
+                key = int((plan[0] - pareto[0][0]) // width)
+                if key not in buckets or plan[1] < buckets[key][1]:
+                    buckets[key] = plan
+            pareto = sorted(buckets.values())
+        frontier = pareto
+    fitting = [plan for plan in frontier if plan[0] <= budget]
+    if not fitting:
+        return list(min(frontier)[2])
+    best = min(fitting, key=lambda plan: (plan[1], tuple(-_POLICY_STRENGTH.get(o, 0) for o in plan[2])))
+    return list(best[2])
+
+
+def _check_offload(offload: Any, caller: str) -> None:
+    from memopt.checkpoint import _offload_module
+
+    offload_class = _offload_module().Offload
+    if not isinstance(offload, offload_class):
+        raise TypeError(f"{caller}: offload must be a memopt.Offload (memopt.offload(...)), got {type(offload).__name__}")
 
 
 def plan(
@@ -470,46 +580,77 @@ def plan(
     budget_bytes: int,
     *,
     layers: LayerSelector = None,
-    policies: Sequence[str] = POLICIES,
+    policies: Sequence[str] | None = None,
+    offload: Any = None,
+    repeats: int = 3,
 ) -> Plan:
     """Choose a checkpoint policy per layer so that saved activations fit ``budget_bytes``.
 
-    One forward of ``model`` on ``example_inputs`` captures each layer's inputs (layers run
-    under ``"full"`` meanwhile, so this needs little memory). Each layer is then measured on its
-    own: bytes it saves for backward under every policy in ``policies`` (counted as
-    :func:`memopt.saved_bytes` counts them; for a layer that ``wrap`` swaps for a
-    ``FusedCheckpointBlock``, the block's), and the time of its own forward split into the ops
-    ``"selective"`` saves (matmuls, attention) and the rest (fastest of three runs after a
-    warm-up). The
-    recompute cost of ``"full"`` is the whole forward time, of ``"selective"`` the time of the
-    ops it does not save. Bytes saved outside the layers (``other_bytes``) are the whole model's
-    count minus the layers'; layer inputs that need no gradient and are shared by the layers
-    (masks, rotary tables) are counted once on their own (``shared_bytes``). Policies are chosen by :func:`_choose`, a greedy multiple-choice
-    knapsack (most bytes freed per second of recompute first); for identical layers it is
-    optimal up to one layer. The RNG state is restored afterwards.
+    A profiling pass. One forward of ``model`` on ``example_inputs`` captures each layer's
+    inputs (layers run under ``"full"`` meanwhile, so this needs little memory). Each layer is
+    then measured on its own, on fresh copies of those inputs:
+
+    * bytes it saves for backward under every policy in ``policies``, counted as
+      :func:`memopt.saved_bytes` counts them (for a layer that ``wrap`` swaps for a
+      ``FusedCheckpointBlock``, the block's); under ``"offload"`` only what stays on the device;
+    * time: its forward + backward under each policy (the fastest of ``repeats`` after a
+      warm-up), minus the same under ``"none"``: recompute, checkpoint bookkeeping and, for
+      ``"offload"``, the copies to the host and back, measured rather than modelled. Layers
+      with the same signature (class, parameter shapes, input shapes and dtypes) are timed
+      once. A layer timed alone cannot overlap its offload copies with other layers' compute,
+      so ``"offload"``'s time is an upper bound.
+
+    Bytes saved outside the layers (``other_bytes``) are the whole model's count minus the
+    layers'; layer inputs that need no gradient and are shared by the layers (masks, rotary
+    tables) are counted once on their own (``shared_bytes``). Policies are chosen by
+    :func:`_choose`, a multiple-choice knapsack solved exactly (dynamic programming over a Pareto
+    frontier of partial plans) for the least predicted time within the budget. Parameters'
+    ``.grad`` and the RNG state are left as they were.
 
     Args:
-        model: the (unwrapped) model.
+        model: the (unwrapped) model, on the device and in the dtype it will train in.
         example_inputs: a tuple of positional arguments, a dict of keyword arguments, or one
             tensor for ``model``; use the batch shape you will train with (bytes scale with it).
-        budget_bytes: bytes the whole model may save for backward.
+        budget_bytes: bytes the whole model may save for backward on its device.
         layers: which submodules are layers (see :func:`find_layers`).
-        policies: the policies to choose among.
+        policies: the policies to choose among, ``"none"`` included. Default: ``"none"``,
+            ``"selective"``, ``"full"``, and ``"offload"`` when the model is on a CUDA device
+            or ``offload`` is given (offload moves nothing off a CPU otherwise).
+        offload: the ``memopt.Offload`` to measure ``"offload"`` with; pass the same one to
+            ``wrap(model, plan=plan, offload=...)``. Default: the one
+            ``memopt.checkpoint(..., offload=True)`` shares.
+        repeats: timed forward + backward passes per layer signature and policy.
 
     Returns:
         a :class:`Plan`. Raises ``ValueError`` when even the cheapest choice exceeds the budget.
     """
-    if not isinstance(budget_bytes, int) or budget_bytes < 0:
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
         raise ValueError(f"memopt.plan: budget_bytes must be a non-negative int, got {budget_bytes!r}")
-    unknown = [p for p in policies if p not in POLICIES]
-    if unknown or "none" not in policies:
-        raise ValueError(f"memopt.plan: policies must include 'none' and be among {POLICIES}, got {list(policies)}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"memopt.plan: repeats must be a positive int, got {repeats!r}")
     if getattr(model, _STATE_ATTR, None) is not None:
         raise RuntimeError("memopt.plan: model is wrapped; call memopt.unwrap(model) first")
     found = find_layers(model, layers)
     names = [name for name, _ in found]
     param_like = list(model.parameters()) + list(model.buffers())
     device = next(iter(param_like), torch.empty(0)).device
+    if offload is not None:
+        _check_offload(offload, "memopt.plan")
+    if policies is None:
+        with_offload = offload_available() and (device.type == "cuda" or offload is not None)
+        policies = POLICIES + (("offload",) if with_offload else ())
+    unknown = [p for p in policies if p not in WRAP_POLICIES]
+    if unknown or "none" not in policies:
+        raise ValueError(
+            f"memopt.plan: policies must include 'none' and be among {WRAP_POLICIES}, got {list(policies)}"
+        )
+    policies = tuple(dict.fromkeys(policies))
+    if "offload" in policies:
+        if not offload_available():
+            raise NotImplementedError("memopt.plan: policy 'offload' needs memopt.offload, which this installation lacks")
+        from memopt.checkpoint import _offload_context
+
+        off = _offload_context(True if offload is None else offload)
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
@@ -539,38 +680,54 @@ def plan(
         # The shared layer inputs are accounted separately (Plan.shared_bytes).
         bytes_with_full_layers = sum(n for key, n in counter._storages.items() if key not in shared_keys)
 
-        layer_bytes, layer_seconds, full_layer_bytes = [], [], []
+        layer_bytes, layer_host_bytes, layer_seconds, full_layer_bytes = [], [], [], []
+        timed: dict[tuple, dict[str, float]] = {}
         for name, layer in found:
             args, kwargs = captured[name]
-            def measure(fn):
-                fresh_args, fresh_kwargs, no_grad_inputs = _fresh_inputs(args, kwargs)
-                return _measured_saved_bytes(fn, fresh_args, fresh_kwargs, param_like + no_grad_inputs)
 
-            def checkpointed(policy):
+            def run_under(policy):
+                # What wrap will run: the fused block it swaps in (sharing the layer's
+                # parameters), else the layer checkpointed; "offload" is the layer's own forward
+                # with its saved tensors sent to the host.
+                if policy == "offload":
+                    return lambda *a, **k: checkpoint(layer, *a, policy="none", offload=off, **k)
+                block = _swap_for_fused_block(layer, policy)
+                if block is not None:
+                    return block
                 return lambda *a, **k: checkpoint(layer, *a, policy=policy, **k)
 
-            # What wrap will run: the fused block it swaps in (sharing the layer's parameters),
-            # else the layer checkpointed. The whole-model pass above checkpointed the layer
-            # under "full", so other_bytes subtracts that measurement.
-            full_layer_bytes.append(measure(checkpointed("full")))
-            layer_bytes.append({p: measure(_swap_for_fused_block(layer, p) or checkpointed(p)) for p in policies})
-            with torch.no_grad():
-                layer(*args, **kwargs)
-                # The fastest of three runs: one slow run (a busy host, a lazy init) should not
-                # decide the plan.
-                timers = [_OpTimer(synchronize) for _ in range(3)]
-                for timer in timers:
-                    with timer:
-                        layer(*args, **kwargs)
-            timer = min(timers, key=lambda t: t.total)
-            recompute = {"none": 0.0, "selective": timer.total - timer.saved_ops, "full": timer.total}
-            layer_seconds.append({p: recompute[p] for p in policies})
+            def count(fn, counter_class=SavedTensorCounter, *extra):
+                fresh_args, fresh_kwargs, no_grad_inputs = _fresh_inputs(args, kwargs)
+                with counter_class(param_like + no_grad_inputs, *extra) as layer_counter:
+                    out = fn(*fresh_args, **fresh_kwargs)
+                del out
+                return layer_counter
+
+            # The whole-model pass above checkpointed the layer under "full": other_bytes
+            # subtracts that measurement.
+            full_layer_bytes.append(count(run_under("full")).total_bytes)
+            measured = {p: count(run_under(p)).total_bytes for p in policies if p != "offload"}
+            host = {p: 0 for p in measured}
+            if "offload" in policies:
+                # Offload's hooks hide what they take from an enclosing counter: classify the
+                # tensors the plain layer saves the way the engine will.
+                placement = count(layer, _PlacementCounter, off)
+                measured["offload"], host["offload"] = placement.total_bytes, placement.host_bytes
+            layer_bytes.append(measured)
+            layer_host_bytes.append(host)
+
+            signature = _layer_signature(layer, args, kwargs)
+            if signature not in timed:
+                params = [p for p in layer.parameters() if p.requires_grad]
+                seconds = {p: _step_seconds(run_under(p), args, kwargs, params, synchronize, repeats) for p in policies}
+                timed[signature] = {p: max(seconds[p] - seconds["none"], 0.0) for p in policies}
+            layer_seconds.append(dict(timed[signature]))
 
         other_bytes = bytes_with_full_layers - sum(full_layer_bytes)
 
     shared_bytes = sum({_storage_key(t): t.untyped_storage().nbytes() for t in shared}.values())
     chosen = _choose(layer_bytes, layer_seconds, budget_bytes - other_bytes - shared_bytes)
-    result = Plan(names, chosen, layer_bytes, layer_seconds, other_bytes, shared_bytes, budget_bytes)
+    result = Plan(names, chosen, layer_bytes, layer_seconds, other_bytes, shared_bytes, budget_bytes, layer_host_bytes)
     if result.predicted_bytes > budget_bytes:
         raise ValueError(
             f"memopt.plan: budget_bytes={budget_bytes} is below the least this model can save with "

@@ -320,6 +320,9 @@ class FusedCheckpointBlock(_TransformerBlockBase):
         (pass one of them), ``src_key_padding_mask`` must be None. An unbatched ``(S, d_model)``
         input is taken as a batch of one, as the torch layer does.
         """
+        fallback = self.__dict__.get("_torch_fallback")
+        if fallback is not None and self._compute_dtype(x) not in _attention_ops.supported_dtypes(x.device):
+            return _run_torch_fallback(fallback, self.policy, x, attn_mask, is_causal, src_mask, src_key_padding_mask)
         attn_mask = _torch_layer_mask(attn_mask, src_mask, src_key_padding_mask, x)
         if x.dim() == 2:
             return self.forward(x.unsqueeze(1 - int(self.batch_first)), attn_mask, is_causal=is_causal).squeeze(
@@ -329,10 +332,7 @@ class FusedCheckpointBlock(_TransformerBlockBase):
         batch, seq, _ = x_bf.shape
         causal = self._resolve_causal(attn_mask, is_causal, seq)
         _extension.require_cuda_kernels("FusedCheckpointBlock", x)
-        residual_dtype = x_bf.dtype
-        compute_dtype = residual_dtype
-        if torch.is_autocast_enabled(x.device.type):
-            compute_dtype = torch.get_autocast_dtype(x.device.type)
+        compute_dtype = self._compute_dtype(x)
         drop = self.dropout if self.training else 0.0
         spec = BlockSpec(
             policy="selective" if self.policy == "offload" else self.policy,
@@ -356,6 +356,13 @@ class FusedCheckpointBlock(_TransformerBlockBase):
         y = y.view(batch, seq, self.d_model)
         return y if self.batch_first else y.transpose(0, 1)
 
+    @staticmethod
+    def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+        # The matmuls and attention run in the autocast dtype under autocast, else in x's.
+        if torch.is_autocast_enabled(x.device.type):
+            return torch.get_autocast_dtype(x.device.type)
+        return x.dtype
+
     def to_eager(self) -> EagerTransformerBlock:
         """An :class:`EagerTransformerBlock` with this block's configuration and weights."""
         config = self.config()
@@ -369,8 +376,13 @@ class FusedCheckpointBlock(_TransformerBlockBase):
         return block.to_fused(policy).train(block.training)
 
     @classmethod
-    def supports(cls, layer: nn.Module) -> bool:
+    def supports(cls, layer: nn.Module, *, allow_autocast: bool = False) -> bool:
         """Whether :meth:`from_torch` reproduces ``layer`` exactly, in training and in eval mode.
+
+        With ``allow_autocast=True``, float32 layers on a device where attention runs only in a
+        half type (CUDA) are accepted too: the block then reproduces the layer under
+        ``torch.autocast`` only. ``memopt.wrap`` swaps such layers and lets the block run the
+        torch layer itself (checkpointed) for calls outside autocast.
 
         True for an ``nn.TransformerEncoderLayer`` (its own ``forward``, no hooks) with relu or
         gelu activation (function or module), either ``norm_first``, either ``batch_first``,
@@ -383,7 +395,7 @@ class FusedCheckpointBlock(_TransformerBlockBase):
         as they are instead. Not checked here, raised at call time instead: attention masks other
         than causal ones and ``src_key_padding_mask`` (see :meth:`forward`).
         """
-        return _unsupported_reason(layer) is None
+        return _unsupported_reason(layer, allow_autocast=allow_autocast) is None
 
     @classmethod
     def from_torch(
@@ -522,7 +534,7 @@ def _torch_layer_mask(attn_mask, src_mask, src_key_padding_mask, x: torch.Tensor
     return attn_mask
 
 
-def _unsupported_reason(layer: nn.Module) -> str | None:
+def _unsupported_reason(layer: nn.Module, allow_autocast: bool = False) -> str | None:
     """Why :meth:`FusedCheckpointBlock.from_torch` would not reproduce ``layer`` exactly, or None."""
     base = nn.TransformerEncoderLayer
     if not isinstance(layer, base):
@@ -560,10 +572,33 @@ def _unsupported_reason(layer: nn.Module) -> str | None:
     if len({(p.dtype, p.device) for p in params}) != 1:
         return "its parameters are not all of one dtype on one device"
     allowed = _attention_ops.supported_dtypes(params[0].device)
-    if params[0].dtype not in allowed:
+    runs_under_autocast = params[0].dtype == torch.float32 and bool(set(allowed) & {torch.float16, torch.bfloat16})
+    if params[0].dtype not in allowed and not (allow_autocast and runs_under_autocast):
         # fp32 layers on CUDA included: the block would need autocast to run at all.
         return f"its dtype {params[0].dtype} is not one attention takes on {params[0].device} {allowed}"
     return None
+
+
+def attach_torch_fallback(block: "FusedCheckpointBlock", layer: nn.TransformerEncoderLayer) -> None:
+    """Let ``block`` (made by ``from_torch(layer, share_parameters=True)``) run ``layer`` itself,
+    checkpointed under the block's policy, for calls whose compute dtype attention does not take
+    on the device (a float32 layer on CUDA outside ``torch.autocast``).
+
+    The layer is held outside the module tree (no second set of parameter names in the
+    state_dict); ``copy.deepcopy`` copies it with the block, sharing the copied parameters.
+    """
+    object.__setattr__(block, "_torch_fallback", layer)
+
+
+def _run_torch_fallback(layer, policy, x, attn_mask, is_causal, src_mask, src_key_padding_mask):
+    from memopt.checkpoint import checkpoint
+
+    if attn_mask is not None and src_mask is not None:
+        raise ValueError("FusedCheckpointBlock: pass attn_mask or src_mask, not both")
+    mask = src_mask if src_mask is not None else attn_mask
+    return checkpoint(
+        layer, x, policy=policy, src_mask=mask, src_key_padding_mask=src_key_padding_mask, is_causal=is_causal
+    )
 
 
 _DEFAULT_OFFLOADER: Offload | None = None

@@ -148,9 +148,11 @@ def _swap_for_fused_block(layer: nn.Module, policy: str) -> nn.Module | None:
     """An equivalent ``memopt.FusedCheckpointBlock`` for ``layer``, or None to checkpoint it as is.
 
     Used for ``nn.TransformerEncoderLayer`` when memopt has ``FusedCheckpointBlock`` and the
-    block reproduces the layer exactly (``FusedCheckpointBlock.supports(layer)``: relu/gelu,
-    head_dim the attention kernels take, all dropout 0, ...). The block shares the layer's
-    ``nn.Parameter`` objects, so training it trains the layer and ``unwrap`` can put the layer back.
+    block reproduces the layer exactly (``FusedCheckpointBlock.supports(layer, allow_autocast=True)``:
+    relu/gelu, head_dim the attention kernels take, all dropout 0, ...). The block shares the
+    layer's ``nn.Parameter`` objects, so training it trains the layer and ``unwrap`` can put the
+    layer back. A float32 layer on CUDA is swapped too: its block runs under ``torch.autocast``
+    and hands calls outside autocast to the layer itself, checkpointed with the same policy.
     """
     import memopt
 
@@ -158,9 +160,15 @@ def _swap_for_fused_block(layer: nn.Module, policy: str) -> nn.Module | None:
     if block_class is None or policy not in POLICIES or not isinstance(layer, nn.TransformerEncoderLayer):
         return None
     supports = getattr(block_class, "supports", None)
-    if supports is None or not supports(layer):
+    if supports is None or not supports(layer, allow_autocast=True):
         return None
-    return block_class.from_torch(layer, policy=policy, share_parameters=True)
+    block = block_class.from_torch(layer, policy=policy, share_parameters=True)
+    if not supports(layer):
+        # A float32 layer on CUDA: the block runs under autocast, the layer itself otherwise.
+        from memopt.block import attach_torch_fallback
+
+        attach_torch_fallback(block, layer)
+    return block
 
 
 # -- wrap / unwrap --------------------------------------------------------------------------

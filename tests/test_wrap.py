@@ -272,7 +272,7 @@ class _FakeFusedBlock(nn.Module):
         self.layer, self.policy = layer, policy
 
     @staticmethod
-    def supports(layer):
+    def supports(layer, allow_autocast=False):
         return layer.norm_first
 
     @classmethod

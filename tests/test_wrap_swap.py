@@ -13,6 +13,8 @@ import memopt
 from memopt.block import saved_bytes_per_layer
 from memopt.ops.attention import cpu_backend
 
+from helpers import gpu
+
 wrap_module = importlib.import_module("memopt.wrap")
 
 D_MODEL, HEADS, FFN, SEQ, BATCH = 64, 4, 128, 8, 2
@@ -337,3 +339,120 @@ def test_eval_inference_matches_plain(batch_first):
     memopt.wrap(model, policy="selective")
     with torch.no_grad():
         torch.testing.assert_close(model(x), plain(x), **F64_TOL)
+
+
+@pytest.fixture
+def attention_takes_half_types_only(monkeypatch):
+    """Make the block believe CPU attention takes only fp16/bf16, as CUDA's does, so the float32
+    layer path (swapped, block under autocast, torch layer otherwise) runs here."""
+    import types
+
+    import memopt.block as block_module
+
+    half_only = types.SimpleNamespace(supported_dtypes=lambda device: (torch.float16, torch.bfloat16))
+    monkeypatch.setattr(block_module, "_attention_ops", half_only)
+
+
+def _float32_encoder(norm_first=True):
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(D_MODEL, HEADS, FFN, dropout=0.0, batch_first=True, norm_first=norm_first)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+
+def _layer_params_by_plain_name(layers):
+    # The swapped blocks share these Parameter objects; the plain encoder's names find them.
+    return {f"layers.{i}.{name}": p for i, layer in enumerate(layers) for name, p in layer.named_parameters()}
+
+
+def test_float32_layer_is_swapped_only_for_autocast(attention_takes_half_types_only):
+    layer = _float32_encoder().layers[0]
+    assert not memopt.FusedCheckpointBlock.supports(layer)
+    assert memopt.FusedCheckpointBlock.supports(layer, allow_autocast=True)
+    # float16 weights are not an autocast case: the block would not reproduce them.
+    assert memopt.FusedCheckpointBlock.supports(layer.half(), allow_autocast=True)
+    assert not memopt.FusedCheckpointBlock.supports(_layer().double(), allow_autocast=True)
+
+
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_float32_swap_runs_the_torch_layer_outside_autocast(attention_takes_half_types_only, policy):
+    model = _float32_encoder()
+    plain = copy.deepcopy(model)
+    x = torch.randn(BATCH, SEQ, D_MODEL, generator=torch.Generator().manual_seed(1))
+    expected = _step(plain, x, dict(plain.named_parameters()))
+    originals = list(model.layers)
+    memopt.wrap(model, policy=policy)
+    assert all(isinstance(layer, memopt.FusedCheckpointBlock) for layer in model.layers)
+    # Outside autocast the block hands the call to the float32 torch layer, checkpointed:
+    # bit-identical to the plain model, and saving less than it.
+    got = _step(model, x, _layer_params_by_plain_name(originals))
+    torch.testing.assert_close(got[0], expected[0], atol=0, rtol=0)
+    torch.testing.assert_close(got[1], expected[1], atol=0, rtol=0)
+    for name in expected[2]:
+        torch.testing.assert_close(got[2][name], expected[2][name], atol=0, rtol=0)
+    exclude = list(model.parameters())
+    assert memopt.saved_bytes(model, x.clone().requires_grad_(), exclude=exclude) < memopt.saved_bytes(
+        plain, x.clone().requires_grad_(), exclude=list(plain.parameters())
+    )
+    memopt.unwrap(model)
+    assert all(a is b for a, b in zip(model.layers, originals))
+    assert set(model.state_dict()) == set(plain.state_dict())
+
+
+def test_float32_swap_runs_the_block_under_autocast(attention_takes_half_types_only):
+    model = _float32_encoder()
+    plain = copy.deepcopy(model)
+    x = torch.randn(BATCH, SEQ, D_MODEL, generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = _step(plain, x, dict(plain.named_parameters()))
+    originals = list(model.layers)
+    memopt.wrap(model, policy="selective")
+    calls = []
+    model.layers[0].register_forward_hook(lambda module, args, out: calls.append(type(module).__name__))
+    fallback = model.layers[0]._torch_fallback
+    fallback.register_forward_pre_hook(lambda module, args: calls.append("torch layer"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _step(model, x, _layer_params_by_plain_name(originals))
+    # The fused block ran, not the torch layer; results agree to bfloat16 rounding.
+    assert calls == ["FusedCheckpointBlock"]
+    tol = {"atol": 5e-2, "rtol": 5e-2}
+    torch.testing.assert_close(got[0], expected[0], **tol)
+    torch.testing.assert_close(got[1], expected[1], **tol)
+    for name in expected[2]:
+        torch.testing.assert_close(got[2][name], expected[2][name], **tol, msg=lambda m: f"{name}: {m}")
+
+
+def test_float32_swap_survives_deepcopy(attention_takes_half_types_only):
+    model = memopt.wrap(_float32_encoder(), policy="full")
+    twin = copy.deepcopy(model)
+    block, twin_block = model.layers[0], twin.layers[0]
+    # The copy's fallback layer shares the copy's parameters, not the original's.
+    assert twin_block._torch_fallback is not block._torch_fallback
+    assert twin_block._torch_fallback.linear1.weight is twin_block.fc1.weight
+    assert twin_block.fc1.weight is not block.fc1.weight
+    x = torch.randn(BATCH, SEQ, D_MODEL)
+    torch.testing.assert_close(twin(x), model(x), atol=0, rtol=0)
+
+
+@gpu
+def test_gpu_float32_encoder_swapped_runs_fused_under_autocast_and_torch_outside():
+    model = _float32_encoder().cuda()
+    plain = copy.deepcopy(model)
+    originals = list(model.layers)
+    x = torch.randn(BATCH, 128, D_MODEL, device="cuda")
+    expected_fp32 = _step(plain, x, dict(plain.named_parameters()))
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        expected_bf16 = _step(plain, x, dict(plain.named_parameters()))
+    memopt.wrap(model, policy="selective")
+    assert all(isinstance(layer, memopt.FusedCheckpointBlock) for layer in model.layers)
+    params = _layer_params_by_plain_name(originals)
+    got_fp32 = _step(model, x, params)
+    # The torch layer ran: the same forward ops, exactly; gradients to the tolerance of CUDA's
+    # attention backward, which may accumulate in another order.
+    torch.testing.assert_close(got_fp32[0], expected_fp32[0], atol=0, rtol=0)
+    torch.testing.assert_close(got_fp32[1], expected_fp32[1], atol=1e-5, rtol=1e-4)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got_bf16 = _step(model, x, params)
+    tol = {"atol": 5e-2, "rtol": 5e-2}
+    torch.testing.assert_close(got_bf16[0], expected_bf16[0], **tol)
+    for name in expected_bf16[2]:
+        torch.testing.assert_close(got_bf16[2][name], expected_bf16[2][name], **tol, msg=lambda m: f"{name}: {m}")

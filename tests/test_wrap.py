@@ -578,7 +578,7 @@ def test_plan_budget_holds_in_gpu_memory(fraction):
     forward, less the output itself, stays within it (offload included when the plan takes it)."""
     torch.manual_seed(0)
     layer = nn.TransformerEncoderLayer(256, 4, 1024, dropout=0.0, batch_first=True, norm_first=True, activation="gelu")
-    # float32 layers are not swapped for fused blocks on CUDA: the planner measures the torch layer.
+    # float32 on CUDA outside autocast: the swapped blocks run the torch layers, checkpointed.
     model = nn.TransformerEncoder(layer, 6, enable_nested_tensor=False).cuda()
     x = torch.randn(8, 256, 256, device="cuda", requires_grad=True)
     probe = memopt.plan(model, (x,), budget_bytes=2**40, repeats=1)

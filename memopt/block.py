@@ -320,9 +320,8 @@ class FusedCheckpointBlock(_TransformerBlockBase):
         (pass one of them), ``src_key_padding_mask`` must be None. An unbatched ``(S, d_model)``
         input is taken as a batch of one, as the torch layer does.
         """
-        fallback = self.__dict__.get("_torch_fallback")
-        if fallback is not None and self._compute_dtype(x) not in _attention_ops.supported_dtypes(x.device):
-            return _run_torch_fallback(fallback, self.policy, x, attn_mask, is_causal, src_mask, src_key_padding_mask)
+        if "_torch_fallback" in self.__dict__ and self._compute_dtype(x) not in _attention_ops.supported_dtypes(x.device):
+            return _run_torch_fallback(self, x, attn_mask, is_causal, src_mask, src_key_padding_mask)
         attn_mask = _torch_layer_mask(attn_mask, src_mask, src_key_padding_mask, x)
         if x.dim() == 2:
             return self.forward(x.unsqueeze(1 - int(self.batch_first)), attn_mask, is_causal=is_causal).squeeze(
@@ -580,24 +579,39 @@ def _unsupported_reason(layer: nn.Module, allow_autocast: bool = False) -> str |
 
 
 def attach_torch_fallback(block: "FusedCheckpointBlock", layer: nn.TransformerEncoderLayer) -> None:
-    """Let ``block`` (made by ``from_torch(layer, share_parameters=True)``) run ``layer`` itself,
-    checkpointed under the block's policy, for calls whose compute dtype attention does not take
-    on the device (a float32 layer on CUDA outside ``torch.autocast``).
+    """Let ``block`` (made by ``from_torch(layer, share_parameters=True)``) run ``layer``'s
+    forward, checkpointed under the block's policy, for calls whose compute dtype attention does
+    not take on the device (a float32 layer on CUDA outside ``torch.autocast``).
 
-    The layer is held outside the module tree (no second set of parameter names in the
-    state_dict); ``copy.deepcopy`` copies it with the block, sharing the copied parameters.
+    The layer runs on the block's *current* parameters (``torch.func.functional_call``): FSDP2
+    and other wrappers that replace a module's parameters replace the block's, and gradients
+    must reach those. The layer is held outside the module tree (no second set of names in the
+    state_dict); ``copy.deepcopy`` copies it with the block.
     """
+    layer_names = {id(p): name for name, p in layer.named_parameters()}
+    names = {}
+    for block_name, p in block.named_parameters():
+        if id(p) not in layer_names:
+            raise ValueError(f"attach_torch_fallback: block parameter {block_name!r} is not one of layer's")
+        names[block_name] = layer_names[id(p)]
     object.__setattr__(block, "_torch_fallback", layer)
+    object.__setattr__(block, "_torch_fallback_names", names)
 
 
-def _run_torch_fallback(layer, policy, x, attn_mask, is_causal, src_mask, src_key_padding_mask):
+def _run_torch_fallback(block, x, attn_mask, is_causal, src_mask, src_key_padding_mask):
     from memopt.checkpoint import checkpoint
 
     if attn_mask is not None and src_mask is not None:
         raise ValueError("FusedCheckpointBlock: pass attn_mask or src_mask, not both")
+    layer = block._torch_fallback
+    params = {layer_name: block.get_parameter(name) for name, layer_name in block._torch_fallback_names.items()}
+
+    def layer_forward(x, **kwargs):
+        return torch.func.functional_call(layer, params, (x,), kwargs)
+
     mask = src_mask if src_mask is not None else attn_mask
     return checkpoint(
-        layer, x, policy=policy, src_mask=mask, src_key_padding_mask=src_key_padding_mask, is_causal=is_causal
+        layer_forward, x, policy=block.policy, src_mask=mask, src_key_padding_mask=src_key_padding_mask, is_causal=is_causal
     )
 
 

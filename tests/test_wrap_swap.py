@@ -456,3 +456,21 @@ def test_gpu_float32_encoder_swapped_runs_fused_under_autocast_and_torch_outside
     torch.testing.assert_close(got_bf16[0], expected_bf16[0], **tol)
     for name in expected_bf16[2]:
         torch.testing.assert_close(got_bf16[2][name], expected_bf16[2][name], **tol, msg=lambda m: f"{name}: {m}")
+
+
+def test_float32_fallback_uses_the_blocks_current_parameters(attention_takes_half_types_only):
+    # FSDP2 (and other wrappers) replace a module's parameters: the torch layer must run on the
+    # block's current ones, and gradients must reach them.
+    model = memopt.wrap(_float32_encoder(), policy="full")
+    reference = copy.deepcopy(model)
+    block = model.layers[0]
+    replaced = nn.Parameter(block.fc1.weight.detach() * 2)
+    block.fc1.weight = replaced
+    with torch.no_grad():
+        reference.layers[0].fc1.weight.mul_(2)
+    x = torch.randn(BATCH, SEQ, D_MODEL)
+    out = model(x)
+    torch.testing.assert_close(out, reference(x), atol=0, rtol=0)
+    out.square().mean().backward()
+    assert replaced.grad is not None and replaced.grad.abs().sum() > 0
+    assert block._torch_fallback.linear1.weight.grad is None

@@ -383,6 +383,34 @@ class Plan:
     budget_bytes: int | None = None
     layer_host_bytes: list[dict[str, int]] = field(default_factory=list)
 
+    def to_dict(self) -> dict:
+        """The plan as plain data (JSON-ready): save it, edit it, load it with :meth:`from_dict`."""
+        return {
+            "layer_names": list(self.layer_names),
+            "policies": list(self.policies),
+            "layer_bytes": [dict(b) for b in self.layer_bytes],
+            "layer_seconds": [dict(s) for s in self.layer_seconds],
+            "other_bytes": self.other_bytes,
+            "shared_bytes": self.shared_bytes,
+            "budget_bytes": self.budget_bytes,
+            "layer_host_bytes": [dict(h) for h in self.layer_host_bytes],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Plan":
+        """A plan from :meth:`to_dict`'s data (e.g. ``json.load``-ed); validated with :meth:`check`."""
+        fields = {"layer_names", "policies", "layer_bytes", "layer_seconds", "other_bytes"}
+        missing = fields - set(data)
+        if missing:
+            raise ValueError(f"memopt.Plan.from_dict: data lacks {sorted(missing)}")
+        unknown = set(data) - fields - {"shared_bytes", "budget_bytes", "layer_host_bytes"}
+        if unknown:
+            raise ValueError(f"memopt.Plan.from_dict: unknown keys {sorted(unknown)}")
+        plan = cls(**{key: value for key, value in data.items()})
+        plan.layer_names, plan.policies = list(plan.layer_names), list(plan.policies)
+        plan.check()
+        return plan
+
     def check(self) -> None:
         """Raise ``ValueError`` unless every layer's policy is one the plan measured."""
         if len(self.policies) != len(self.layer_names):

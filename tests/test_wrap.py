@@ -598,3 +598,22 @@ def test_plan_budget_holds_in_gpu_memory(fraction):
     held = torch.cuda.memory_allocated() - before - out.untyped_storage().nbytes() - 512
     assert held <= budget, (plan.policies, held, budget)
     out.float().square().mean().backward()
+
+
+def test_plan_round_trips_through_json_and_can_be_edited():
+    import json
+
+    model = _encoder(3)
+    inputs = _plan_inputs()
+    plan = memopt.plan(model, inputs, budget_bytes=10**9, repeats=1)
+    data = json.loads(json.dumps(plan.to_dict()))
+    data["policies"][1] = "full"
+    loaded = memopt.Plan.from_dict(data)
+    assert loaded.policies == ["none", "full", "none"] and loaded.layer_bytes == plan.layer_bytes
+    memopt.wrap(model, plan=loaded)
+    assert _counted_bytes(model, *inputs) == loaded.predicted_bytes
+    data["policies"][0] = "fastest"
+    with pytest.raises(ValueError, match="'fastest' of layer 'layers.0' was not measured"):
+        memopt.Plan.from_dict(data)
+    with pytest.raises(ValueError, match="lacks"):
+        memopt.Plan.from_dict({"policies": []})

@@ -1,4 +1,5 @@
-"""memopt.wrap under DDP and FSDP2: two CPU processes with gloo, one torchrun launch for all checks."""
+"""memopt.wrap, FusedCheckpointBlock and offload under DDP and FSDP2: two CPU processes with gloo,
+one torchrun launch for all checks (listed in tests/distributed_wrap_worker.py)."""
 
 import os
 import subprocess
@@ -9,7 +10,18 @@ import pytest
 import torch
 
 WORKER = Path(__file__).with_name("distributed_wrap_worker.py")
-CHECKS = ["ddp-selective", "ddp-full", "fsdp2-wrap-then-shard-selective", "fsdp2-shard-then-wrap-full"]
+CHECKS = [
+    "ddp-selective",
+    "ddp-full",
+    "fsdp2-wrap-then-shard-selective",
+    "fsdp2-shard-then-wrap-full",
+    "ddp-swapped-selective",
+    "fsdp2-swapped-full",
+    "ddp-stack-mixed",
+    "fsdp2-stack-full",
+    "ddp-no-sync-wrap-offload",
+    "ddp-no-sync-stack-offload",
+]
 
 
 @pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="needs gloo")

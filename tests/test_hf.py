@@ -1,4 +1,4 @@
-"""memopt.wrap on tiny Hugging Face models (random weights, no download): Llama and GPT-2.
+"""memopt.wrap on tiny Hugging Face models (random weights, no download): Llama, Mistral, GPT-2.
 
 Losses and every gradient match the unwrapped model; saved bytes fall as the plan predicts and
 beat (or equal) Hugging Face's own ``gradient_checkpointing_enable``.
@@ -50,8 +50,26 @@ def _gpt2(attn_implementation, dropout):
     return transformers.GPT2LMHeadModel(config).train()
 
 
+def _mistral():
+    # Mistral's decoder layer (sliding-window attention) differs from Llama's class: wrap must
+    # find it by repetition, not by name.
+    config = transformers.MistralConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=VOCAB,
+        max_position_embeddings=64,
+        sliding_window=8,
+        attn_implementation="sdpa",
+    )
+    return transformers.MistralForCausalLM(config).train()
+
+
 MODELS = {
     "llama-eager": lambda: _llama("eager"),
+    "mistral-sdpa": _mistral,
     "llama-sdpa": lambda: _llama("sdpa"),
     "gpt2-eager": lambda: _gpt2("eager", 0.0),
     "gpt2-sdpa": lambda: _gpt2("sdpa", 0.0),

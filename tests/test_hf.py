@@ -19,8 +19,8 @@ wrap_module = importlib.import_module("memopt.wrap")
 VOCAB, BATCH, SEQ = 128, 2, 16
 
 
-def _llama(attn_implementation):
-    config = transformers.LlamaConfig(
+def _decoder(config_class, model_class, attn_implementation, **extra):
+    config = config_class(
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=2,
@@ -29,8 +29,19 @@ def _llama(attn_implementation):
         vocab_size=VOCAB,
         max_position_embeddings=64,
         attn_implementation=attn_implementation,
+        **extra,
     )
-    return transformers.LlamaForCausalLM(config).train()
+    return model_class(config).train()
+
+
+def _llama(attn_implementation):
+    return _decoder(transformers.LlamaConfig, transformers.LlamaForCausalLM, attn_implementation)
+
+
+def _mistral():
+    # Mistral's decoder layer (sliding-window attention) is its own class: wrap finds it by
+    # repetition, not by name.
+    return _decoder(transformers.MistralConfig, transformers.MistralForCausalLM, "sdpa", sliding_window=8)
 
 
 def _gpt2(attn_implementation, dropout):
@@ -48,23 +59,6 @@ def _gpt2(attn_implementation, dropout):
         attn_implementation=attn_implementation,
     )
     return transformers.GPT2LMHeadModel(config).train()
-
-
-def _mistral():
-    # Mistral's decoder layer (sliding-window attention) differs from Llama's class: wrap must
-    # find it by repetition, not by name.
-    config = transformers.MistralConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=VOCAB,
-        max_position_embeddings=64,
-        sliding_window=8,
-        attn_implementation="sdpa",
-    )
-    return transformers.MistralForCausalLM(config).train()
 
 
 MODELS = {
@@ -118,14 +112,14 @@ def test_gpt2_dropout_is_active_so_replay_is_tested():
     assert not torch.equal(_step(model, seed=1)[0], _step(model, seed=2)[0])
 
 
-@pytest.mark.parametrize("name", ["llama-sdpa", "gpt2-eager"])
+@pytest.mark.parametrize("name", ["llama-sdpa", "mistral-sdpa", "gpt2-eager"])
 def test_finds_decoder_layers(name):
     model = MODELS[name]()
-    layer_class = (
-        transformers.models.llama.modeling_llama.LlamaDecoderLayer
-        if name.startswith("llama")
-        else transformers.models.gpt2.modeling_gpt2.GPT2Block
-    )
+    layer_class = {
+        "llama": transformers.models.llama.modeling_llama.LlamaDecoderLayer,
+        "mistral": transformers.models.mistral.modeling_mistral.MistralDecoderLayer,
+        "gpt2": transformers.models.gpt2.modeling_gpt2.GPT2Block,
+    }[name.split("-")[0]]
     found = wrap_module.find_layers(model)
     assert [type(m) for _, m in found] == [layer_class, layer_class]
 

@@ -125,6 +125,54 @@ def _dropout_keep(
 
 
 @triton.jit
+def _bwd_tile_grads(
+    scores,          # raw q . k products of the tile
+    dp,              # dout . v products of the tile
+    lse,             # (BLOCK_M,) per-query log-sum-exp, base 2
+    delta,           # (BLOCK_M,) per-query rowsum(dout * out)
+    offs_m, offs_n,  # query and key indices of the tile
+    seq_q, seq_k, qk_scale,
+    row_index,       # (BLOCK_M,) int64: index of each query's column 0 in the (B, H, Sq, Sk) tensor
+    start_n,         # first key of the tile
+    seed, rng_offset, drop_threshold, keep_scale,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    KEYS_ON_ROWS: tl.constexpr,  # tiles are (keys, queries), as in the dk/dv kernel
+    CAUSAL: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    GROUPED_RNG: tl.constexpr,
+):
+    """Recompute one tile of the probabilities from the saved log-sum-exp and return
+    ``(p_dropped, ds)``: the probabilities after dropout (what multiplied v in forward) and
+    ``ds = p * (dp_dropped - delta)``, the softmax gradient before the softmax scale. Both backward
+    kernels call this, so the probabilities and the regenerated dropout mask are the forward's by
+    construction."""
+    if KEYS_ON_ROWS:
+        query_index = offs_m[None, :]
+        key_index = offs_n[:, None]
+        lse = lse[None, :]
+        delta = delta[None, :]
+    else:
+        query_index = offs_m[:, None]
+        key_index = offs_n[None, :]
+        lse = lse[:, None]
+        delta = delta[:, None]
+    valid = (query_index < seq_q) & (key_index < seq_k)
+    if CAUSAL:
+        valid = valid & (key_index <= query_index)
+    p = tl.where(valid, tl.exp2(scores * qk_scale - lse), 0.0)
+    p_dropped = p
+    if DROPOUT:
+        keep = _dropout_keep(seed, rng_offset, drop_threshold, row_index, start_n, BLOCK_M, BLOCK_N, GROUPED_RNG)
+        if KEYS_ON_ROWS:
+            keep = tl.trans(keep)
+        p_dropped = tl.where(keep, p * keep_scale, 0.0)
+        dp = tl.where(keep, dp * keep_scale, 0.0)
+    ds = p * (dp - delta)
+    return p_dropped, ds
+
+
+@triton.jit
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse,
     stride_qb, stride_qh, stride_qm,
@@ -297,23 +345,13 @@ def _attn_bwd_dkdv_kernel(
             lse = tl.load(Lse + bh.to(tl.int64) * seq_q + offs_m, mask=query_valid, other=0.0) * 1.4426950408889634
             delta = tl.load(Delta + bh.to(tl.int64) * seq_q + offs_m, mask=query_valid, other=0.0)
 
-            scores_t = tl.dot(k, tl.trans(q)) * qk_scale
-            valid = key_valid[:, None] & query_valid[None, :]
-            if CAUSAL:
-                valid = valid & (offs_n[:, None] <= offs_m[None, :])
-            p_t = tl.where(valid, tl.exp2(scores_t - lse[None, :]), 0.0)
-            dp_t = tl.dot(v, tl.trans(do))
-            if DROPOUT:
-                row_index = (bh.to(tl.int64) * seq_q + offs_m.to(tl.int64)) * seq_k
-                keep = tl.trans(
-                    _dropout_keep(seed, rng_offset, drop_threshold, row_index, pid_n * BLOCK_N, BLOCK_M, BLOCK_N, GROUPED_RNG)
-                )
-                p_dropped_t = tl.where(keep, p_t * keep_scale, 0.0)
-                dp_t = tl.where(keep, dp_t * keep_scale, 0.0)
-            else:
-                p_dropped_t = p_t
+            row_index = (bh.to(tl.int64) * seq_q + offs_m.to(tl.int64)) * seq_k
+            p_dropped_t, ds_t = _bwd_tile_grads(
+                tl.dot(k, tl.trans(q)), tl.dot(v, tl.trans(do)), lse, delta, offs_m, offs_n, seq_q, seq_k, qk_scale,
+                row_index, pid_n * BLOCK_N, seed, rng_offset, drop_threshold, keep_scale,
+                BLOCK_M, BLOCK_N, True, CAUSAL, DROPOUT, GROUPED_RNG,
+            )
             dv += tl.dot(p_dropped_t.to(do.dtype), do)
-            ds_t = p_t * (dp_t - delta[None, :])
             dk += tl.dot(ds_t.to(q.dtype), q)
 
     dk = dk * sm_scale
@@ -382,16 +420,11 @@ def _attn_bwd_dq_kernel(
         if UPCAST_DOT:
             k = k.to(tl.float32)
             v_t = v_t.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k)) * qk_scale
-        valid = query_valid[:, None] & key_valid[None, :]
-        if CAUSAL:
-            valid = valid & (offs_n[None, :] <= offs_m[:, None])
-        p = tl.where(valid, tl.exp2(scores - lse[:, None]), 0.0)
-        dp = tl.dot(do, v_t)
-        if DROPOUT:
-            keep = _dropout_keep(seed, rng_offset, drop_threshold, row_index, start_n, BLOCK_M, BLOCK_N, GROUPED_RNG)
-            dp = tl.where(keep, dp * keep_scale, 0.0)
-        ds = p * (dp - delta[:, None])
+        _, ds = _bwd_tile_grads(
+            tl.dot(q, tl.trans(k)), tl.dot(do, v_t), lse, delta, offs_m, offs_n, seq_q, seq_k, qk_scale,
+            row_index, start_n, seed, rng_offset, drop_threshold, keep_scale,
+            BLOCK_M, BLOCK_N, False, CAUSAL, DROPOUT, GROUPED_RNG,
+        )
         dq += tl.dot(ds.to(k.dtype), k)
 
     dq = dq * sm_scale

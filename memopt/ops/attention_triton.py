@@ -16,6 +16,14 @@ Layouts. ``q``: (B, H, Sq, D); ``k``, ``v``: (B, Hkv, Sk, D), any strides with t
 Causal masking is top-left aligned, as ``F.scaled_dot_product_attention(is_causal=True)``: query
 ``i`` sees keys ``j <= i``, whatever ``Sq`` and ``Sk`` are, so no row is ever empty.
 
+Masking. Only the tiles that cross the causal diagonal or the end of ``seq_k`` are masked; the
+loops compute a per-block flag, uniform across the program, and branch around the mask elsewhere
+(in the dk/dv kernel only the diagonal needs it, and under dropout it masks every causal tile, see
+there). One loop with a branch rather than two copies of the loop specialised by a
+``tl.constexpr`` (the Triton tutorial's two stages): the two-copy form compiled for sm_90 spilled
+registers in the head_dim 128 dk/dv and dq kernels, the branch does not
+(``python -m bench.attention_aot``).
+
 Dropout on the probabilities. Element ``(b, h, i, j)`` of the (B, H, Sq, Sk) probability tensor has
 the linear index ``idx = ((b * H + h) * Sq + i) * Sk + j`` and draws the word ``idx % 4`` of
 ``philox4x32_10(counter=offset + idx // 4, key=seed)``, i.e. ``tl.randint4x(seed, offset + idx // 4)``;
@@ -135,6 +143,7 @@ def _bwd_tile_grads(
     row_index,       # (BLOCK_M,) int64: index of each query's column 0 in the (B, H, Sq, Sk) tensor
     start_n,         # first key of the tile
     seed, rng_offset, drop_threshold, keep_scale,
+    masked,          # the tile crosses the causal diagonal or a sequence end (see the module docstring)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     KEYS_ON_ROWS: tl.constexpr,  # tiles are (keys, queries), as in the dk/dv kernel
@@ -157,10 +166,12 @@ def _bwd_tile_grads(
         key_index = offs_n[None, :]
         lse = lse[:, None]
         delta = delta[:, None]
-    valid = (query_index < seq_q) & (key_index < seq_k)
-    if CAUSAL:
-        valid = valid & (key_index <= query_index)
-    p = tl.where(valid, tl.exp2(scores * qk_scale - lse), 0.0)
+    p = tl.exp2(scores * qk_scale - lse)
+    if masked:
+        valid = (query_index < seq_q) & (key_index < seq_k)
+        if CAUSAL:
+            valid = valid & (key_index <= query_index)
+        p = tl.where(valid, p, 0.0)
     p_dropped = p
     if DROPOUT:
         keep = _dropout_keep(seed, rng_offset, drop_threshold, row_index, start_n, BLOCK_M, BLOCK_N, GROUPED_RNG)
@@ -216,9 +227,13 @@ def _attn_fwd_kernel(
     # First element of this block's rows in the (B, H, Sq, Sk) probability tensor.
     row_index = (pid_bh.to(tl.int64) * seq_q + offs_m.to(tl.int64)) * seq_k
 
+    # Every row of this block sees every key below visible_end; only the blocks crossing it (the
+    # causal diagonal, the end of seq_k) are masked.
     hi = seq_k
+    visible_end = seq_k
     if CAUSAL:
         hi = tl.minimum(seq_k, (pid_m + 1) * BLOCK_M)
+        visible_end = tl.minimum(seq_k, pid_m * BLOCK_M + 1)
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         col_valid = offs_n < seq_k
@@ -228,10 +243,11 @@ def _attn_fwd_kernel(
             k_t = k_t.to(tl.float32)
             v = v.to(tl.float32)
         scores = tl.dot(q, k_t) * qk_scale
-        valid = col_valid[None, :]
-        if CAUSAL:
-            valid = valid & (offs_n[None, :] <= offs_m[:, None])
-        scores = tl.where(valid, scores, float("-inf"))
+        if start_n + BLOCK_N > visible_end:
+            valid = col_valid[None, :]
+            if CAUSAL:
+                valid = valid & (offs_n[None, :] <= offs_m[:, None])
+            scores = tl.where(valid, scores, float("-inf"))
         # Every row has a finite score in its first block (key 0 is always visible), so m_new is
         # finite and alpha is 0 on the first iteration, never NaN.
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -325,7 +341,11 @@ def _attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
-    # Under the top-left causal mask, queries before this key block see none of it.
+    # Under the top-left causal mask, queries before this key block see none of it, and queries
+    # from its last key on see all of it: only the query blocks crossing the diagonal are masked.
+    # Nothing else needs the mask. Queries past seq_q load as zeros (q, dout, lse, delta), which
+    # makes their p * dout and ds exactly 0; rows of keys past seq_k are never stored, and a row
+    # of a product depends only on the same row of its left operand.
     lo = 0
     if CAUSAL:
         lo = (pid_n * BLOCK_N) // BLOCK_M * BLOCK_M
@@ -346,9 +366,15 @@ def _attn_bwd_dkdv_kernel(
             delta = tl.load(Delta + bh.to(tl.int64) * seq_q + offs_m, mask=query_valid, other=0.0)
 
             row_index = (bh.to(tl.int64) * seq_q + offs_m.to(tl.int64)) * seq_k
+            # Under dropout every causal tile is masked: Philox costs far more than the mask, and the
+            # branch spilled registers in the head_dim 128 per-element-RNG variant.
+            if CAUSAL and not DROPOUT:
+                masked = start_m < (pid_n + 1) * BLOCK_N - 1
+            else:
+                masked = CAUSAL
             p_dropped_t, ds_t = _bwd_tile_grads(
                 tl.dot(k, tl.trans(q)), tl.dot(v, tl.trans(do)), lse, delta, offs_m, offs_n, seq_q, seq_k, qk_scale,
-                row_index, pid_n * BLOCK_N, seed, rng_offset, drop_threshold, keep_scale,
+                row_index, pid_n * BLOCK_N, seed, rng_offset, drop_threshold, keep_scale, masked,
                 BLOCK_M, BLOCK_N, True, CAUSAL, DROPOUT, GROUPED_RNG,
             )
             dv += tl.dot(p_dropped_t.to(do.dtype), do)
@@ -409,9 +435,13 @@ def _attn_bwd_dq_kernel(
     row_index = (pid_bh.to(tl.int64) * seq_q + offs_m.to(tl.int64)) * seq_k
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
+    # As in the forward: only the key blocks crossing visible_end are masked. Rows past seq_q are
+    # computed from zeros and never stored.
     hi = seq_k
+    visible_end = seq_k
     if CAUSAL:
         hi = tl.minimum(seq_k, (pid_m + 1) * BLOCK_M)
+        visible_end = tl.minimum(seq_k, pid_m * BLOCK_M + 1)
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_valid = offs_n < seq_k
@@ -422,7 +452,7 @@ def _attn_bwd_dq_kernel(
             v_t = v_t.to(tl.float32)
         _, ds = _bwd_tile_grads(
             tl.dot(q, tl.trans(k)), tl.dot(do, v_t), lse, delta, offs_m, offs_n, seq_q, seq_k, qk_scale,
-            row_index, start_n, seed, rng_offset, drop_threshold, keep_scale,
+            row_index, start_n, seed, rng_offset, drop_threshold, keep_scale, start_n + BLOCK_N > visible_end,
             BLOCK_M, BLOCK_N, False, CAUSAL, DROPOUT, GROUPED_RNG,
         )
         dq += tl.dot(ds.to(k.dtype), k)

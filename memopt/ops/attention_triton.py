@@ -133,6 +133,18 @@ def _dropout_keep(
 
 
 @triton.jit
+def _load_rows(
+    base,            # element (0, 0) of one (seq, HEAD_DIM) slice
+    rows,            # (R,) row indices
+    stride_row,
+    offs_d,          # (HEAD_DIM,) column indices
+    row_valid,       # (R,) rows to read; the others read as zeros
+):
+    """(R, HEAD_DIM) tile of the slice at ``base``."""
+    return tl.load(base + rows[:, None].to(tl.int64) * stride_row + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+
+
+@triton.jit
 def _bwd_tile_grads(
     scores,          # raw q . k products of the tile
     dp,              # dout . v products of the tile
@@ -217,7 +229,7 @@ def _attn_fwd_kernel(
     k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
     row_valid = offs_m < seq_q
-    q = tl.load(q_base + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+    q = _load_rows(q_base, offs_m, stride_qm, offs_d, row_valid)
     if UPCAST_DOT:
         q = q.to(tl.float32)
 
@@ -238,7 +250,7 @@ def _attn_fwd_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         col_valid = offs_n < seq_k
         k_t = tl.load(k_base + offs_n[None, :].to(tl.int64) * stride_kn + offs_d[:, None], mask=col_valid[None, :], other=0.0)
-        v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :], mask=col_valid[:, None], other=0.0)
+        v = _load_rows(v_base, offs_n, stride_vn, offs_d, col_valid)
         if UPCAST_DOT:
             k_t = k_t.to(tl.float32)
             v = v.to(tl.float32)
@@ -283,15 +295,11 @@ def _attn_bwd_delta_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_valid = offs_m < seq_q
-    o = tl.load(
-        Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
-        + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :],
-        mask=row_valid[:, None], other=0.0,
+    o = _load_rows(
+        Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh, offs_m, stride_om, offs_d, row_valid
     ).to(tl.float32)
-    do = tl.load(
-        DOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
-        + offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :],
-        mask=row_valid[:, None], other=0.0,
+    do = _load_rows(
+        DOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh, offs_m, stride_dom, offs_d, row_valid
     ).to(tl.float32)
     tl.store(Delta + pid_bh.to(tl.int64) * seq_q + offs_m, tl.sum(o * do, 1), mask=row_valid)
 
@@ -325,15 +333,11 @@ def _attn_bwd_dkdv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     key_valid = offs_n < seq_k
-    k = tl.load(
-        K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
-        + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
-        mask=key_valid[:, None], other=0.0,
+    k = _load_rows(
+        K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh, offs_n, stride_kn, offs_d, key_valid
     )
-    v = tl.load(
-        V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
-        + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
-        mask=key_valid[:, None], other=0.0,
+    v = _load_rows(
+        V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh, offs_n, stride_vn, offs_d, key_valid
     )
     if UPCAST_DOT:
         k = k.to(tl.float32)
@@ -357,8 +361,8 @@ def _attn_bwd_dkdv_kernel(
         for start_m in range(lo, seq_q, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             query_valid = offs_m < seq_q
-            q = tl.load(q_base + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :], mask=query_valid[:, None], other=0.0)
-            do = tl.load(do_base + offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :], mask=query_valid[:, None], other=0.0)
+            q = _load_rows(q_base, offs_m, stride_qm, offs_d, query_valid)
+            do = _load_rows(do_base, offs_m, stride_dom, offs_d, query_valid)
             if UPCAST_DOT:
                 q = q.to(tl.float32)
                 do = do.to(tl.float32)
@@ -415,15 +419,11 @@ def _attn_bwd_dq_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     query_valid = offs_m < seq_q
-    q = tl.load(
-        Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
-        + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :],
-        mask=query_valid[:, None], other=0.0,
+    q = _load_rows(
+        Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh, offs_m, stride_qm, offs_d, query_valid
     )
-    do = tl.load(
-        DOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
-        + offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :],
-        mask=query_valid[:, None], other=0.0,
+    do = _load_rows(
+        DOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh, offs_m, stride_dom, offs_d, query_valid
     )
     if UPCAST_DOT:
         q = q.to(tl.float32)
@@ -445,7 +445,7 @@ def _attn_bwd_dq_kernel(
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_valid = offs_n < seq_k
-        k = tl.load(k_base + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :], mask=key_valid[:, None], other=0.0)
+        k = _load_rows(k_base, offs_n, stride_kn, offs_d, key_valid)
         v_t = tl.load(v_base + offs_n[None, :].to(tl.int64) * stride_vn + offs_d[:, None], mask=key_valid[None, :], other=0.0)
         if UPCAST_DOT:
             k = k.to(tl.float32)

@@ -80,10 +80,10 @@ def configurations(full: bool = False):
 
     Every table entry is compiled; dropout entries in both RNG variants (``grouped_rng``: one
     Philox call per four probabilities when seq_k % 4 == 0, else one per probability). ``full``
-    adds every dtype x causal combination; the default pairs the heaviest variant of a dropout
-    entry (bfloat16, causal) and the plainest of the other (float16, not causal): dtype and
-    causal change instruction types and loop bounds, not register pressure, which is set by the
-    tile and dropout.
+    adds every dtype x causal combination; the default compiles a dropout entry in its heaviest
+    variant (bfloat16, causal) and a plain entry both causal (bfloat16) and not (float16): the
+    dtype changes instruction types, not register pressure, but causal adds the branch that masks
+    the diagonal blocks, so both sides of it are compiled.
     """
     from memopt.ops import attention_triton
 
@@ -100,6 +100,8 @@ def configurations(full: bool = False):
                     yield kernel_name, head_dim, "bfloat16", True, True, grouped
             else:
                 yield kernel_name, head_dim, "float16", False, False, False
+                if kernel_name != "bwd_delta":
+                    yield kernel_name, head_dim, "bfloat16", True, False, False
 
 
 def compile_one(kernel_name: str, head_dim: int, dtype: str, causal: bool, dropout: bool, grouped_rng: bool = False) -> dict:

@@ -95,6 +95,32 @@ def test_dropout_matches_reference_with_regenerated_mask(backend, causal, shape)
     _assert_close(actual, expected, torch.float32)
 
 
+# The kernels mask only the blocks that cross the causal diagonal or a sequence end. The GPU tiles
+# are not square (BLOCK_M != BLOCK_N both ways, per kernel), so these run the interpreter with
+# such tiles too: lengths that are multiples of both blocks, of one, of neither, a single partial
+# block, seq_q != seq_k both ways (keys no query sees, queries that see every key), grouped heads.
+MASK_EDGE_SHAPES = [
+    (1, 2, 1, 64, 64, 16),
+    (1, 2, 2, 48, 37, 16),
+    (1, 2, 1, 20, 53, 16),
+    (1, 4, 2, 53, 20, 16),
+    (1, 1, 1, 5, 3, 16),
+]
+
+
+@needs_interpreter
+@pytest.mark.parametrize("tiles", [(16, 16), (32, 16), (16, 32)], ids=lambda t: f"bm{t[0]}bn{t[1]}")
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2], ids=["nodrop", "drop"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", MASK_EDGE_SHAPES, ids=_shape_id)
+def test_triton_masks_diagonal_and_edge_blocks_for_any_tiles(monkeypatch, tiles, dropout_p, causal, shape):
+    monkeypatch.setattr(attention_triton, "INTERPRETER_CONFIG", (*tiles, 1, 1))
+    q, k, v = _inputs(shape)
+    with cpu_backend("triton"):
+        actual, expected = _run_and_reference(q, k, v, causal, dropout_p, rng_key(31, 5))
+    _assert_close(actual, expected, torch.float32)
+
+
 def test_native_float64_matches_reference_tightly():
     q, k, v = _inputs((1, 4, 2, 37, 29, 32), dtype=torch.float64)
     with cpu_backend("native"):

@@ -16,6 +16,14 @@ Layouts. ``q``: (B, H, Sq, D); ``k``, ``v``: (B, Hkv, Sk, D), any strides with t
 Causal masking is top-left aligned, as ``F.scaled_dot_product_attention(is_causal=True)``: query
 ``i`` sees keys ``j <= i``, whatever ``Sq`` and ``Sk`` are, so no row is ever empty.
 
+Masking. Only the tiles that cross the causal diagonal or the end of ``seq_k`` are masked; the
+loops compute a per-block flag, uniform across the program, and branch around the mask elsewhere
+(in the dk/dv kernel only the diagonal needs it, and under dropout it masks every causal tile, see
+there). One loop with a branch rather than two copies of the loop specialised by a
+``tl.constexpr`` (the Triton tutorial's two stages): the two-copy form compiled for sm_90 spilled
+registers in the head_dim 128 dk/dv and dq kernels, the branch does not
+(``python -m bench.attention_aot``).
+
 Dropout on the probabilities. Element ``(b, h, i, j)`` of the (B, H, Sq, Sk) probability tensor has
 the linear index ``idx = ((b * H + h) * Sq + i) * Sk + j`` and draws the word ``idx % 4`` of
 ``philox4x32_10(counter=offset + idx // 4, key=seed)``, i.e. ``tl.randint4x(seed, offset + idx // 4)``;
@@ -125,6 +133,69 @@ def _dropout_keep(
 
 
 @triton.jit
+def _load_rows(
+    base,            # element (0, 0) of one (seq, HEAD_DIM) slice
+    rows,            # (R,) row indices
+    stride_row,
+    offs_d,          # (HEAD_DIM,) column indices
+    row_valid,       # (R,) rows to read; the others read as zeros
+):
+    """(R, HEAD_DIM) tile of the slice at ``base``."""
+    return tl.load(base + rows[:, None].to(tl.int64) * stride_row + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+
+
+@triton.jit
+def _bwd_tile_grads(
+    scores,          # raw q . k products of the tile
+    dp,              # dout . v products of the tile
+    lse,             # (BLOCK_M,) per-query log-sum-exp, base 2
+    delta,           # (BLOCK_M,) per-query rowsum(dout * out)
+    offs_m, offs_n,  # query and key indices of the tile
+    seq_q, seq_k, qk_scale,
+    row_index,       # (BLOCK_M,) int64: index of each query's column 0 in the (B, H, Sq, Sk) tensor
+    start_n,         # first key of the tile
+    seed, rng_offset, drop_threshold, keep_scale,
+    masked,          # the tile crosses the causal diagonal or a sequence end (see the module docstring)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    KEYS_ON_ROWS: tl.constexpr,  # tiles are (keys, queries), as in the dk/dv kernel
+    CAUSAL: tl.constexpr,
+    DROPOUT: tl.constexpr,
+    GROUPED_RNG: tl.constexpr,
+):
+    """Recompute one tile of the probabilities from the saved log-sum-exp and return
+    ``(p_dropped, ds)``: the probabilities after dropout (what multiplied v in forward) and
+    ``ds = p * (dp_dropped - delta)``, the softmax gradient before the softmax scale. Both backward
+    kernels call this, so the probabilities and the regenerated dropout mask are the forward's by
+    construction."""
+    if KEYS_ON_ROWS:
+        query_index = offs_m[None, :]
+        key_index = offs_n[:, None]
+        lse = lse[None, :]
+        delta = delta[None, :]
+    else:
+        query_index = offs_m[:, None]
+        key_index = offs_n[None, :]
+        lse = lse[:, None]
+        delta = delta[:, None]
+    p = tl.exp2(scores * qk_scale - lse)
+    if masked:
+        valid = (query_index < seq_q) & (key_index < seq_k)
+        if CAUSAL:
+            valid = valid & (key_index <= query_index)
+        p = tl.where(valid, p, 0.0)
+    p_dropped = p
+    if DROPOUT:
+        keep = _dropout_keep(seed, rng_offset, drop_threshold, row_index, start_n, BLOCK_M, BLOCK_N, GROUPED_RNG)
+        if KEYS_ON_ROWS:
+            keep = tl.trans(keep)
+        p_dropped = tl.where(keep, p * keep_scale, 0.0)
+        dp = tl.where(keep, dp * keep_scale, 0.0)
+    ds = p * (dp - delta)
+    return p_dropped, ds
+
+
+@triton.jit
 def _attn_fwd_kernel(
     Q, K, V, Out, Lse,
     stride_qb, stride_qh, stride_qm,
@@ -158,7 +229,7 @@ def _attn_fwd_kernel(
     k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
     row_valid = offs_m < seq_q
-    q = tl.load(q_base + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+    q = _load_rows(q_base, offs_m, stride_qm, offs_d, row_valid)
     if UPCAST_DOT:
         q = q.to(tl.float32)
 
@@ -168,22 +239,27 @@ def _attn_fwd_kernel(
     # First element of this block's rows in the (B, H, Sq, Sk) probability tensor.
     row_index = (pid_bh.to(tl.int64) * seq_q + offs_m.to(tl.int64)) * seq_k
 
+    # Every row of this block sees every key below visible_end; only the blocks crossing it (the
+    # causal diagonal, the end of seq_k) are masked.
     hi = seq_k
+    visible_end = seq_k
     if CAUSAL:
         hi = tl.minimum(seq_k, (pid_m + 1) * BLOCK_M)
+        visible_end = tl.minimum(seq_k, pid_m * BLOCK_M + 1)
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         col_valid = offs_n < seq_k
         k_t = tl.load(k_base + offs_n[None, :].to(tl.int64) * stride_kn + offs_d[:, None], mask=col_valid[None, :], other=0.0)
-        v = tl.load(v_base + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :], mask=col_valid[:, None], other=0.0)
+        v = _load_rows(v_base, offs_n, stride_vn, offs_d, col_valid)
         if UPCAST_DOT:
             k_t = k_t.to(tl.float32)
             v = v.to(tl.float32)
         scores = tl.dot(q, k_t) * qk_scale
-        valid = col_valid[None, :]
-        if CAUSAL:
-            valid = valid & (offs_n[None, :] <= offs_m[:, None])
-        scores = tl.where(valid, scores, float("-inf"))
+        if start_n + BLOCK_N > visible_end:
+            valid = col_valid[None, :]
+            if CAUSAL:
+                valid = valid & (offs_n[None, :] <= offs_m[:, None])
+            scores = tl.where(valid, scores, float("-inf"))
         # Every row has a finite score in its first block (key 0 is always visible), so m_new is
         # finite and alpha is 0 on the first iteration, never NaN.
         m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -219,15 +295,11 @@ def _attn_bwd_delta_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_valid = offs_m < seq_q
-    o = tl.load(
-        Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
-        + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :],
-        mask=row_valid[:, None], other=0.0,
+    o = _load_rows(
+        Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh, offs_m, stride_om, offs_d, row_valid
     ).to(tl.float32)
-    do = tl.load(
-        DOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
-        + offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :],
-        mask=row_valid[:, None], other=0.0,
+    do = _load_rows(
+        DOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh, offs_m, stride_dom, offs_d, row_valid
     ).to(tl.float32)
     tl.store(Delta + pid_bh.to(tl.int64) * seq_q + offs_m, tl.sum(o * do, 1), mask=row_valid)
 
@@ -261,15 +333,11 @@ def _attn_bwd_dkdv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     key_valid = offs_n < seq_k
-    k = tl.load(
-        K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
-        + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :],
-        mask=key_valid[:, None], other=0.0,
+    k = _load_rows(
+        K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh, offs_n, stride_kn, offs_d, key_valid
     )
-    v = tl.load(
-        V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
-        + offs_n[:, None].to(tl.int64) * stride_vn + offs_d[None, :],
-        mask=key_valid[:, None], other=0.0,
+    v = _load_rows(
+        V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh, offs_n, stride_vn, offs_d, key_valid
     )
     if UPCAST_DOT:
         k = k.to(tl.float32)
@@ -277,7 +345,11 @@ def _attn_bwd_dkdv_kernel(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
-    # Under the top-left causal mask, queries before this key block see none of it.
+    # Under the top-left causal mask, queries before this key block see none of it, and queries
+    # from its last key on see all of it: only the query blocks crossing the diagonal are masked.
+    # Nothing else needs the mask. Queries past seq_q load as zeros (q, dout, lse, delta), which
+    # makes their p * dout and ds exactly 0; rows of keys past seq_k are never stored, and a row
+    # of a product depends only on the same row of its left operand.
     lo = 0
     if CAUSAL:
         lo = (pid_n * BLOCK_N) // BLOCK_M * BLOCK_M
@@ -289,31 +361,27 @@ def _attn_bwd_dkdv_kernel(
         for start_m in range(lo, seq_q, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             query_valid = offs_m < seq_q
-            q = tl.load(q_base + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :], mask=query_valid[:, None], other=0.0)
-            do = tl.load(do_base + offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :], mask=query_valid[:, None], other=0.0)
+            q = _load_rows(q_base, offs_m, stride_qm, offs_d, query_valid)
+            do = _load_rows(do_base, offs_m, stride_dom, offs_d, query_valid)
             if UPCAST_DOT:
                 q = q.to(tl.float32)
                 do = do.to(tl.float32)
             lse = tl.load(Lse + bh.to(tl.int64) * seq_q + offs_m, mask=query_valid, other=0.0) * 1.4426950408889634
             delta = tl.load(Delta + bh.to(tl.int64) * seq_q + offs_m, mask=query_valid, other=0.0)
 
-            scores_t = tl.dot(k, tl.trans(q)) * qk_scale
-            valid = key_valid[:, None] & query_valid[None, :]
-            if CAUSAL:
-                valid = valid & (offs_n[:, None] <= offs_m[None, :])
-            p_t = tl.where(valid, tl.exp2(scores_t - lse[None, :]), 0.0)
-            dp_t = tl.dot(v, tl.trans(do))
-            if DROPOUT:
-                row_index = (bh.to(tl.int64) * seq_q + offs_m.to(tl.int64)) * seq_k
-                keep = tl.trans(
-                    _dropout_keep(seed, rng_offset, drop_threshold, row_index, pid_n * BLOCK_N, BLOCK_M, BLOCK_N, GROUPED_RNG)
-                )
-                p_dropped_t = tl.where(keep, p_t * keep_scale, 0.0)
-                dp_t = tl.where(keep, dp_t * keep_scale, 0.0)
+            row_index = (bh.to(tl.int64) * seq_q + offs_m.to(tl.int64)) * seq_k
+            # Under dropout every causal tile is masked: Philox costs far more than the mask, and the
+            # branch spilled registers in the head_dim 128 per-element-RNG variant.
+            if CAUSAL and not DROPOUT:
+                masked = start_m < (pid_n + 1) * BLOCK_N - 1
             else:
-                p_dropped_t = p_t
+                masked = CAUSAL
+            p_dropped_t, ds_t = _bwd_tile_grads(
+                tl.dot(k, tl.trans(q)), tl.dot(v, tl.trans(do)), lse, delta, offs_m, offs_n, seq_q, seq_k, qk_scale,
+                row_index, pid_n * BLOCK_N, seed, rng_offset, drop_threshold, keep_scale, masked,
+                BLOCK_M, BLOCK_N, True, CAUSAL, DROPOUT, GROUPED_RNG,
+            )
             dv += tl.dot(p_dropped_t.to(do.dtype), do)
-            ds_t = p_t * (dp_t - delta[None, :])
             dk += tl.dot(ds_t.to(q.dtype), q)
 
     dk = dk * sm_scale
@@ -351,15 +419,11 @@ def _attn_bwd_dq_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     query_valid = offs_m < seq_q
-    q = tl.load(
-        Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
-        + offs_m[:, None].to(tl.int64) * stride_qm + offs_d[None, :],
-        mask=query_valid[:, None], other=0.0,
+    q = _load_rows(
+        Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh, offs_m, stride_qm, offs_d, query_valid
     )
-    do = tl.load(
-        DOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh
-        + offs_m[:, None].to(tl.int64) * stride_dom + offs_d[None, :],
-        mask=query_valid[:, None], other=0.0,
+    do = _load_rows(
+        DOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh, offs_m, stride_dom, offs_d, query_valid
     )
     if UPCAST_DOT:
         q = q.to(tl.float32)
@@ -371,27 +435,26 @@ def _attn_bwd_dq_kernel(
     row_index = (pid_bh.to(tl.int64) * seq_q + offs_m.to(tl.int64)) * seq_k
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
 
+    # As in the forward: only the key blocks crossing visible_end are masked. Rows past seq_q are
+    # computed from zeros and never stored.
     hi = seq_k
+    visible_end = seq_k
     if CAUSAL:
         hi = tl.minimum(seq_k, (pid_m + 1) * BLOCK_M)
+        visible_end = tl.minimum(seq_k, pid_m * BLOCK_M + 1)
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_valid = offs_n < seq_k
-        k = tl.load(k_base + offs_n[:, None].to(tl.int64) * stride_kn + offs_d[None, :], mask=key_valid[:, None], other=0.0)
+        k = _load_rows(k_base, offs_n, stride_kn, offs_d, key_valid)
         v_t = tl.load(v_base + offs_n[None, :].to(tl.int64) * stride_vn + offs_d[:, None], mask=key_valid[None, :], other=0.0)
         if UPCAST_DOT:
             k = k.to(tl.float32)
             v_t = v_t.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k)) * qk_scale
-        valid = query_valid[:, None] & key_valid[None, :]
-        if CAUSAL:
-            valid = valid & (offs_n[None, :] <= offs_m[:, None])
-        p = tl.where(valid, tl.exp2(scores - lse[:, None]), 0.0)
-        dp = tl.dot(do, v_t)
-        if DROPOUT:
-            keep = _dropout_keep(seed, rng_offset, drop_threshold, row_index, start_n, BLOCK_M, BLOCK_N, GROUPED_RNG)
-            dp = tl.where(keep, dp * keep_scale, 0.0)
-        ds = p * (dp - delta[:, None])
+        _, ds = _bwd_tile_grads(
+            tl.dot(q, tl.trans(k)), tl.dot(do, v_t), lse, delta, offs_m, offs_n, seq_q, seq_k, qk_scale,
+            row_index, start_n, seed, rng_offset, drop_threshold, keep_scale, start_n + BLOCK_N > visible_end,
+            BLOCK_M, BLOCK_N, False, CAUSAL, DROPOUT, GROUPED_RNG,
+        )
         dq += tl.dot(ds.to(k.dtype), k)
 
     dq = dq * sm_scale

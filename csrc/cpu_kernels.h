@@ -1,0 +1,61 @@
+// The CPU kernels of the activation and norm ops, compiled twice: once for any x86-64/ARM CPU
+// (namespace generic, cpu_kernels_generic.cpp) and once for AVX2 + FMA (namespace avx2,
+// cpu_kernels_avx2.cpp, x86-64 with GCC only). The launchers (activation.cpp, norm.cpp) check the
+// arguments, allocate the outputs and call MEMOPT_CPU_KERNEL(name)(...), which picks the AVX2 build
+// when ATen would pick AVX2 or better for its own kernels (ATEN_CPU_CAPABILITY=default turns it
+// off, as it does for ATen).
+//
+// Every tensor is contiguous and has x's dtype, float32 or float64, which is also the compute
+// type (at::opmath_type of both is itself). An undefined tensor stands for an absent input or an
+// output that was not asked for. The launchers convert float32 parameters of float64 x to float64
+// before the call and the parameter gradients back after it.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "activation.h"
+
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
+#define MEMOPT_CPU_HAVE_AVX2 1
+#else
+#define MEMOPT_CPU_HAVE_AVX2 0
+#endif
+
+namespace memopt {
+
+#define MEMOPT_DECLARE_CPU_KERNELS(ISA)                                                                          \
+  namespace ISA {                                                                                                \
+  void bias_act_fwd_kernel(Activation activation, const at::Tensor& x, const at::Tensor& bias, const at::Tensor& y);   \
+  /* grad_bias is undefined when bias is */                                                                      \
+  void bias_act_bwd_kernel(Activation activation, const at::Tensor& grad_y, const at::Tensor& x,                 \
+                           const at::Tensor& bias, const at::Tensor& grad_x, const at::Tensor& y, const at::Tensor& grad_bias);    \
+  void swiglu_fwd_kernel(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& y);                            \
+  void swiglu_bwd_kernel(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& bias,                  \
+                         const at::Tensor& grad_x, const at::Tensor& y, const at::Tensor& grad_bias);                              \
+  /* mean is undefined for RMSNorm; residual_out is written when residual is given */                            \
+  void norm_fwd_kernel(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight,                \
+                       const at::Tensor& bias, const at::Tensor& y, const at::Tensor& residual_out, const at::Tensor& mean,        \
+                       const at::Tensor& rstd, double eps);                                                            \
+  /* bias is only read to rebuild y; grad_weight/grad_bias are written when weight/bias are given */             \
+  void norm_bwd_kernel(const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight,                  \
+                       const at::Tensor& bias, const at::Tensor& mean, const at::Tensor& rstd,                   \
+                       const at::Tensor& grad_x_extra, const at::Tensor& grad_x, const at::Tensor& y,                        \
+                       const at::Tensor& grad_weight, const at::Tensor& grad_bias);                                          \
+  }
+
+MEMOPT_DECLARE_CPU_KERNELS(generic)
+#if MEMOPT_CPU_HAVE_AVX2
+MEMOPT_DECLARE_CPU_KERNELS(avx2)
+#endif
+#undef MEMOPT_DECLARE_CPU_KERNELS
+
+// Whether the AVX2 build of the kernels runs on this machine (decided once).
+bool cpu_use_avx2_kernels();
+
+#if MEMOPT_CPU_HAVE_AVX2
+#define MEMOPT_CPU_KERNEL(name) (::memopt::cpu_use_avx2_kernels() ? &::memopt::avx2::name : &::memopt::generic::name)
+#else
+#define MEMOPT_CPU_KERNEL(name) (&::memopt::generic::name)
+#endif
+
+}  // namespace memopt

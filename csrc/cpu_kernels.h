@@ -8,10 +8,12 @@
 // Every tensor is contiguous and has x's dtype, float32 or float64, which is also the compute
 // type (at::opmath_type of both is itself). An undefined tensor stands for an absent input or an
 // output that was not asked for. The launchers convert float32 parameters of float64 x to float64
-// before the call and the parameter gradients back after it.
+// before the call (cpu_param) and the parameter gradients back after it (CpuParamGrad).
 #pragma once
 
 #include <ATen/core/Tensor.h>
+
+#include <optional>
 
 #include "activation.h"
 
@@ -57,5 +59,30 @@ bool cpu_use_avx2_kernels();
 #else
 #define MEMOPT_CPU_KERNEL(name) (&::memopt::generic::name)
 #endif
+
+// A parameter as the kernels take it: x's dtype (a float32 parameter of float64 x is widened,
+// exactly), undefined when absent.
+inline at::Tensor cpu_param(const std::optional<at::Tensor>& param, const at::Tensor& x) {
+  return param.has_value() ? param->to(x.scalar_type()) : at::Tensor();
+}
+
+// A parameter gradient as the kernels write it: into the output itself when the parameter has x's
+// dtype, else into an x-dtype buffer that finish() rounds into the output.
+class CpuParamGrad {
+ public:
+  CpuParamGrad(const at::Tensor& output, const std::optional<at::Tensor>& param, const at::Tensor& x)
+      : output_(param.has_value() ? output : at::Tensor()),
+        buffer_(!param.has_value()                       ? at::Tensor()
+                : param->scalar_type() == x.scalar_type() ? output
+                                                          : at::empty(output.sizes(), x.options())) {}
+  const at::Tensor& kernel_output() const { return buffer_; }
+  void finish() const {
+    if (output_.defined() && !buffer_.is_same(output_)) output_.copy_(buffer_);
+  }
+
+ private:
+  at::Tensor output_;
+  at::Tensor buffer_;
+};
 
 }  // namespace memopt

@@ -1,9 +1,9 @@
-// The CPU kernels of the activation and norm ops, compiled twice: once for any x86-64/ARM CPU
-// (namespace generic, cpu_kernels_generic.cpp) and once for AVX2 + FMA (namespace avx2,
-// cpu_kernels_avx2.cpp, x86-64 with GCC only). The launchers (activation.cpp, norm.cpp) check the
-// arguments, allocate the outputs and call MEMOPT_CPU_KERNEL(name)(...), which picks the AVX2 build
-// when ATen would pick AVX2 or better for its own kernels (ATEN_CPU_CAPABILITY=default turns it
-// off, as it does for ATen).
+// The CPU kernels of the activation and norm ops, compiled once for any CPU (namespace generic,
+// cpu_kernels_generic.cpp) and, on x86-64 with GCC, for AVX2 + FMA (namespace avx2,
+// cpu_kernels_avx2.cpp) and AVX-512 (namespace avx512, cpu_kernels_avx512.cpp). The launchers
+// (activation.cpp, norm.cpp) check the arguments, allocate the outputs and call
+// MEMOPT_CPU_KERNEL(name)(...), which runs the build that matches the instruction set ATen picks
+// for its own kernels (so ATEN_CPU_CAPABILITY=default or =avx2 caps it, as it caps ATen).
 //
 // Every tensor is contiguous and has x's dtype, float32 or float64, which is also the compute
 // type (at::opmath_type of both is itself). An undefined tensor stands for an absent input or an
@@ -18,9 +18,9 @@
 #include "activation.h"
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
-#define MEMOPT_CPU_HAVE_AVX2 1
+#define MEMOPT_CPU_HAVE_X86_BUILDS 1
 #else
-#define MEMOPT_CPU_HAVE_AVX2 0
+#define MEMOPT_CPU_HAVE_X86_BUILDS 0
 #endif
 
 namespace memopt {
@@ -46,16 +46,22 @@ namespace memopt {
   }
 
 MEMOPT_DECLARE_CPU_KERNELS(generic)
-#if MEMOPT_CPU_HAVE_AVX2
+#if MEMOPT_CPU_HAVE_X86_BUILDS
 MEMOPT_DECLARE_CPU_KERNELS(avx2)
+MEMOPT_DECLARE_CPU_KERNELS(avx512)
 #endif
 #undef MEMOPT_DECLARE_CPU_KERNELS
 
-// Whether the AVX2 build of the kernels runs on this machine (decided once).
-bool cpu_use_avx2_kernels();
+enum class CpuKernelBuild { kGeneric, kAvx2, kAvx512 };
 
-#if MEMOPT_CPU_HAVE_AVX2
-#define MEMOPT_CPU_KERNEL(name) (::memopt::cpu_use_avx2_kernels() ? &::memopt::avx2::name : &::memopt::generic::name)
+// The build of the kernels that runs on this machine (decided once).
+CpuKernelBuild cpu_kernel_build();
+
+#if MEMOPT_CPU_HAVE_X86_BUILDS
+#define MEMOPT_CPU_KERNEL(name)                                                                   \
+  (::memopt::cpu_kernel_build() == ::memopt::CpuKernelBuild::kAvx512 ? &::memopt::avx512::name \
+   : ::memopt::cpu_kernel_build() == ::memopt::CpuKernelBuild::kAvx2 ? &::memopt::avx2::name   \
+                                                                       : &::memopt::generic::name)
 #else
 #define MEMOPT_CPU_KERNEL(name) (&::memopt::generic::name)
 #endif

@@ -9,18 +9,22 @@
 
 namespace memopt {
 
-bool cpu_use_avx2_kernels() {
-#if MEMOPT_CPU_HAVE_AVX2
+CpuKernelBuild cpu_kernel_build() {
+#if MEMOPT_CPU_HAVE_X86_BUILDS
   // ATen's own choice ("DEFAULT", "AVX2" or "AVX512" on x86-64: the hardware's, capped by
-  // ATEN_CPU_CAPABILITY), and FMA, which the AVX2 build uses.
-  static const bool use = [] {
+  // ATEN_CPU_CAPABILITY), checked against the features each build is compiled for.
+  static const CpuKernelBuild build = [] {
     const std::string capability = at::get_cpu_capability();
-    return (capability == "AVX2" || capability == "AVX512") && __builtin_cpu_supports("avx2") &&
-           __builtin_cpu_supports("fma");
+    const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    if (capability == "AVX512" && avx512) return CpuKernelBuild::kAvx512;
+    if ((capability == "AVX2" || capability == "AVX512") && avx2) return CpuKernelBuild::kAvx2;
+    return CpuKernelBuild::kGeneric;
   }();
-  return use;
+  return build;
 #else
-  return false;
+  return CpuKernelBuild::kGeneric;
 #endif
 }
 

@@ -559,8 +559,9 @@ def _step_seconds(
 
 
 _FRONTIER_LIMIT = 4096
-# Tie-break between equal plans: stronger policies on earlier layers (their activations are
-# freed last in backward).
+# Between plans of equal time, the one with weaker policies wins (a measured cost of 0 is noise
+# as often as it is free), then the one with the stronger policies on earlier layers (their
+# activations are freed last in backward).
 _POLICY_STRENGTH = {"none": 0, "offload": 1, "selective": 2, "full": 3}
 
 
@@ -568,27 +569,32 @@ def _choose(layer_bytes: list[dict[str, int]], layer_seconds: list[dict[str, flo
     """The per-layer policies with the least total seconds whose bytes fit ``budget``.
 
     A multiple-choice knapsack solved by dynamic programming over the layers, keeping the Pareto
-    frontier of (bytes, seconds) partial plans: exact while the frontier holds at most
-    ``_FRONTIER_LIMIT`` plans; past that, plans are bucketed by bytes (the fastest per bucket
-    kept), which can cost at most one bucket's width of bytes of optimality. When nothing fits,
-    returns the plan with the fewest bytes.
+    frontier of partial plans in (bytes, cost), where cost is (seconds, summed policy strength):
+    exact while the frontier holds at most ``_FRONTIER_LIMIT`` plans; past that, plans are
+    bucketed by bytes (the cheapest per bucket kept), which can cost at most one bucket's width
+    of bytes of optimality. When nothing fits, returns the plan with the fewest bytes.
     """
-    frontier: list[tuple[int, float, tuple[str, ...]]] = [(0, 0.0, ())]
+    # A partial plan: (bytes, (seconds, strength), choices).
+    frontier: list[tuple[int, tuple[float, int], tuple[str, ...]]] = [(0, (0.0, 0), ())]
     for b, s in zip(layer_bytes, layer_seconds):
-        extended = [(total + b[o], seconds + s[o], choice + (o,)) for total, seconds, choice in frontier for o in b]
+        extended = [
+            (total + b[o], (cost[0] + s[o], cost[1] + _POLICY_STRENGTH.get(o, 0)), choice + (o,))
+            for total, cost, choice in frontier
+            for o in b
+        ]
         within = [plan for plan in extended if plan[0] <= budget]
         if not within:
             # Nothing fits: keep only the least-bytes plan, so the caller can report by how much.
             frontier = [min(extended, key=lambda plan: (plan[0], plan[1]))]
             continue
-        within.sort(key=lambda plan: (plan[0], plan[1], tuple(-_POLICY_STRENGTH.get(o, 0) for o in plan[2])))
+        within.sort(key=lambda plan: (plan[0], plan[1], _earlier_stronger(plan[2])))
         pareto = []
         for plan in within:
             if not pareto or plan[1] < pareto[-1][1]:
                 pareto.append(plan)
         if len(pareto) > _FRONTIER_LIMIT:
             width = (pareto[-1][0] - pareto[0][0]) / _FRONTIER_LIMIT + 1
-            buckets: dict[int, tuple[int, float, tuple[str, ...]]] = {}
+            buckets: dict[int, tuple[int, tuple[float, int], tuple[str, ...]]] = {}
             for plan in pareto:
                 key = int((plan[0] - pareto[0][0]) // width)
                 if key not in buckets or plan[1] < buckets[key][1]:
@@ -598,8 +604,11 @@ def _choose(layer_bytes: list[dict[str, int]], layer_seconds: list[dict[str, flo
     fitting = [plan for plan in frontier if plan[0] <= budget]
     if not fitting:
         return list(min(frontier)[2])
-    best = min(fitting, key=lambda plan: (plan[1], tuple(-_POLICY_STRENGTH.get(o, 0) for o in plan[2])))
-    return list(best[2])
+    return list(min(fitting, key=lambda plan: (plan[1], _earlier_stronger(plan[2])))[2])
+
+
+def _earlier_stronger(choice: tuple[str, ...]) -> tuple[int, ...]:
+    return tuple(-_POLICY_STRENGTH.get(o, 0) for o in choice)
 
 
 def _check_offload(offload: Any, caller: str) -> None:

@@ -617,3 +617,13 @@ def test_plan_round_trips_through_json_and_can_be_edited():
         memopt.Plan.from_dict(data)
     with pytest.raises(ValueError, match="lacks"):
         memopt.Plan.from_dict({"policies": []})
+
+
+def test_choice_prefers_weaker_policies_when_times_tie():
+    # A measured cost of 0 (noise, or a policy as fast as none) must not turn on checkpointing
+    # that the budget does not need.
+    layer_bytes = [{"none": 300, "selective": 100, "full": 10}] * 3
+    layer_seconds = [{"none": 0.0, "selective": 0.0, "full": 0.0}] * 3
+    assert wrap_module._choose(layer_bytes, layer_seconds, 10**6) == ["none"] * 3
+    assert wrap_module._choose(layer_bytes, layer_seconds, 700) == ["selective", "none", "none"]
+    assert wrap_module._choose(layer_bytes, layer_seconds, 610) == ["full", "none", "none"]

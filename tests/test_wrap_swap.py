@@ -21,6 +21,8 @@ D_MODEL, HEADS, FFN, SEQ, BATCH = 64, 4, 128, 8, 2
 # The fused attention keeps its log-sum-exp in float32 for every dtype, so float64 runs agree
 # with torch's layer to about 1e-7, not to float64 rounding (as in tests/test_block.py).
 F64_TOL = {"atol": 1e-6, "rtol": 1e-5}
+# Block under autocast against the torch layer under autocast: both round matmuls to bfloat16.
+BF16_TOL = {"atol": 5e-2, "rtol": 5e-2}
 
 
 @pytest.fixture(autouse=True)
@@ -54,12 +56,16 @@ def _step(model, x, layer_params, **kwargs):
     return out.detach(), leaf.grad, {name: p.grad.clone() for name, p in layer_params.items()}
 
 
-def _assert_same_step(got, expected):
-    torch.testing.assert_close(got[0], expected[0], **F64_TOL)
-    torch.testing.assert_close(got[1], expected[1], **F64_TOL)
+def _assert_step_close(got, expected, **tol):
+    torch.testing.assert_close(got[0], expected[0], **tol)
+    torch.testing.assert_close(got[1], expected[1], **tol)
     assert got[2].keys() == expected[2].keys()
     for name in expected[2]:
-        torch.testing.assert_close(got[2][name], expected[2][name], **F64_TOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[2][name], expected[2][name], **tol, msg=lambda m: f"{name}: {m}")
+
+
+def _assert_same_step(got, expected):
+    _assert_step_close(got, expected, **F64_TOL)
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu"])
@@ -414,11 +420,7 @@ def test_float32_swap_runs_the_block_under_autocast(attention_takes_half_types_o
         got = _step(model, x, _layer_params_by_plain_name(originals))
     # The fused block ran, not the torch layer; results agree to bfloat16 rounding.
     assert calls == ["FusedCheckpointBlock"]
-    tol = {"atol": 5e-2, "rtol": 5e-2}
-    torch.testing.assert_close(got[0], expected[0], **tol)
-    torch.testing.assert_close(got[1], expected[1], **tol)
-    for name in expected[2]:
-        torch.testing.assert_close(got[2][name], expected[2][name], **tol, msg=lambda m: f"{name}: {m}")
+    _assert_step_close(got, expected, **BF16_TOL)
 
 
 def test_float32_swap_survives_deepcopy(attention_takes_half_types_only):
@@ -452,10 +454,7 @@ def test_gpu_float32_encoder_swapped_runs_fused_under_autocast_and_torch_outside
     torch.testing.assert_close(got_fp32[1], expected_fp32[1], atol=1e-5, rtol=1e-4)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         got_bf16 = _step(model, x, params)
-    tol = {"atol": 5e-2, "rtol": 5e-2}
-    torch.testing.assert_close(got_bf16[0], expected_bf16[0], **tol)
-    for name in expected_bf16[2]:
-        torch.testing.assert_close(got_bf16[2][name], expected_bf16[2][name], **tol, msg=lambda m: f"{name}: {m}")
+    _assert_step_close(got_bf16, expected_bf16, **BF16_TOL)
 
 
 def test_float32_fallback_uses_the_blocks_current_parameters(attention_takes_half_types_only):

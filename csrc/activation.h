@@ -1,6 +1,7 @@
-// bias + activation (relu, gelu, gelu_tanh, silu) and SwiGLU: the math shared by the CPU and CUDA
-// kernels, and the argument checks shared by their launchers, so both devices compute the same
-// formulas and reject the same inputs with the same words.
+// bias + activation (relu, gelu, gelu_tanh, silu) and SwiGLU: the math of the CUDA kernels (the
+// CPU kernels, cpu_kernels_impl.h, write the same formulas on vectors), and the argument checks and
+// output allocation shared by the CPU and CUDA launchers (activation_common.cpp), so both devices
+// reject the same inputs with the same words.
 //
 // The formulas follow PyTorch's own kernels (aten/src/ATen/native/cpu/Activation.cpp):
 //   relu      y = max(x, 0)                          y' = x <= 0 ? 0 : 1 (0 at x == 0, as PyTorch)
@@ -18,7 +19,6 @@
 #include <optional>
 #include <string>
 #include <type_traits>
-#include <vector>
 
 #include "philox.h"  // MEMOPT_HOST_DEVICE
 
@@ -118,43 +118,31 @@ void dispatch_activation(Activation activation, Fn&& fn) {
   }
 }
 
-// Calls fn(static_cast<bias_t*>(nullptr)) with bias_t the bias's element type: scalar_t when the
-// bias is absent or has x's dtype, float when it is a float32 bias for lower-precision x.
-template <typename scalar_t, typename Fn>
-void dispatch_bias_type(const std::optional<at::Tensor>& bias, Fn&& fn) {
-  if (!bias.has_value() || bias->scalar_type() == c10::CppTypeToScalarType<scalar_t>::value) {
-    fn(static_cast<scalar_t*>(nullptr));
-  } else {
-    fn(static_cast<float*>(nullptr));
-  }
-}
-
-template <typename bias_t>
-const bias_t* bias_data(const std::optional<at::Tensor>& bias) {
-  return bias.has_value() ? bias->const_data_ptr<bias_t>() : nullptr;
-}
-
-// "relu" -> kRelu, ...; anything else raises an error listing the valid names.
-Activation parse_activation(const std::string& name, const char* op);
-
-// Rows and columns of a row-major x viewed as [rows, cols].
-struct RowsCols {
+// The launchers' shared front half: parse the activation name, check the arguments (raising the
+// same errors on every device) and allocate the outputs. x: [..., cols]; bias: [cols] of x's
+// dtype or float32, or absent; for swiglu cols = 2 * d, y: [..., d].
+struct ActForward {
+  Activation activation;
   int64_t rows;
-  int64_t cols;
+  int64_t cols;  // x.size(-1)
+  at::Tensor y;  // contiguous, x's dtype
 };
 
-// Checks x (float dtype for its device, contiguous, at least 1-D) and bias (shape [bias_size],
-// dtype x's or float32, x's device, contiguous); returns x viewed as [rows, x.size(-1)].
-RowsCols check_act_inputs(const at::Tensor& x, const std::optional<at::Tensor>& bias, int64_t bias_size,
-                          const char* op);
+struct ActBackward {
+  Activation activation;
+  int64_t rows;
+  int64_t cols;
+  at::Tensor grad_x;     // like x
+  at::Tensor grad_bias;  // like bias (its dtype), or empty when there is no bias
+  at::Tensor y;          // the rebuilt output with return_y, else empty
+};
 
-// Checks grad_y against the forward output's shape (out_sizes), x's dtype and device, contiguity.
-void check_act_grad(const at::Tensor& grad_y, const at::Tensor& x, at::IntArrayRef out_sizes, const char* op);
-
-// d for swiglu's x of last dimension 2 * d; raises when x.size(-1) is odd.
-int64_t swiglu_half_width(const at::Tensor& x);
-
-// The shape of swiglu's output: x's with the last dimension halved.
-std::vector<int64_t> swiglu_out_sizes(const at::Tensor& x);
+ActForward prepare_bias_act_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                                const std::string& activation);
+ActBackward prepare_bias_act_bwd(const at::Tensor& grad_y, const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                                 const std::string& activation, bool return_y);
+ActForward prepare_swiglu_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias);
+ActBackward prepare_swiglu_bwd(const at::Tensor& grad_y, const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                               bool return_y);
 
 }  // namespace memopt

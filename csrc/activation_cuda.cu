@@ -20,15 +20,6 @@
 namespace memopt {
 namespace {
 
-constexpr const char* kBiasAct = "bias_act";
-constexpr const char* kSwiglu = "swiglu";
-
-// The CUDA kernels take float32, float16 and bfloat16 (check_float_dtype rejects float64).
-#define MEMOPT_DISPATCH_CUDA_FLOAT_TYPES(TYPE, NAME, ...)                 \
-  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
-                                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__) \
-                                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
-
 constexpr int kThreads = 256;  // elementwise kernels
 constexpr int kTileCols = 32;  // bias-gradient kernels: blockDim.x, one warp across columns
 constexpr int kTileRows = 8;   // bias-gradient kernels: blockDim.y, rows handled side by side
@@ -230,7 +221,7 @@ __global__ void reduce_partials_cuda_kernel(const acc_t* __restrict__ partials, 
 }
 
 template <typename acc_t, typename bias_t>
-void launch_reduce_partials(const at::Tensor& partials, int64_t chunks, int64_t width, at::Tensor& grad_bias) {
+void launch_reduce_partials(const at::Tensor& partials, int64_t chunks, int64_t width, const at::Tensor& grad_bias) {
   reduce_partials_cuda_kernel<acc_t, bias_t>
       <<<elementwise_blocks(width), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
           partials.const_data_ptr<acc_t>(), chunks, width, grad_bias.mutable_data_ptr<bias_t>());
@@ -239,20 +230,19 @@ void launch_reduce_partials(const at::Tensor& partials, int64_t chunks, int64_t 
 
 at::Tensor bias_act_fwd_cuda(const at::Tensor& x, const std::optional<at::Tensor>& bias,
                              const std::string& activation) {
-  const Activation act = parse_activation(activation, kBiasAct);
-  const RowsCols shape = check_act_inputs(x, bias, x.dim() >= 1 ? x.size(-1) : 0, kBiasAct);
-  auto y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  const ActForward call = prepare_bias_act_fwd(x, bias, activation);
+  const at::Tensor& y = call.y;
   const int64_t numel = x.numel();
   if (numel == 0) return y;
   const c10::cuda::CUDAGuard guard(x.device());
-  MEMOPT_DISPATCH_CUDA_FLOAT_TYPES(x.scalar_type(), "bias_act_fwd_cuda", [&] {
-    dispatch_bias_type<scalar_t>(bias, [&](auto* bias_tag) {
+  MEMOPT_DISPATCH_CUDA_FLOATS(x.scalar_type(), "bias_act_fwd_cuda", [&] {
+    dispatch_param_type<scalar_t>(param_dtype(bias, x), [&](auto* bias_tag) {
       using bias_t = std::remove_pointer_t<decltype(bias_tag)>;
-      dispatch_activation(act, [&](auto a) {
+      dispatch_activation(call.activation, [&](auto a) {
         bias_act_fwd_cuda_kernel<decltype(a)::value, scalar_t, bias_t>
             <<<elementwise_blocks(numel), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-                x.const_data_ptr<scalar_t>(), bias_data<bias_t>(bias), y.mutable_data_ptr<scalar_t>(), numel,
-                shape.cols);
+                x.const_data_ptr<scalar_t>(), optional_data<bias_t>(bias), y.mutable_data_ptr<scalar_t>(), numel,
+                call.cols);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     });
@@ -263,12 +253,8 @@ at::Tensor bias_act_fwd_cuda(const at::Tensor& x, const std::optional<at::Tensor
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bias_act_bwd_cuda(const at::Tensor& grad_y, const at::Tensor& x,
                                                                  const std::optional<at::Tensor>& bias,
                                                                  const std::string& activation, bool return_y) {
-  const Activation act = parse_activation(activation, kBiasAct);
-  const RowsCols shape = check_act_inputs(x, bias, x.dim() >= 1 ? x.size(-1) : 0, kBiasAct);
-  check_act_grad(grad_y, x, x.sizes(), kBiasAct);
-  auto grad_x = at::empty_like(x, at::MemoryFormat::Contiguous);
-  auto y = return_y ? at::empty_like(x, at::MemoryFormat::Contiguous) : absent_like(x);
-  auto grad_bias = bias.has_value() ? at::empty_like(*bias, at::MemoryFormat::Contiguous) : absent_like(x);
+  const ActBackward call = prepare_bias_act_bwd(grad_y, x, bias, activation, return_y);
+  const at::Tensor &grad_x = call.grad_x, &grad_bias = call.grad_bias, &y = call.y;
   const int64_t numel = x.numel();
   if (numel == 0) {
     if (bias.has_value()) grad_bias.zero_();
@@ -276,11 +262,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bias_act_bwd_cuda(const at::Tenso
   }
   const c10::cuda::CUDAGuard guard(x.device());
   const auto stream = at::cuda::getCurrentCUDAStream();
-  MEMOPT_DISPATCH_CUDA_FLOAT_TYPES(x.scalar_type(), "bias_act_bwd_cuda", [&] {
+  MEMOPT_DISPATCH_CUDA_FLOATS(x.scalar_type(), "bias_act_bwd_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     scalar_t* y_ptr = return_y ? y.mutable_data_ptr<scalar_t>() : nullptr;
     if (!bias.has_value()) {
-      dispatch_activation(act, [&](auto a) {
+      dispatch_activation(call.activation, [&](auto a) {
         bias_act_bwd_cuda_kernel<decltype(a)::value, scalar_t><<<elementwise_blocks(numel), kThreads, 0, stream>>>(
             grad_y.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), grad_x.mutable_data_ptr<scalar_t>(),
             y_ptr, numel);
@@ -288,38 +274,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bias_act_bwd_cuda(const at::Tenso
       });
       return;
     }
-    const BiasGradGrid launch = bias_grad_grid(shape.rows, shape.cols);
+    const BiasGradGrid launch = bias_grad_grid(call.rows, call.cols);
     auto partials =
-        at::empty({launch.chunks, shape.cols}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
-    dispatch_bias_type<scalar_t>(bias, [&](auto* bias_tag) {
+        at::empty({launch.chunks, call.cols}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+    dispatch_param_type<scalar_t>(param_dtype(bias, x), [&](auto* bias_tag) {
       using bias_t = std::remove_pointer_t<decltype(bias_tag)>;
-      dispatch_activation(act, [&](auto a) {
+      dispatch_activation(call.activation, [&](auto a) {
         bias_act_bwd_bias_cuda_kernel<decltype(a)::value, scalar_t, bias_t>
             <<<launch.grid, dim3(kTileCols, kTileRows), 0, stream>>>(
-                grad_y.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), bias_data<bias_t>(bias),
-                grad_x.mutable_data_ptr<scalar_t>(), y_ptr, partials.mutable_data_ptr<acc_t>(), shape.rows,
-                shape.cols, launch.rows_per_chunk);
+                grad_y.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), optional_data<bias_t>(bias),
+                grad_x.mutable_data_ptr<scalar_t>(), y_ptr, partials.mutable_data_ptr<acc_t>(), call.rows,
+                call.cols, launch.rows_per_chunk);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
-      launch_reduce_partials<acc_t, bias_t>(partials, launch.chunks, shape.cols, grad_bias);
+      launch_reduce_partials<acc_t, bias_t>(partials, launch.chunks, call.cols, grad_bias);
     });
   });
   return {grad_x, grad_bias, y};
 }
 
 at::Tensor swiglu_fwd_cuda(const at::Tensor& x, const std::optional<at::Tensor>& bias) {
-  const int64_t d = swiglu_half_width(x);
-  check_act_inputs(x, bias, 2 * d, kSwiglu);
-  auto y = at::empty(swiglu_out_sizes(x), x.options());
+  const ActForward call = prepare_swiglu_fwd(x, bias);
+  const at::Tensor& y = call.y;
+  const int64_t d = call.cols / 2;
   const int64_t numel_out = y.numel();
   if (numel_out == 0) return y;
   const c10::cuda::CUDAGuard guard(x.device());
-  MEMOPT_DISPATCH_CUDA_FLOAT_TYPES(x.scalar_type(), "swiglu_fwd_cuda", [&] {
-    dispatch_bias_type<scalar_t>(bias, [&](auto* bias_tag) {
+  MEMOPT_DISPATCH_CUDA_FLOATS(x.scalar_type(), "swiglu_fwd_cuda", [&] {
+    dispatch_param_type<scalar_t>(param_dtype(bias, x), [&](auto* bias_tag) {
       using bias_t = std::remove_pointer_t<decltype(bias_tag)>;
       swiglu_fwd_cuda_kernel<scalar_t, bias_t>
           <<<elementwise_blocks(numel_out), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-              x.const_data_ptr<scalar_t>(), bias_data<bias_t>(bias), y.mutable_data_ptr<scalar_t>(), numel_out, d);
+              x.const_data_ptr<scalar_t>(), optional_data<bias_t>(bias), y.mutable_data_ptr<scalar_t>(), numel_out, d);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
@@ -329,21 +315,17 @@ at::Tensor swiglu_fwd_cuda(const at::Tensor& x, const std::optional<at::Tensor>&
 std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_bwd_cuda(const at::Tensor& grad_y, const at::Tensor& x,
                                                                const std::optional<at::Tensor>& bias,
                                                                bool return_y) {
-  const int64_t d = swiglu_half_width(x);
-  const RowsCols shape = check_act_inputs(x, bias, 2 * d, kSwiglu);
-  const auto out_sizes = swiglu_out_sizes(x);
-  check_act_grad(grad_y, x, out_sizes, kSwiglu);
-  auto grad_x = at::empty_like(x, at::MemoryFormat::Contiguous);
-  auto y = return_y ? at::empty(out_sizes, x.options()) : absent_like(x);
-  auto grad_bias = bias.has_value() ? at::empty_like(*bias, at::MemoryFormat::Contiguous) : absent_like(x);
-  const int64_t numel_out = shape.rows * d;
+  const ActBackward call = prepare_swiglu_bwd(grad_y, x, bias, return_y);
+  const at::Tensor &grad_x = call.grad_x, &grad_bias = call.grad_bias, &y = call.y;
+  const int64_t d = call.cols / 2;
+  const int64_t numel_out = call.rows * d;
   if (numel_out == 0) {
     if (bias.has_value()) grad_bias.zero_();
     return {grad_x, grad_bias, y};
   }
   const c10::cuda::CUDAGuard guard(x.device());
   const auto stream = at::cuda::getCurrentCUDAStream();
-  MEMOPT_DISPATCH_CUDA_FLOAT_TYPES(x.scalar_type(), "swiglu_bwd_cuda", [&] {
+  MEMOPT_DISPATCH_CUDA_FLOATS(x.scalar_type(), "swiglu_bwd_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
     scalar_t* y_ptr = return_y ? y.mutable_data_ptr<scalar_t>() : nullptr;
     if (!bias.has_value()) {
@@ -353,13 +335,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_bwd_cuda(const at::Tensor&
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       return;
     }
-    const BiasGradGrid launch = bias_grad_grid(shape.rows, d);
+    const BiasGradGrid launch = bias_grad_grid(call.rows, d);
     auto partials = at::empty({launch.chunks, 2 * d}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
-    dispatch_bias_type<scalar_t>(bias, [&](auto* bias_tag) {
+    dispatch_param_type<scalar_t>(param_dtype(bias, x), [&](auto* bias_tag) {
       using bias_t = std::remove_pointer_t<decltype(bias_tag)>;
       swiglu_bwd_bias_cuda_kernel<scalar_t, bias_t><<<launch.grid, dim3(kTileCols, kTileRows), 0, stream>>>(
-          grad_y.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), bias_data<bias_t>(bias),
-          grad_x.mutable_data_ptr<scalar_t>(), y_ptr, partials.mutable_data_ptr<acc_t>(), shape.rows, d,
+          grad_y.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), optional_data<bias_t>(bias),
+          grad_x.mutable_data_ptr<scalar_t>(), y_ptr, partials.mutable_data_ptr<acc_t>(), call.rows, d,
           launch.rows_per_chunk);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       launch_reduce_partials<acc_t, bias_t>(partials, launch.chunks, 2 * d, grad_bias);

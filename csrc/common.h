@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
+#include <optional>
 #include <string>
 
 namespace memopt {
@@ -66,6 +67,33 @@ inline std::pair<uint64_t, uint64_t> read_rng_key(const at::Tensor& key, const c
 inline void check_dropout_p(double p, const char* op) {
   MEMOPT_CHECK(p >= 0.0 && p < 1.0, op, "p must be in [0, 1), got ", p);
 }
+
+// The element type of a parameter (bias, weight): scalar_t when it has x's dtype or is absent,
+// float otherwise (a float32 parameter of lower-precision x, the only other dtype the checks let
+// through). Calls fn(static_cast<param_t*>(nullptr)).
+template <typename scalar_t, typename Fn>
+void dispatch_param_type(at::ScalarType param_dtype, const Fn& fn) {
+  if (param_dtype == c10::CppTypeToScalarType<scalar_t>::value) {
+    fn(static_cast<scalar_t*>(nullptr));
+  } else {
+    fn(static_cast<float*>(nullptr));
+  }
+}
+
+inline at::ScalarType param_dtype(const std::optional<at::Tensor>& param, const at::Tensor& x) {
+  return param.has_value() ? param->scalar_type() : x.scalar_type();
+}
+
+template <typename T>
+const T* optional_data(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? t->const_data_ptr<T>() : nullptr;
+}
+
+// The CUDA kernels take float32, float16 and bfloat16 (check_float_dtype rejects float64 there).
+#define MEMOPT_DISPATCH_CUDA_FLOATS(TYPE, NAME, ...)                         \
+  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__)   \
+                                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__) \
+                                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
 
 // An empty tensor stands for an output that was not asked for (a schema cannot return None).
 inline at::Tensor absent_like(const at::Tensor& ref) { return at::empty({0}, ref.options()); }

@@ -1,53 +1,88 @@
-// layer_norm / rms_norm: argument checks and dtype helpers shared by the CPU and CUDA launchers,
-// so both reject the same inputs with the same words.
+// layer_norm / rms_norm: what the CPU and CUDA launchers share (norm_common.cpp), so both reject
+// the same inputs with the same words and return outputs of the same dtypes and shapes: the
+// argument checks, the output allocation and the four schema entry points over a backend's
+// norm_fwd / norm_bwd.
 #pragma once
 
 #include <ATen/ATen.h>
-#include <c10/core/ScalarType.h>
 
 #include <optional>
-#include <vector>
+#include <tuple>
 
 namespace memopt {
 
-// What a norm call works on: x viewed as [rows, n], and the dtype of weight/bias (x's dtype, or
-// float32 for mixed precision with float32 master parameters).
-struct NormProblem {
+// A forward call, checked: x viewed as [rows, n], the dtype of weight/bias (x's, or float32 for
+// mixed precision with float32 master parameters), and the allocated outputs.
+struct NormForward {
   int64_t rows;
   int64_t n;
   at::ScalarType param_dtype;
+  at::Tensor y;             // like x, contiguous
+  at::Tensor residual_out;  // x + residual, like x; empty without a residual
+  at::Tensor mean;          // x.shape[:-1], float32 (float64 for float64 x); undefined for RMSNorm
+  at::Tensor rstd;          // as mean
 };
 
-// Per-row statistics (mean, rstd) are float32, or float64 for float64 x.
-at::ScalarType norm_stat_dtype(const at::Tensor& x);
-// x.shape[:-1]: one statistic per row.
-std::vector<int64_t> norm_stat_shape(const at::Tensor& x);
+// A backward call, checked, with its outputs: grad_weight/grad_bias in param_dtype ([n], or empty
+// when the parameter is absent), y (the rebuilt output) empty unless return_y.
+struct NormBackward {
+  int64_t rows;
+  int64_t n;
+  at::ScalarType param_dtype;
+  at::Tensor grad_x;
+  at::Tensor grad_weight;
+  at::Tensor grad_bias;
+  at::Tensor y;
+};
 
-// op is "layer_norm" or "rms_norm" (rms_norm passes no bias).
-NormProblem check_norm_fwd_inputs(const char* op, const at::Tensor& x, const std::optional<at::Tensor>& residual,
-                                  const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-                                  double eps);
+// op is "layer_norm" or "rms_norm"; rms_norm has no bias and no mean.
+NormForward prepare_norm_fwd(const char* op, bool rms, const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                             const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                             double eps);
 
-// mean is null for rms_norm.
-NormProblem check_norm_bwd_inputs(const char* op, const at::Tensor& grad_y, const at::Tensor& x,
-                                  const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
-                                  const at::Tensor* mean, const at::Tensor& rstd,
-                                  const std::optional<at::Tensor>& grad_x_extra);
+NormBackward prepare_norm_bwd(const char* op, const at::Tensor& grad_y, const at::Tensor& x,
+                              const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                              const at::Tensor* mean, const at::Tensor& rstd,
+                              const std::optional<at::Tensor>& grad_x_extra, bool return_y);
 
-// Calls f(static_cast<param_t*>(nullptr)) with param_t = scalar_t when the parameters have x's
-// dtype and param_t = float otherwise (the only other dtype the checks let through).
-template <typename scalar_t, typename F>
-void dispatch_param_type(at::ScalarType param_dtype, const F& f) {
-  if (param_dtype == c10::CppTypeToScalarType<scalar_t>::value) {
-    f(static_cast<scalar_t*>(nullptr));
-  } else {
-    f(static_cast<float*>(nullptr));
+using NormFwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;  // y, residual_out, mean, rstd
+using NormBwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;  // grad_x, grad_w, grad_b, y
+
+// The schema's four ops over one backend's launchers
+//   NormFwdResult norm_fwd(op, rms, x, residual, weight, bias, eps)
+//   NormBwdResult norm_bwd(op, grad_y, x, weight, bias, mean (null for RMSNorm), rstd, grad_x_extra, return_y)
+template <auto norm_fwd, auto norm_bwd>
+struct NormOps {
+  static NormFwdResult layer_norm_fwd(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                      const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                                      double eps) {
+    return norm_fwd("layer_norm", /*rms=*/false, x, residual, weight, bias, eps);
   }
-}
 
-template <typename T>
-const T* optional_data(const std::optional<at::Tensor>& t) {
-  return t.has_value() ? t->const_data_ptr<T>() : nullptr;
-}
+  static NormBwdResult layer_norm_bwd(const at::Tensor& grad_y, const at::Tensor& x,
+                                      const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                                      const at::Tensor& mean, const at::Tensor& rstd,
+                                      const std::optional<at::Tensor>& grad_x_extra, bool return_y) {
+    return norm_bwd("layer_norm", grad_y, x, weight, bias, &mean, rstd, grad_x_extra, return_y);
+  }
+
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x,
+                                                                     const std::optional<at::Tensor>& residual,
+                                                                     const std::optional<at::Tensor>& weight,
+                                                                     double eps) {
+    auto [y, residual_out, mean, rstd] = norm_fwd("rms_norm", /*rms=*/true, x, residual, weight, std::nullopt, eps);
+    return {y, residual_out, rstd};
+  }
+
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_bwd(const at::Tensor& grad_y, const at::Tensor& x,
+                                                                     const std::optional<at::Tensor>& weight,
+                                                                     const at::Tensor& rstd,
+                                                                     const std::optional<at::Tensor>& grad_x_extra,
+                                                                     bool return_y) {
+    auto [grad_x, grad_weight, grad_bias, y] =
+        norm_bwd("rms_norm", grad_y, x, weight, std::nullopt, nullptr, rstd, grad_x_extra, return_y);
+    return {grad_x, grad_weight, y};
+  }
+};
 
 }  // namespace memopt

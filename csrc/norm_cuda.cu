@@ -16,12 +16,6 @@
 namespace memopt {
 namespace {
 
-// The CUDA kernels take float32, float16 and bfloat16 (check_float_dtype rejects float64).
-#define MEMOPT_DISPATCH_CUDA_FLOATS(TYPE, NAME, ...)                  \
-  AT_DISPATCH_SWITCH(TYPE, NAME, AT_DISPATCH_CASE(at::kFloat, __VA_ARGS__) \
-                                     AT_DISPATCH_CASE(at::kHalf, __VA_ARGS__) \
-                                     AT_DISPATCH_CASE(at::kBFloat16, __VA_ARGS__))
-
 constexpr int kWarpSize = 32;
 constexpr int kMaxWarps = 32;  // 1024 threads
 
@@ -190,16 +184,12 @@ int64_t grid_for_rows(int64_t rows, int threads) {
   return std::max<int64_t>(1, std::min<int64_t>(rows, per_sm * props->multiProcessorCount));
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_fwd_cuda(
-    const char* op, bool rms, const at::Tensor& x, const std::optional<at::Tensor>& residual,
-    const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias, double eps) {
-  const NormProblem problem = check_norm_fwd_inputs(op, x, residual, weight, bias, eps);
+NormFwdResult norm_fwd_cuda(const char* op, bool rms, const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                            const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                            double eps) {
+  const NormForward problem = prepare_norm_fwd(op, rms, x, residual, weight, bias, eps);
   const c10::cuda::CUDAGuard guard(x.device());
-  auto y = at::empty_like(x, at::MemoryFormat::Contiguous);
-  auto residual_out = residual.has_value() ? at::empty_like(x, at::MemoryFormat::Contiguous) : absent_like(x);
-  const auto stat_options = x.options().dtype(norm_stat_dtype(x));
-  auto mean = rms ? at::Tensor() : at::empty(norm_stat_shape(x), stat_options);
-  auto rstd = at::empty(norm_stat_shape(x), stat_options);
+  const at::Tensor &y = problem.y, &residual_out = problem.residual_out, &mean = problem.mean, &rstd = problem.rstd;
   if (problem.rows == 0) return {y, residual_out, mean, rstd};
   const int threads = threads_for_row(problem.n);
   const int64_t blocks = grid_for_rows(problem.rows, threads);
@@ -218,17 +208,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_fwd_cuda(
   return {y, residual_out, mean, rstd};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_bwd_cuda(
-    const char* op, const at::Tensor& grad_y, const at::Tensor& x, const std::optional<at::Tensor>& weight,
-    const std::optional<at::Tensor>& bias, const at::Tensor* mean, const at::Tensor& rstd,
-    const std::optional<at::Tensor>& grad_x_extra, bool return_y) {
-  const NormProblem problem = check_norm_bwd_inputs(op, grad_y, x, weight, bias, mean, rstd, grad_x_extra);
+NormBwdResult norm_bwd_cuda(const char* op, const at::Tensor& grad_y, const at::Tensor& x,
+                            const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                            const at::Tensor* mean, const at::Tensor& rstd,
+                            const std::optional<at::Tensor>& grad_x_extra, bool return_y) {
+  const NormBackward problem = prepare_norm_bwd(op, grad_y, x, weight, bias, mean, rstd, grad_x_extra, return_y);
   const c10::cuda::CUDAGuard guard(x.device());
-  auto grad_x = at::empty_like(x, at::MemoryFormat::Contiguous);
-  auto y = return_y ? at::empty_like(x, at::MemoryFormat::Contiguous) : absent_like(x);
-  const auto param_options = x.options().dtype(problem.param_dtype);
-  auto grad_weight = weight.has_value() ? at::empty({problem.n}, param_options) : absent_like(x);
-  auto grad_bias = bias.has_value() ? at::empty({problem.n}, param_options) : absent_like(x);
+  const at::Tensor &grad_x = problem.grad_x, &grad_weight = problem.grad_weight, &grad_bias = problem.grad_bias,
+                   &y = problem.y;
   if (problem.rows == 0) {
     grad_weight.zero_();
     grad_bias.zero_();
@@ -269,45 +256,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> norm_bwd_cuda(
   return {grad_x, grad_weight, grad_bias, y};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd_cuda(
-    const at::Tensor& x, const std::optional<at::Tensor>& residual, const std::optional<at::Tensor>& weight,
-    const std::optional<at::Tensor>& bias, double eps) {
-  return norm_fwd_cuda("layer_norm", /*rms=*/false, x, residual, weight, bias, eps);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cuda(
-    const at::Tensor& grad_y, const at::Tensor& x, const std::optional<at::Tensor>& weight,
-    const std::optional<at::Tensor>& bias, const at::Tensor& mean, const at::Tensor& rstd,
-    const std::optional<at::Tensor>& grad_x_extra, bool return_y) {
-  return norm_bwd_cuda("layer_norm", grad_y, x, weight, bias, &mean, rstd, grad_x_extra, return_y);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd_cuda(const at::Tensor& x,
-                                                                  const std::optional<at::Tensor>& residual,
-                                                                  const std::optional<at::Tensor>& weight,
-                                                                  double eps) {
-  auto [y, residual_out, mean, rstd] =
-      norm_fwd_cuda("rms_norm", /*rms=*/true, x, residual, weight, std::nullopt, eps);
-  return {y, residual_out, rstd};
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_bwd_cuda(const at::Tensor& grad_y, const at::Tensor& x,
-                                                                  const std::optional<at::Tensor>& weight,
-                                                                  const at::Tensor& rstd,
-                                                                  const std::optional<at::Tensor>& grad_x_extra,
-                                                                  bool return_y) {
-  auto [grad_x, grad_weight, grad_bias, y] =
-      norm_bwd_cuda("rms_norm", grad_y, x, weight, std::nullopt, nullptr, rstd, grad_x_extra, return_y);
-  return {grad_x, grad_weight, y};
-}
+using CudaNormOps = NormOps<norm_fwd_cuda, norm_bwd_cuda>;
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(memopt, CUDA, m) {
-  m.impl("layer_norm_fwd", &layer_norm_fwd_cuda);
-  m.impl("layer_norm_bwd", &layer_norm_bwd_cuda);
-  m.impl("rms_norm_fwd", &rms_norm_fwd_cuda);
-  m.impl("rms_norm_bwd", &rms_norm_bwd_cuda);
+  m.impl("layer_norm_fwd", &CudaNormOps::layer_norm_fwd);
+  m.impl("layer_norm_bwd", &CudaNormOps::layer_norm_bwd);
+  m.impl("rms_norm_fwd", &CudaNormOps::rms_norm_fwd);
+  m.impl("rms_norm_bwd", &CudaNormOps::rms_norm_bwd);
 }
 
 }  // namespace memopt

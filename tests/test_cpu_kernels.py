@@ -1,0 +1,105 @@
+"""The CPU kernels are compiled once per instruction set (csrc/cpu_kernels.h: baseline, AVX2 + FMA,
+AVX-512) and run the one ATen picks for itself. The other tests run this machine's best; these run
+the baseline and the AVX2 builds in a subprocess with ``ATEN_CPU_CAPABILITY`` capping the choice
+(on a CPU without AVX2 the cap changes nothing and the baseline build runs twice) and check them
+against the float64 references."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from memopt.ops.activation import bias_act_ref, swiglu_ref
+from memopt.ops.norm import layer_norm_ref, rms_norm_ref
+from helpers import tolerances
+
+REPO = Path(__file__).resolve().parents[1]
+
+# Runs in the subprocess: forward + backward of every CPU op on odd shapes (tails shorter than a
+# vector), float32 and float64, saved for the parent to compare.
+WORKER = r"""
+import sys
+import torch
+import memopt
+
+torch.manual_seed(0)
+results = {}
+for dtype in (torch.float32, torch.float64):
+    x = torch.randn(37, 67, dtype=dtype)
+    bias = torch.randn(67, dtype=dtype)
+    grad = torch.randn(37, 67, dtype=dtype)
+    for activation in ("relu", "gelu", "gelu_tanh", "silu"):
+        xg, bg = x.clone().requires_grad_(), bias.clone().requires_grad_()
+        y = memopt.bias_act(xg, bg, activation)
+        y.backward(grad)
+        results[f"bias_act-{activation}-{dtype}"] = (y.detach(), xg.grad, bg.grad)
+    x2 = torch.randn(37, 2 * 67, dtype=dtype)
+    bias2 = torch.randn(2 * 67, dtype=dtype)
+    xg, bg = x2.clone().requires_grad_(), bias2.clone().requires_grad_()
+    y = memopt.swiglu(xg, bg)
+    y.backward(grad)
+    results[f"swiglu-{dtype}"] = (y.detach(), xg.grad, bg.grad)
+    weight = 1 + 0.1 * torch.randn(67, dtype=dtype)
+    xg, wg, bg = x.clone().requires_grad_(), weight.clone().requires_grad_(), bias.clone().requires_grad_()
+    y = memopt.layer_norm(xg, wg, bg)
+    y.backward(grad)
+    results[f"layer_norm-{dtype}"] = (y.detach(), xg.grad, wg.grad, bg.grad)
+    xg, wg = x.clone().requires_grad_(), weight.clone().requires_grad_()
+    y = memopt.rms_norm(xg, wg)
+    y.backward(grad)
+    results[f"rms_norm-{dtype}"] = (y.detach(), xg.grad, wg.grad)
+torch.save(results, sys.argv[1])
+"""
+
+
+def _reference(name: str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+    """Forward + backward of the plain-PyTorch reference in float64, on the worker's inputs."""
+    torch.manual_seed(0)
+    generated = {}
+    for dt in (torch.float32, torch.float64):
+        x, bias, grad = torch.randn(37, 67, dtype=dt), torch.randn(67, dtype=dt), torch.randn(37, 67, dtype=dt)
+        x2, bias2 = torch.randn(37, 2 * 67, dtype=dt), torch.randn(2 * 67, dtype=dt)
+        weight = 1 + 0.1 * torch.randn(67, dtype=dt)
+        generated[dt] = (x, bias, grad, x2, bias2, weight)
+    x, bias, grad, x2, bias2, weight = (t.double().requires_grad_() for t in generated[dtype])
+    grad = grad.detach()
+    op = name.split("-")[0]
+    if op == "bias_act":
+        y = bias_act_ref(x, bias, name.split("-")[1])
+        inputs = (x, bias)
+    elif op == "swiglu":
+        y = swiglu_ref(x2, bias2)
+        inputs = (x2, bias2)
+    elif op == "layer_norm":
+        y = layer_norm_ref(x, weight, bias)
+        inputs = (x, weight, bias)
+    else:
+        y = rms_norm_ref(x, weight)
+        inputs = (x, weight)
+    y.backward(grad)
+    return (y.detach(),) + tuple(t.grad for t in inputs)
+
+
+@pytest.mark.parametrize("capability", ["default", "avx2"])
+def test_capped_build_matches_reference(tmp_path, capability):
+    out = tmp_path / "results.pt"
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", WORKER, str(out)], env=env, capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = torch.load(out)
+    assert len(results) == 2 * 7
+    for key, tensors in results.items():
+        dtype = torch.float32 if key.endswith("float32") else torch.float64
+        name = key.rsplit("-", 1)[0]
+        expected = _reference(name, dtype)
+        # parameter gradients sum 37 rows: a row-reduction's tolerance, as tests/test_norm.py uses
+        tol = tolerances(torch.float32 if dtype == torch.float64 else dtype)
+        for i, (got, want) in enumerate(zip(tensors, expected)):
+            torch.testing.assert_close(got.double(), want, **(tolerances(dtype) if i < 2 else tol),
+                                       msg=lambda m: f"{key}, output {i}: {m}")

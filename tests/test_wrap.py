@@ -607,7 +607,7 @@ def test_plan_round_trips_through_json_and_can_be_edited():
     inputs = _plan_inputs()
     plan = memopt.plan(model, inputs, budget_bytes=10**9, repeats=1)
     data = json.loads(json.dumps(plan.to_dict()))
-    data["policies"][1] = "full"
+    data["policies"] = ["none", "full", "none"]
     loaded = memopt.Plan.from_dict(data)
     assert loaded.policies == ["none", "full", "none"] and loaded.layer_bytes == plan.layer_bytes
     memopt.wrap(model, plan=loaded)

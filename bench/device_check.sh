@@ -51,7 +51,14 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.lo
 step build 240 bash -c "pip install --no-build-isolation --no-deps -e . || python setup.py build_ext --inplace" \
   || { echo "build failed"; exit 1; }
 step build_info 60 python -c "import memopt; print(memopt.build_info())"
-step gpu_tests "${STEP_TIMEOUT_GPU_TESTS:-200}" python -m pytest -q -m gpu -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml"
+# Files whose GPU tests have never run come first, so a step cut by its time limit still reports them.
+first_tests=(tests/test_offload.py tests/test_wrap.py tests/test_wrap_swap.py tests/test_block.py)
+gpu_test_files=("${first_tests[@]}")
+for f in tests/test_*.py; do
+  case " ${first_tests[*]} " in *" $f "*) ;; *) gpu_test_files+=("$f") ;; esac
+done
+step gpu_tests "${STEP_TIMEOUT_GPU_TESTS:-200}" python -m pytest -q -m gpu -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" \
+  --durations=15 "${gpu_test_files[@]}"
 # The harness's GPU preset (bf16, d_model 2048, 16 heads, seq 2048, 4 layers, torch.compile
 # included): FusedCheckpointBlock's policies against eager, checkpoint and selective checkpointing.
 step bench_h200 "${STEP_TIMEOUT_BENCH_H200:-300}" python -m bench --preset h200 --out "$OUT" --no-progress

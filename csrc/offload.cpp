@@ -327,6 +327,7 @@ class OffloadEngine : public torch::CustomClassHolder {
   // Waits for every copy issued so far (tests and benchmarks; training never needs it).
   void synchronize() {
     std::lock_guard<std::mutex> lock(mutex_);
+    refuse_graph_capture_on_used_devices("synchronize");
     synchronize_locked();
   }
 

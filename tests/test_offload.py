@@ -690,7 +690,7 @@ def test_gpu_refuses_cuda_graph_capture():
     with torch.cuda.graph(graph):
         y = x * 2
         calls = [lambda: engine.pack(y), lambda: engine.unpack(handle), engine.begin_group, engine.end_group,
-                 lambda: engine.prefetch_group(group)]
+                 lambda: engine.prefetch_group(group), engine.synchronize]
         for call in calls:
             with pytest.raises(RuntimeError, match="capturing a CUDA graph"):
                 call()

@@ -14,12 +14,20 @@
 //   Released by the Python side when autograd drops the saved tensor.
 //
 // Stream discipline (CUDA): the D2H copy runs on a per-device offload stream after an event
-// recorded on the producing (current) stream; the source is record_stream'ed onto that stream so
-// the caching allocator cannot reuse it before the copy has read it. The H2D copy runs on a
-// second stream after the D2H event and after an event on the current stream (the destination is
-// allocated there and may reuse memory the current stream still reads); the consumer waits on
-// the H2D event. A host block returns to the pool with the event of its last copy, and is
-// synchronised on before it is lent again.
+// recorded on the producing (current) stream; a coalesced transfer remembers every stream that was
+// current when one of its storages was packed and waits on each when it is flushed. Sources are
+// record_stream'ed onto the offload stream so the caching allocator cannot reuse them before the
+// copy has read them. The H2D copy runs on a second stream after the D2H event and after an event
+// on the current stream (the destination is allocated there and may reuse memory the current
+// stream still reads); the consumer waits on the H2D event, and the destination is
+// record_stream'ed onto the consumer's stream when that differs from the one it was allocated on.
+// A host block returns to the pool with the event of its last copy, and is synchronised on before
+// it is lent again. Nothing here can be captured in a CUDA graph (host waits, pinned allocations,
+// side streams): every entry point refuses to run while the current stream is capturing.
+//
+// Failures: a pack whose copy fails leaves nothing behind (its transfer and budget are given
+// back); a coalesced transfer whose flush fails stays registered but uncopied, and unpacking one
+// of its tensors raises instead of restoring bytes that were never copied.
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -68,6 +76,17 @@ EventPtr record_event(const c10::cuda::CUDAStream& stream, bool timing = false) 
   event->record(stream);
   return event;
 }
+
+// Host waits, pinned allocations and side-stream events cannot be captured: a capture would fail
+// later with an obscure CUDA error, or replay copies into host blocks the pool has lent again.
+void refuse_graph_capture(c10::DeviceIndex device, const char* what) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  C10_CUDA_CHECK(cudaStreamIsCapturing(c10::cuda::getCurrentCUDAStream(device).stream(), &status));
+  MEMOPT_CHECK(status == cudaStreamCaptureStatusNone, kOp, what, ": the current stream of cuda:",
+               static_cast<int>(device),
+               " is capturing a CUDA graph; offload cannot run inside one (it waits on the host and "
+               "copies through pooled pinned memory). Keep offloaded layers out of the captured region.");
+}
 #endif
 
 // Round up to 2^k * {1, 1.25, 1.5, 1.75}: at most 25% slack and few distinct classes, so a
@@ -97,13 +116,20 @@ struct HostBlock {
 #endif
 };
 
+// One storage waiting in a coalesced transfer: its bytes at pack time go to [byte_offset, +nbytes).
+struct StagedPiece {
+  c10::Storage source;
+  int64_t byte_offset = 0;
+  int64_t nbytes = 0;
+};
+
 struct Transfer {
   int64_t group = 0;
   c10::Device device = c10::Device(c10::kCPU);
   int64_t nbytes = 0;      // bytes used in the block
   int64_t reserved = 0;    // budget bytes held for it (size class, or the staging reservation)
-  bool copied = false;     // D2H issued (false while a coalesced transfer is still staging)
-  std::vector<std::pair<c10::Storage, int64_t>> staged;  // (source, byte offset) until copied
+  bool copied = false;     // D2H issued (false while staging, or when the flush failed)
+  std::vector<StagedPiece> staged;  // until copied
   HostBlock block;
   at::Tensor restored;  // strong while prefetched and not every handle has been unpacked
   c10::weak_intrusive_ptr<c10::StorageImpl> restored_weak{c10::intrusive_ptr<c10::StorageImpl>()};
@@ -112,6 +138,7 @@ struct Transfer {
 #ifdef MEMOPT_WITH_CUDA
   EventPtr d2h_done;
   EventPtr h2d_done;
+  std::vector<c10::cuda::CUDAStream> producers;  // streams current at the packs of staged storages
 #endif
 };
 
@@ -176,6 +203,8 @@ class OffloadEngine : public torch::CustomClassHolder {
   // without this a forward pass that outruns the host link would keep every layer on the device.
   int64_t begin_group() {
     std::lock_guard<std::mutex> lock(mutex_);
+    refuse_graph_capture_on_used_devices("begin_group");
+    collect_wait_times(/*block=*/false);  // else a run that never calls stats() keeps every stall's events
     flush_staging();
     wait_for_copies_out(current_group_ - 1);
     ++current_group_;
@@ -184,6 +213,7 @@ class OffloadEngine : public torch::CustomClassHolder {
 
   void end_group() {
     std::lock_guard<std::mutex> lock(mutex_);
+    refuse_graph_capture_on_used_devices("end_group");
     flush_staging();
   }
 
@@ -254,6 +284,9 @@ class OffloadEngine : public torch::CustomClassHolder {
     const StorageEntry& entry = storages_.at(handle.storage);
     const int64_t transfer_id = entry.transfer;
     Transfer& transfer = transfers_.at(transfer_id);
+#ifdef MEMOPT_WITH_CUDA
+    if (transfer.device.is_cuda()) refuse_graph_capture(transfer.device.index(), "unpack");
+#endif
     start_backward_of(transfer.group);
     at::Tensor buffer = materialize(transfer);
     if (!handle.unpacked) {
@@ -287,12 +320,14 @@ class OffloadEngine : public torch::CustomClassHolder {
   // Starts the H2D copies of every transfer of group `group` that is not on the device yet.
   void prefetch_group(int64_t group) {
     std::lock_guard<std::mutex> lock(mutex_);
+    refuse_graph_capture_on_used_devices("prefetch_group");
     prefetch_group_locked(group);
   }
 
   // Waits for every copy issued so far (tests and benchmarks; training never needs it).
   void synchronize() {
     std::lock_guard<std::mutex> lock(mutex_);
+    refuse_graph_capture_on_used_devices("synchronize");
     synchronize_locked();
   }
 
@@ -340,7 +375,9 @@ class OffloadEngine : public torch::CustomClassHolder {
     MEMOPT_CHECK(!tensor.is_conj() && !tensor.is_neg(), kOp,
                  "pack: tensor has the conjugate or negative bit set; resolve it first (tensor.resolve_conj())");
     if (tensor.is_cuda()) {
-#ifndef MEMOPT_WITH_CUDA
+#ifdef MEMOPT_WITH_CUDA
+      refuse_graph_capture(tensor.device().index(), "pack");
+#else
       MEMOPT_CHECK(false, kOp, "pack: got a CUDA tensor but memopt._C was built without CUDA");
 #endif
       return;
@@ -348,6 +385,14 @@ class OffloadEngine : public torch::CustomClassHolder {
     MEMOPT_CHECK(tensor.is_cpu() && allow_cpu_source_, kOp, "pack: tensor must be a CUDA tensor",
                  tensor.is_cpu() ? " (CPU tensors only with allow_cpu_source=True)" : "", ", got one on ",
                  tensor.device());
+  }
+
+  void refuse_graph_capture_on_used_devices(const char* what) const {
+#ifdef MEMOPT_WITH_CUDA
+    for (const auto& entry : streams_) refuse_graph_capture(entry.first, what);
+#else
+    (void)what;
+#endif
   }
 
   bool reserve(int64_t bytes) {
@@ -378,8 +423,17 @@ class OffloadEngine : public torch::CustomClassHolder {
       }
       entry.transfer = staging_transfer_;
       entry.byte_offset = align_up(staging->nbytes, kSegmentAlign);
-      staging->staged.emplace_back(storage, entry.byte_offset);
+      staging->staged.push_back(StagedPiece{storage, entry.byte_offset, nbytes});
       staging->nbytes = entry.byte_offset + nbytes;
+#ifdef MEMOPT_WITH_CUDA
+      // The flush may run under another current stream (a later layer's, or backward's): it must
+      // wait for the stream this storage was produced on.
+      if (storage.device().is_cuda()) {
+        const auto producer = c10::cuda::getCurrentCUDAStream(storage.device().index());
+        auto& producers = staging->producers;
+        if (std::find(producers.begin(), producers.end(), producer) == producers.end()) producers.push_back(producer);
+      }
+#endif
       ++counters_.tensors_coalesced;
     } else {
       const int64_t reservation = size_class(nbytes);
@@ -387,7 +441,12 @@ class OffloadEngine : public torch::CustomClassHolder {
       entry.transfer = new_transfer(storage.device(), reservation);
       Transfer& transfer = transfers_.at(entry.transfer);
       transfer.nbytes = nbytes;
-      copy_to_host(transfer, storage_bytes(storage), {storage});
+      try {
+        copy_to_host(transfer, storage_bytes(storage), {storage});
+      } catch (...) {
+        free_transfer(entry.transfer);  // no handle refers to it: give back its budget
+        throw;
+      }
     }
     const int64_t id = next_id_++;
     storages_.emplace(id, std::move(entry));
@@ -405,68 +464,82 @@ class OffloadEngine : public torch::CustomClassHolder {
     return id;
   }
 
-  // Copies the staged storages into one device buffer, then to the host in one copy.
+  // Copies the staged storages into one device buffer, then to the host in one copy. On failure
+  // the transfer stays uncopied and is no longer staging: its handles raise at unpack.
   void flush_staging() {
     if (staging_transfer_ < 0) return;
     Transfer& transfer = transfers_.at(staging_transfer_);
     staging_transfer_ = -1;
+    const std::vector<StagedPiece> staged = std::move(transfer.staged);
+    transfer.staged.clear();
     std::vector<c10::Storage> sources;
-    for (const auto& piece : transfer.staged) sources.push_back(piece.first);
+    for (const auto& piece : staged) {
+      // The segment layout was fixed at pack time: a storage that shrank since cannot fill its
+      // segment (one that grew keeps its packed bytes as a prefix, and only those are copied).
+      const auto now = static_cast<int64_t>(piece.source.nbytes());
+      MEMOPT_CHECK(now >= piece.nbytes, kOp, "the storage of a saved tensor shrank from ", piece.nbytes, " to ",
+                   now, " bytes after it was packed, before its group was copied to the host");
+      sources.push_back(piece.source);
+    }
+    const bool on_cuda = transfer.device.is_cuda();
 #ifdef MEMOPT_WITH_CUDA
-    if (transfer.device.is_cuda()) {
-      const auto device = transfer.device.index();
-      const auto current = c10::cuda::getCurrentCUDAStream(device);
-      auto& side = streams(device);
-      record_event(current)->block(side.to_host);
-      // Allocated and used only on the offload stream, so freeing it right after is safe.
-      c10::cuda::CUDAStreamGuard guard(side.to_host);
-      at::Tensor staging = at::empty({transfer.nbytes}, at::TensorOptions().dtype(at::kByte).device(transfer.device));
-      for (const auto& piece : transfer.staged) {
-        staging.narrow(0, piece.second, static_cast<int64_t>(piece.first.nbytes()))
-            .copy_(storage_bytes(piece.first), /*non_blocking=*/true);
-      }
-      transfer.staged.clear();
-      copy_to_host(transfer, staging, sources);
-      return;
+    // The staging buffer is allocated and used only on the offload stream, so freeing it right
+    // after is safe; copy_to_host runs under this guard and finds its producers waited on.
+    std::optional<c10::cuda::CUDAStreamGuard> on_offload_stream;
+    if (on_cuda) {
+      auto& side = streams(transfer.device.index());
+      for (const auto& producer : transfer.producers) record_event(producer)->block(side.to_host);
+      transfer.producers.clear();
+      on_offload_stream.emplace(side.to_host);
     }
 #endif
-    at::Tensor staging = at::empty({transfer.nbytes}, at::TensorOptions().dtype(at::kByte));
-    for (const auto& piece : transfer.staged) {
-      staging.narrow(0, piece.second, static_cast<int64_t>(piece.first.nbytes())).copy_(storage_bytes(piece.first));
+    at::Tensor staging =
+        at::empty({transfer.nbytes}, at::TensorOptions().dtype(at::kByte).device(transfer.device));
+    for (const auto& piece : staged) {
+      staging.narrow(0, piece.byte_offset, piece.nbytes)
+          .copy_(storage_bytes(piece.source).narrow(0, 0, piece.nbytes), /*non_blocking=*/on_cuda);
     }
-    transfer.staged.clear();
     copy_to_host(transfer, staging, sources);
   }
 
   // Lends `transfer` a host block and issues the copy of `bytes` (uint8 [transfer.nbytes]) into it.
   // `sources` are the storages `bytes` was read from (kept safe from reuse until the copy ran).
+  // Changes nothing in `transfer` or the pool's accounting if it throws.
   void copy_to_host(Transfer& transfer, const at::Tensor& bytes, const std::vector<c10::Storage>& sources) {
     const int64_t cls = size_class(transfer.nbytes);
+    HostBlock block = acquire_block(cls, transfer.device.is_cuda());
+    try {
+      at::Tensor host = block.buffer.narrow(0, 0, transfer.nbytes);
+#ifdef MEMOPT_WITH_CUDA
+      if (transfer.device.is_cuda()) {
+        const auto device = transfer.device.index();
+        const auto current = c10::cuda::getCurrentCUDAStream(device);
+        auto& side = streams(device);
+        // Under flush_staging the current stream is the offload stream itself, already ordered
+        // after the producers: a second event would only wait on itself.
+        if (current != side.to_host) record_event(current)->block(side.to_host);
+        // Recorded before the copy is issued: the allocator acts on it when a source is freed,
+        // which cannot happen before this call returns.
+        for (const auto& source : sources) storage_bytes(source).record_stream(side.to_host);
+        {
+          c10::cuda::CUDAStreamGuard guard(side.to_host);
+          host.copy_(bytes, /*non_blocking=*/true);
+        }
+        block.last_use = record_event(side.to_host);
+        transfer.d2h_done = block.last_use;
+      } else
+#endif
+      {
+        (void)sources;
+        host.copy_(bytes);
+      }
+    } catch (...) {
+      return_block(std::move(block));
+      throw;
+    }
     committed_bytes_ += cls - transfer.reserved;  // a flushed staging transfer needs less than it held
     transfer.reserved = cls;
-    transfer.block = acquire_block(cls, transfer.device.is_cuda());
-    at::Tensor host = transfer.block.buffer.narrow(0, 0, transfer.nbytes);
-#ifdef MEMOPT_WITH_CUDA
-    if (transfer.device.is_cuda()) {
-      const auto device = transfer.device.index();
-      const auto current = c10::cuda::getCurrentCUDAStream(device);
-      auto& side = streams(device);
-      record_event(current)->block(side.to_host);
-      {
-        c10::cuda::CUDAStreamGuard guard(side.to_host);
-        host.copy_(bytes, /*non_blocking=*/true);
-      }
-      for (const auto& source : sources) storage_bytes(source).record_stream(side.to_host);
-      transfer.d2h_done = record_event(side.to_host);
-      transfer.block.last_use = transfer.d2h_done;
-      transfer.copied = true;
-      counters_.bytes_to_host += transfer.nbytes;
-      ++counters_.copies_to_host;
-      return;
-    }
-#endif
-    (void)sources;
-    host.copy_(bytes);
+    transfer.block = std::move(block);
     transfer.copied = true;
     counters_.bytes_to_host += transfer.nbytes;
     ++counters_.copies_to_host;
@@ -509,14 +582,17 @@ class OffloadEngine : public torch::CustomClassHolder {
     }
   }
 
+  // Back to the pool with the event of its last copy (acquire_block waits on it before lending it).
+  void return_block(HostBlock block) {
+    pool_bytes_in_use_ -= block.size_class;
+    free_blocks_[block.size_class].push_back(std::move(block));
+  }
+
   void free_transfer(int64_t id) {
     Transfer& transfer = transfers_.at(id);
     if (staging_transfer_ == id) staging_transfer_ = -1;
     committed_bytes_ -= transfer.reserved;
-    if (transfer.block.buffer.defined()) {
-      pool_bytes_in_use_ -= transfer.block.size_class;
-      free_blocks_[transfer.block.size_class].push_back(std::move(transfer.block));
-    }
+    if (transfer.block.buffer.defined()) return_block(std::move(transfer.block));
     auto group = groups_.find(transfer.group);
     if (group != groups_.end()) {
       auto& list = group->second.transfers;
@@ -566,7 +642,10 @@ class OffloadEngine : public torch::CustomClassHolder {
     if (staging_transfer_ >= 0 && transfers_.at(staging_transfer_).group == group) flush_staging();
     for (int64_t id : found->second.transfers) {
       Transfer& transfer = transfers_.at(id);
-      if (transfer.restored.defined() || !transfer.restored_weak.expired() || transfer.pending_unpacks == 0) continue;
+      if (!transfer.copied || transfer.restored.defined() || !transfer.restored_weak.expired() ||
+          transfer.pending_unpacks == 0) {
+        continue;  // (uncopied after the flush above: its flush failed, unpack reports it)
+      }
       copy_to_device(transfer);
       ++counters_.prefetched_transfers;
     }
@@ -576,6 +655,9 @@ class OffloadEngine : public torch::CustomClassHolder {
   // weakly afterwards (a second backward with retain_graph reuses it while it lives, or copies again).
   at::Tensor materialize(Transfer& transfer) {
     if (!transfer.copied) flush_staging();
+    MEMOPT_CHECK(transfer.copied, kOp,
+                 "unpack: this saved tensor never reached the host: the copy of its group failed earlier "
+                 "(see the error raised then), so it cannot be restored");
     at::Tensor buffer = transfer.restored;
     if (!buffer.defined()) {
       auto alive = transfer.restored_weak.lock();
@@ -590,6 +672,10 @@ class OffloadEngine : public torch::CustomClassHolder {
 #ifdef MEMOPT_WITH_CUDA
     if (transfer.device.is_cuda() && transfer.h2d_done) {
       const auto current = c10::cuda::getCurrentCUDAStream(transfer.device.index());
+      // A prefetch allocates the buffer on the stream current then (the backward of a later
+      // layer); if this consumer runs on another stream, freeing the buffer must wait for it too
+      // (the allocator ignores a record on the allocation stream itself).
+      buffer.record_stream(current);
       if (!transfer.h2d_done->query()) {
         ++counters_.prefetch_stalls;
         auto start = record_event(current, /*timing=*/true);

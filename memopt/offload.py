@@ -64,6 +64,8 @@ Limits:
 * Tensors that do not share a version counter but share storage (made with ``set_``) could be
   deduplicated across an in-place write; views and ``detach()`` share the counter and are safe.
 * Not tested under ``torch.compile`` (tensor subclasses, fake tensors included, are left alone).
+* No CUDA graphs: the engine waits on the host and reuses pinned blocks, so every engine call
+  raises while the current stream is capturing. Keep offloaded layers out of captured regions.
 * ``stats()`` waits for the timing events of past stalls: call it between steps, not inside one.
 """
 

@@ -255,6 +255,59 @@ def test_host_budget_evicts_idle_blocks_of_other_classes():
     assert engine.stats()["pool_bytes_held"] <= 16384
 
 
+def test_storage_grown_after_pack_keeps_its_packed_bytes():
+    """A coalesced storage is copied at flush time into the segment laid out at pack time: only
+    the bytes it had when packed fit there (copying its current size ran past the staging buffer)."""
+    engine = cpu_engine(coalesce_bytes=2**20, staging_bytes=2**20)
+    first, second = torch.randn(100), torch.randn(100)
+    want = [first.clone(), second.clone()]
+    handles = [engine.pack(first), engine.pack(second)]
+    second.untyped_storage().resize_(8 * second.untyped_storage().nbytes())  # keeps its bytes as a prefix
+    engine.end_group()
+    for h, t in zip(handles, want):
+        assert_same_tensor(engine.unpack(h), t, exact_offset=False)
+
+
+def test_failed_flush_raises_and_leaves_the_engine_consistent():
+    engine = cpu_engine(coalesce_bytes=2**20, staging_bytes=2**20)
+    kept, shrunk = torch.randn(100), torch.randn(100)
+    handles = [engine.pack(kept), engine.pack(shrunk)]
+    group = engine.current_group()
+    shrunk.untyped_storage().resize_(0)
+    with pytest.raises(RuntimeError, match="shrank from 400 to 0 bytes"):
+        engine.end_group()
+    # Its tensors never reached the host: unpack says so instead of restoring uncopied bytes.
+    with pytest.raises(RuntimeError, match="never reached the host"):
+        engine.unpack(handles[0])
+    engine.prefetch_group(group)
+    assert engine.stats()["prefetched_transfers"] == 0
+    for h in handles:
+        engine.release(h)
+    stats = engine.stats()
+    assert (stats["live_transfers"], stats["host_bytes_committed"], stats["pool_bytes_in_use"]) == (0, 0, 0)
+    later = torch.randn(50)
+    handle = engine.pack(later)
+    engine.end_group()
+    assert_same_tensor(engine.unpack(handle), later, exact_offset=False)
+
+
+def test_pack_whose_host_block_cannot_be_allocated_gives_its_budget_back():
+    if not hasattr(torch._C, "_construct_storage_from_data_pointer"):
+        pytest.skip("this torch cannot make a storage over foreign memory")
+    backing = torch.zeros(4)
+    # A storage that claims 4 PiB over 16 real bytes: allocating its host block fails before
+    # anything is read from it.
+    huge = torch._C._construct_storage_from_data_pointer(backing.data_ptr(), backing.device, 2**52)
+    tensor = torch.empty(0).set_(huge, 0, (4,), (1,))
+    engine = cpu_engine()
+    with pytest.raises(RuntimeError):
+        engine.pack(tensor)
+    stats = engine.stats()
+    assert (stats["live_transfers"], stats["host_bytes_committed"], stats["pool_bytes_in_use"]) == (0, 0, 0)
+    small = torch.randn(64)
+    assert_same_tensor(engine.unpack(engine.pack(small)), small)
+
+
 # --- through autograd -----------------------------------------------------------------------
 
 
@@ -569,3 +622,79 @@ def test_gpu_stress_random_delays_no_stale_reads():
         got = grads_of(layers, x, run_stack, off, seed=step)
         groups.remove()
         assert_bit_identical(got, want)
+
+
+# A device-side sleep long enough (about 0.1 s on an H100/H200 clock) that the host gets far ahead.
+SLEEP_CYCLES = 200_000_000
+
+
+@gpu
+@pytest.mark.parametrize("coalesce", [False, True], ids=["single", "coalesced"])
+def test_gpu_copy_out_waits_for_the_stream_that_produced_the_tensor(coalesce):
+    """A tensor produced and packed on a side stream: its group is flushed later under the default
+    stream, which has nothing queued, so the copy out must wait on the producer's stream itself."""
+    engine = memopt.OffloadEngine(coalesce_bytes=2**20 if coalesce else 0, staging_bytes=2**20)
+    base = torch.randn(4096, device="cuda")
+    want = base * 3
+    torch.cuda.synchronize()
+    producer = torch.cuda.Stream()
+    with torch.cuda.stream(producer):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        x = base * 3  # allocated on the producer stream and written after its sleep
+        handle = engine.pack(x)
+    engine.end_group()
+    got = engine.unpack(handle)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+    assert engine.stats()["tensors_coalesced"] == int(coalesce)
+
+
+@gpu
+def test_gpu_restored_buffer_is_not_reused_while_another_stream_reads_it():
+    """Prefetched on one stream, consumed on another: freeing the restored buffer must wait for
+    the consumer, or the prefetch stream's next allocation takes the memory while it is read."""
+    torch.cuda.empty_cache()  # the reuse below then finds this buffer and no other cached block
+    engine = memopt.OffloadEngine(prefetch=0, coalesce_bytes=0)
+    numel = 2**19  # 2 MiB of float32
+    x = torch.randn(numel, device="cuda")
+    want = x.clone()
+    handle = engine.pack(x)
+    group = engine.current_group()
+    engine.end_group()
+    del x
+    prefetcher = torch.cuda.Stream()
+    with torch.cuda.stream(prefetcher):
+        engine.prefetch_group(group)  # the restored buffer is allocated on `prefetcher`
+    torch.cuda.synchronize()  # the copy back has finished
+    torch.cuda._sleep(SLEEP_CYCLES)  # the consumer (the default stream) is busy for a while
+    got = engine.unpack(handle)
+    result = got * 1  # queued behind the sleep: reads the restored buffer late
+    engine.release(handle)
+    del got  # the restored buffer goes back to the allocator now
+    with torch.cuda.stream(prefetcher):
+        junk = torch.full((numel,), 7.0, device="cuda")  # runs at once on the idle prefetch stream
+    torch.cuda.synchronize()
+    assert torch.equal(result, want)
+    del junk
+
+
+@gpu
+def test_gpu_refuses_cuda_graph_capture():
+    engine = memopt.OffloadEngine(coalesce_bytes=0)
+    x = torch.randn(4096, device="cuda")
+    handle = engine.pack(x)
+    group = engine.current_group()
+    engine.end_group()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = x * 2
+        calls = [lambda: engine.pack(y), lambda: engine.unpack(handle), engine.begin_group, engine.end_group,
+                 lambda: engine.prefetch_group(group), engine.synchronize]
+        for call in calls:
+            with pytest.raises(RuntimeError, match="capturing a CUDA graph"):
+                call()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(y, x * 2)
+    assert torch.equal(engine.unpack(handle), x)  # the refusals left the engine usable

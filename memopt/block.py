@@ -526,6 +526,11 @@ def _torch_layer_mask(attn_mask, src_mask, src_key_padding_mask, x: torch.Tensor
             "FusedCheckpointBlock: x is a nested tensor; nn.TransformerEncoder makes one from "
             "src_key_padding_mask in inference, and padding masks are not supported"
         )
+    return _merged_mask(attn_mask, src_mask)
+
+
+def _merged_mask(attn_mask, src_mask):
+    """The one attention mask of a call that passed ``attn_mask`` or its torch name ``src_mask``."""
     if src_mask is not None:
         if attn_mask is not None:
             raise ValueError("FusedCheckpointBlock: pass attn_mask or src_mask (its nn.TransformerEncoderLayer name), not both")
@@ -601,17 +606,14 @@ def attach_torch_fallback(block: "FusedCheckpointBlock", layer: nn.TransformerEn
 def _run_torch_fallback(block, x, attn_mask, is_causal, src_mask, src_key_padding_mask):
     from memopt.checkpoint import checkpoint
 
-    if attn_mask is not None and src_mask is not None:
-        raise ValueError("FusedCheckpointBlock: pass attn_mask or src_mask, not both")
     layer = block._torch_fallback
     params = {layer_name: block.get_parameter(name) for name, layer_name in block._torch_fallback_names.items()}
 
     def layer_forward(x, **kwargs):
         return torch.func.functional_call(layer, params, (x,), kwargs)
 
-    mask = src_mask if src_mask is not None else attn_mask
     return checkpoint(
-        layer_forward, x, policy=block.policy, src_mask=mask, src_key_padding_mask=src_key_padding_mask, is_causal=is_causal
+        layer_forward, x, policy=block.policy, src_mask=_merged_mask(attn_mask, src_mask), src_key_padding_mask=src_key_padding_mask, is_causal=is_causal
     )
 
 

@@ -406,7 +406,7 @@ class Plan:
         unknown = set(data) - fields - {"shared_bytes", "budget_bytes", "layer_host_bytes"}
         if unknown:
             raise ValueError(f"memopt.Plan.from_dict: unknown keys {sorted(unknown)}")
-        plan = cls(**{key: value for key, value in data.items()})
+        plan = cls(**data)
         plan.layer_names, plan.policies = list(plan.layer_names), list(plan.policies)
         plan.check()
         return plan

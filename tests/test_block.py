@@ -333,16 +333,21 @@ def test_autocast_bf16_cpu_matches_eager_under_autocast():
     assert not torch.allclose(got[0], full_precision[0], atol=1e-4, rtol=0)  # matmuls really ran in bf16
 
 
-def test_torch_compile_fullgraph_aot_eager(compile_cache):
-    block = _make(CONFIGS["pre-rms-swiglu-gqa-causal-nobias"], dtype=torch.float32, dropout=0.1, policy="full")
-    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
-    x = torch.randn(2, 8, D_MODEL)
+def _assert_compiled_matches_eager(module, x, backend, **tol):
+    """Forward + backward of ``torch.compile(module, fullgraph=True)`` against ``module``, with
+    the same seed (so the same dropout bits)."""
+    compiled = torch.compile(module, fullgraph=True, backend=backend)
     grad = torch.randn_like(x)
     torch.manual_seed(5)
-    expected = _run(block, x, grad)
+    expected = _run(module, x, grad)
     torch.manual_seed(5)
     got = _run(compiled, x, grad)
-    _assert_runs_close(got, expected, atol=1e-6, rtol=1e-6)
+    _assert_runs_close(got, expected, **tol)
+
+
+def test_torch_compile_fullgraph_aot_eager(compile_cache):
+    block = _make(CONFIGS["pre-rms-swiglu-gqa-causal-nobias"], dtype=torch.float32, dropout=0.1, policy="full")
+    _assert_compiled_matches_eager(block, torch.randn(2, 8, D_MODEL), "aot_eager", atol=1e-6, rtol=1e-6)
 
 
 def _stack(device="cpu", dtype=torch.float32, dropout=0.1):
@@ -355,30 +360,15 @@ def _stack(device="cpu", dtype=torch.float32, dropout=0.1):
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_stack_compiles_fullgraph_on_cpu(backend, compile_cache):
-    stack = _stack()
-    compiled = torch.compile(stack, fullgraph=True, backend=backend)
-    x = torch.randn(2, 8, D_MODEL)
-    grad = torch.randn_like(x)
-    torch.manual_seed(5)
-    expected = _run(stack, x, grad)
-    torch.manual_seed(5)
-    got = _run(compiled, x, grad)
     # Same ops on the same values; inductor may fuse the surrounding elementwise ops.
-    _assert_runs_close(got, expected, atol=1e-5, rtol=1e-5)
+    _assert_compiled_matches_eager(_stack(), torch.randn(2, 8, D_MODEL), backend, atol=1e-5, rtol=1e-5)
 
 
 @gpu
 def test_gpu_stack_compiles_fullgraph_with_inductor(compile_cache):
-    stack = _stack(device="cuda", dtype=torch.bfloat16)
-    compiled = torch.compile(stack, fullgraph=True, backend="inductor")
     x = torch.randn(2, 128, D_MODEL, device="cuda", dtype=torch.bfloat16)
-    grad = torch.randn_like(x)
-    torch.manual_seed(5)
-    expected = _run(stack, x, grad)
-    torch.manual_seed(5)
-    got = _run(compiled, x, grad)
     # The same kernels and dropout bits; inductor's fused elementwise ops round differently in bf16.
-    _assert_runs_close(got, expected, atol=3e-2, rtol=3e-2)
+    _assert_compiled_matches_eager(_stack(device="cuda", dtype=torch.bfloat16), x, "inductor", atol=3e-2, rtol=3e-2)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -92,7 +92,8 @@ class _ReportCachedToHooks:
     def __exit__(self, *exc):
         suppressed = self._caching_mode.__exit__(*exc)
         for per_op in self._caching_mode.storage.values():
-            for entry in per_op.values():
+            # torch 2.11 keeps a list of outputs per op; 2.13 a dict keyed by call index.
+            for entry in per_op.values() if isinstance(per_op, dict) else per_op:
                 for leaf in tree_leaves(entry):
                     value = getattr(leaf, "val", None)
                     if isinstance(value, torch.Tensor):

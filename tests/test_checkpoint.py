@@ -100,6 +100,41 @@ def test_saved_tensors_reach_outer_hooks_on_torch_without_respect_argument(monke
         torch.testing.assert_close(grad, ref)
 
 
+class _ListStorageCachingMode:
+    """PyTorch's selective-checkpoint caching mode, its cache seen as torch 2.11 lays it out: a
+    list of cached outputs per op (2.13 and later key them by call index in a dict)."""
+
+    def __init__(self, mode):
+        self._mode = mode
+
+    def __enter__(self):
+        return self._mode.__enter__()
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)
+
+    @property
+    def storage(self):
+        return {op: list(calls.values()) if isinstance(calls, dict) else list(calls) for op, calls in self._mode.storage.items()}
+
+
+def test_fallback_reads_the_selective_cache_in_torch_2_11_layout(monkeypatch):
+    inputs = _block_inputs(torch.float32, 64, 32, 128)
+    with_argument = memopt.saved_bytes(lambda *a: memopt.checkpoint(_block, *a), *inputs)
+    real_contexts = ckpt.create_selective_checkpoint_contexts
+
+    def list_layout_contexts(policy_fn):
+        forward_context, recompute_context = real_contexts(policy_fn)
+        return _ListStorageCachingMode(forward_context), recompute_context
+
+    monkeypatch.setattr(ckpt, "_CHECKPOINT_RESPECTS_HOOKS", False)
+    monkeypatch.setattr(ckpt, "create_selective_checkpoint_contexts", list_layout_contexts)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        without_argument = memopt.saved_bytes(lambda *a: memopt.checkpoint(_block, *a), *inputs)
+    assert without_argument == with_argument > 0
+
+
 def test_selective_saves_attention_output_not_probabilities():
     b, h, s, dh = 2, 2, 64, 16
     q, k, v = (torch.randn(b, h, s, dh, requires_grad=True) for _ in range(3))

@@ -212,17 +212,23 @@ class Runner:
         del loss
         return counter.total_bytes
 
+    def _settled_requested_bytes(self) -> int:
+        """Bytes the live tensors asked the CUDA allocator for, once queued work has finished:
+        what the saved-tensor count and the planner count. ``memory_allocated`` counts whole
+        blocks (rounded up to 512 bytes, and cached blocks up to 1 MiB larger than the request
+        handed out unsplit), so it could put a plan that is exactly right over its budget."""
+        torch.cuda.synchronize(self.device)
+        # An allocation makes the allocator retire blocks whose side-stream copies (offload) ended.
+        torch.empty(1, device=self.device)
+        return torch.cuda.memory_stats(self.device)["requested_bytes.all.current"]
+
     def held_after_forward(self) -> int:
         """Device bytes a forward leaves allocated for backward (the allocator's count, so
         offloaded tensors, which the saved-tensor count cannot see, are judged too)."""
         self.model.zero_grad(set_to_none=True)
-        torch.cuda.synchronize(self.device)
-        before = torch.cuda.memory_allocated(self.device)
+        before = self._settled_requested_bytes()
         loss = self.loss()
-        torch.cuda.synchronize(self.device)
-        # An allocation makes the allocator retire blocks whose side-stream copies (offload) ended.
-        torch.empty(1, device=self.device)
-        held = torch.cuda.memory_allocated(self.device) - before - 512
+        held = self._settled_requested_bytes() - before
         del loss
         return held
 

@@ -40,7 +40,9 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.lo
   [ "$limit" -le "$left" ] || limit=$left
   echo "== $name (limit ${limit}s): $*"
   local t0=$SECONDS
-  timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+  # SIGINT, not timeout's SIGTERM: pytest then prints its failure summary and writes its junit
+  # file, and a Python benchmark its traceback (where it was), before the step ends.
+  timeout -s INT --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   echo "   rc=$rc in $((SECONDS - t0)) s"; tail -n 8 "$OUT/$name.log"
   [ $rc -eq 0 ] || status=1
@@ -57,7 +59,8 @@ gpu_test_files=("${first_tests[@]}")
 for f in tests/test_*.py; do
   case " ${first_tests[*]} " in *" $f "*) ;; *) gpu_test_files+=("$f") ;; esac
 done
-step gpu_tests "${STEP_TIMEOUT_GPU_TESTS:-200}" python -m pytest -q -m gpu -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" \
+# -v names each test as it starts: a test that hangs (a stream wait that never ends) is the last line.
+step gpu_tests "${STEP_TIMEOUT_GPU_TESTS:-200}" python -m pytest -v -m gpu -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" \
   --durations=15 "${gpu_test_files[@]}"
 # The harness's GPU preset (bf16, d_model 2048, 16 heads, seq 2048, 4 layers, torch.compile
 # included): FusedCheckpointBlock's policies against eager, checkpoint and selective checkpointing.
@@ -71,8 +74,8 @@ step kernels_h200 "${STEP_TIMEOUT_KERNELS_H200:-150}" python -m bench.kernels --
 step bench_attention "${STEP_TIMEOUT_BENCH_ATTENTION:-120}" python -m bench.attention --preset h200 \
   --seqs "${ATTENTION_SEQS:-4096,8192}" --out "$OUT/attention_h200.json"
 # memopt.checkpoint/wrap lean on torch.utils.checkpoint internals that changed between 2.11 and
-# 2.14: run their CPU tests against this machine's torch too.
-step wrap_torch_compat "${STEP_TIMEOUT_WRAP_COMPAT:-150}" python -m pytest -q -x -p no:cacheprovider \
+# 2.14: run their CPU tests against this machine's torch too (their GPU tests ran in gpu_tests).
+step wrap_torch_compat "${STEP_TIMEOUT_WRAP_COMPAT:-150}" python -m pytest -q -x -m "not gpu" -p no:cacheprovider \
   tests/test_checkpoint.py tests/test_wrap.py tests/test_distributed.py
 if [ "${BENCH_SWEEPS:-0}" = 1 ]; then
   sweep_configs=eager-sdpa,torch-checkpoint,torch-selective,memopt-selective,memopt-full,memopt-offload

@@ -222,6 +222,12 @@ def test_offload_moves_saved_tensors_and_keeps_results(policy):
 @pytest.mark.parametrize("policy", ["none", "selective"])
 def test_offload_true_on_cuda(policy):
     inputs = [t.detach().cuda().requires_grad_() for t in _block_inputs(torch.float32, n=1024, d=256, hidden=1024)]
+    if policy == "selective" and not ckpt._CHECKPOINT_RESPECTS_HOOKS:
+        # torch 2.11..2.13 (the GPU machine runs 2.11) keep selective checkpointing's cache out of
+        # reach of the saved-tensor hooks, so offload could not move it: memopt refuses and says why.
+        with pytest.raises(NotImplementedError, match="respect_saved_tensors_hooks"):
+            memopt.checkpoint(_block, *inputs, policy=policy, offload=True)
+        return
     out, grads, _ = _grads(lambda *a: memopt.checkpoint(_block, *a, policy=policy, offload=True, p=0.2), inputs, seed=6)
     ref_out, ref_grads, _ = _grads(lambda *a: _block(*a, p=0.2), inputs, seed=6)
     assert ckpt._shared_offload.stats()["copies_to_host"] > 0

@@ -15,6 +15,7 @@ read, edited and passed to ``wrap(model, plan=plan)``.
 from __future__ import annotations
 
 import copy
+import functools
 import time
 import types
 from collections import Counter
@@ -201,7 +202,9 @@ def _checkpointed_forward(self: nn.Module, *args, **kwargs):
             f"memopt.wrap: layer {info.name!r} got a key/value cache while computing gradients; the "
             "recompute would append to the cache twice. Train with use_cache=False"
         )
-    original = info.previous_forward or type(self).forward.__get__(self)
+    # functools.partial rather than the bound method: torch 2.11's dynamo cannot trace
+    # function.__get__ (nor types.MethodType) under torch.compile(fullgraph=True).
+    original = info.previous_forward or functools.partial(type(self).forward, self)
     policy, offload = ("none", info.offload) if info.policy == "offload" else (info.policy, False)
     return checkpoint(original, *args, policy=policy, offload=offload, **kwargs)
 

@@ -173,7 +173,9 @@ def test_selective_second_backward_raises():
     inputs = _block_inputs(torch.float64, n=5, d=4, hidden=6)
     out = memopt.checkpoint(_block, *inputs, policy="selective").sum()
     out.backward(retain_graph=True)
-    with pytest.raises(RuntimeError, match="backward an extra time"):
+    # torch 2.14 names the extra backward; 2.11 (the GPU machine's) fails the recompute's
+    # metadata check, the selective cache having been consumed by the first backward.
+    with pytest.raises(RuntimeError, match="backward an extra time|different metadata than during the forward"):
         out.backward()
 
 
@@ -210,6 +212,11 @@ def test_offload_moves_saved_tensors_and_keeps_results(policy):
     # CPU tensors count as device tensors for this Offload, so the round trip really happens.
     off = memopt.offload(min_bytes=0, pin_memory=False, allow_cpu_source=True)
     inputs = _block_inputs(torch.float32)
+    if policy == "selective" and not ckpt._CHECKPOINT_RESPECTS_HOOKS:
+        # torch 2.11..2.13: see test_offload_true_on_cuda.
+        with pytest.raises(NotImplementedError, match="respect_saved_tensors_hooks"):
+            memopt.checkpoint(_block, *inputs, policy=policy, offload=off)
+        return
     out, grads, _ = _grads(lambda *a: memopt.checkpoint(_block, *a, policy=policy, offload=off, p=0.2), inputs, seed=6)
     ref_out, ref_grads, _ = _grads(lambda *a: _block(*a, p=0.2), inputs, seed=6)
     assert off.stats()["copies_to_host"] > 0

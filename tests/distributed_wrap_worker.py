@@ -14,6 +14,7 @@ Prints one ``CHECK <name> ok`` line per check on rank 0; any mismatch raises.
 """
 
 import copy
+import functools
 import os
 import sys
 
@@ -22,6 +23,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 from torch.distributed.fsdp import fully_shard  # noqa: E402
 from torch.nn.parallel import DistributedDataParallel  # noqa: E402
 
@@ -72,6 +74,10 @@ def check(name, model, reference, full_tensor=False, names=None):
 def main():
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    # An explicit CPU mesh: without one FSDP2 builds its mesh on the accelerator when the machine
+    # has one (the GPU check runs this file too) and moves the parameters there, away from these
+    # CPU inputs and out of gloo's reach.
+    shard = functools.partial(fully_shard, mesh=init_device_mesh("cpu", (world,)))
     torch.manual_seed(0)
     base = Net()
     batch = torch.randn(world * BATCH_PER_RANK, SEQ, D_MODEL, generator=torch.Generator().manual_seed(1))
@@ -87,16 +93,16 @@ def main():
     # FSDP2, wrapping before sharding.
     model = memopt.wrap(copy.deepcopy(base), policy="selective")
     for layer in model.encoder.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        shard(layer)
+    shard(model)
     loss_of(model, local).backward()
     check("fsdp2-wrap-then-shard-selective", model, reference, full_tensor=True)
 
     # FSDP2, sharding first and wrapping the sharded model.
     model = copy.deepcopy(base)
     for layer in model.encoder.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        shard(layer)
+    shard(model)
     memopt.wrap(model, policy="full")
     loss_of(model, local).backward()
     check("fsdp2-shard-then-wrap-full", model, reference, full_tensor=True)
@@ -112,8 +118,8 @@ def main():
     check("ddp-swapped-selective", ddp, swapped_reference, names=names)
     model, names = wrap_keeping_names(copy.deepcopy(swappable), policy="full")
     for layer in model.encoder.layers:
-        fully_shard(layer)
-    fully_shard(model)
+        shard(layer)
+    shard(model)
     loss_of(model, local).backward()
     check("fsdp2-swapped-full", model, swapped_reference, full_tensor=True, names=names)
 
@@ -129,8 +135,8 @@ def main():
     model = copy.deepcopy(stack)
     model[0].policy = "full"
     for layer in model[0].layers:
-        fully_shard(layer)
-    fully_shard(model)
+        shard(layer)
+    shard(model)
     loss_of(model, local).backward()
     check("fsdp2-stack-full", model, stack_reference, full_tensor=True)
 

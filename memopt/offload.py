@@ -67,6 +67,12 @@ Limits:
 * No CUDA graphs: the engine waits on the host and reuses pinned blocks, so every engine call
   raises while the current stream is capturing. Keep offloaded layers out of captured regions.
 * ``stats()`` waits for the timing events of past stalls: call it between steps, not inside one.
+* Host blocks for CUDA tensors are pinned with ``cudaHostAlloc`` at the pool's size classes, not
+  through torch's pinned allocator (which rounds to powers of two and caches what the pool
+  evicts), so ``max_host_bytes`` bounds the pinned memory itself. Freeing one (eviction, engine
+  teardown) waits for the device.
+* A prefetch that hits a device out-of-memory error is dropped (``prefetches_skipped_oom``); the
+  group's tensors are copied back on demand when unpacked.
 """
 
 from __future__ import annotations

@@ -641,8 +641,8 @@ def plan(
     * time: its forward + backward under each policy (the fastest of ``repeats`` after a
       warm-up), minus the same under ``"none"``: recompute, checkpoint bookkeeping and, for
       ``"offload"``, the copies to the host and back, measured rather than modelled. Layers
-      with the same signature (class, parameter shapes, input shapes and dtypes) are timed
-      once. A layer timed alone cannot overlap its offload copies with other layers' compute,
+      with the same signature (class, parameter shapes, input shapes and dtypes, and the bytes
+      just measured under each policy) are timed once. A layer timed alone cannot overlap its offload copies with other layers' compute,
       so ``"offload"``'s time is an upper bound.
 
     Bytes saved outside the layers (``other_bytes``) are the whole model's count minus the
@@ -761,7 +761,9 @@ def plan(
             layer_bytes.append(measured)
             layer_host_bytes.append(host)
 
-            signature = _layer_signature(layer, args, kwargs)
+            # Layers that save different bytes under some policy behave differently (a
+            # layer-specific branch): they are timed on their own.
+            signature = (_layer_signature(layer, args, kwargs), tuple(sorted(measured.items())))
             if signature not in timed:
                 params = [p for p in layer.parameters() if p.requires_grad]
                 seconds = {p: _step_seconds(run_under(p), args, kwargs, params, synchronize, repeats) for p in policies}

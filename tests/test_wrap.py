@@ -346,6 +346,29 @@ def _plan_inputs():
     return (torch.randn(BATCH, SEQ, D_MODEL, requires_grad=True),)
 
 
+class _GatedLayer(nn.Module):
+    """Same class and shapes for every layer; ``extra`` switches on a branch that saves more."""
+
+    def __init__(self, extra):
+        super().__init__()
+        self.fc = nn.Linear(D_MODEL, D_MODEL)
+        self.extra = extra
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        return h * torch.sigmoid(h) if self.extra else h
+
+
+def test_plan_times_layers_with_one_signature_once_and_a_differing_branch_apart(monkeypatch):
+    model = nn.Sequential(*[_GatedLayer(extra=i == 2) for i in range(4)])
+    timed = []
+    monkeypatch.setattr(wrap_module, "_step_seconds", lambda fn, *a, **k: timed.append(fn) or 0.0)
+    plan = memopt.plan(model, _plan_inputs(), budget_bytes=10**9, policies=["none", "full"], repeats=1)
+    # Layers 0, 1 and 3 share one timing; layer 2 saves more under "none" and is timed apart.
+    assert len(timed) == 2 * 2
+    assert plan.layer_bytes[2]["none"] > plan.layer_bytes[0]["none"] == plan.layer_bytes[3]["none"]
+
+
 def test_plan_predicts_counted_bytes_for_every_policy_mix():
     model = _encoder(3)
     inputs = _plan_inputs()

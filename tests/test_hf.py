@@ -222,3 +222,18 @@ def test_plan_predicts_counted_bytes(name):
     alternative = dataclasses.replace(chosen, policies=["none", "selective"])
     assert alternative.predicted_bytes <= budget
     assert chosen.predicted_extra_seconds <= alternative.predicted_extra_seconds
+
+
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_wrapped_llama_compiles_fullgraph_and_matches_eager(policy, compile_cache):
+    """Wrapping adds no graph break: the whole wrapped Llama (loss included) is one graph."""
+    torch.manual_seed(0)
+    model = _llama("sdpa")
+    ref_loss, ref_grads = _step(model, seed=7)
+    memopt.wrap(model, policy=policy)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    loss, grads = _step(compiled, seed=7)
+    torch.testing.assert_close(loss, ref_loss)
+    assert grads.keys() == {"_orig_mod." + key for key in ref_grads}
+    for key in ref_grads:
+        torch.testing.assert_close(grads["_orig_mod." + key], ref_grads[key], msg=lambda m: f"{key}: {m}")

@@ -642,8 +642,8 @@ def plan(
       warm-up), minus the same under ``"none"``: recompute, checkpoint bookkeeping and, for
       ``"offload"``, the copies to the host and back, measured rather than modelled. Layers
       with the same signature (class, parameter shapes, input shapes and dtypes, and the bytes
-      just measured under each policy) are timed once. A layer timed alone cannot overlap its offload copies with other layers' compute,
-      so ``"offload"``'s time is an upper bound.
+      just measured under each policy) are timed once. A layer timed alone cannot overlap its
+      offload copies with other layers' compute, so ``"offload"``'s time is an upper bound.
 
     Bytes saved outside the layers (``other_bytes``) are the whole model's count minus the
     layers'; layer inputs that need no gradient and are shared by the layers (masks, rotary

@@ -46,8 +46,9 @@ class _WrapState:
     wrapped: list[nn.Module] = field(default_factory=list)
     # (parent, attribute, original layer) for layers swapped for a fused block
     swapped: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list)
-    # (config, previous use_cache) for Hugging Face models
-    use_cache: tuple[Any, bool] | None = None
+    # Hugging Face configs whose use_cache wrap turned off (it was True); an encoder-decoder's
+    # decoder stack holds a copy of the model's config, so there can be several
+    use_cache: list[Any] = field(default_factory=list)
     policies: dict[str, str] = field(default_factory=dict)
 
 
@@ -247,7 +248,8 @@ def wrap(
 
     Wrapping twice raises ``RuntimeError``: call :func:`unwrap` first. Hugging Face models get
     ``config.use_cache = False`` while wrapped (a key/value cache cannot be recomputed), as their
-    own gradient checkpointing does; ``unwrap`` restores it.
+    own gradient checkpointing does, on every config in the model (an encoder-decoder's decoder
+    stack has its own copy); ``unwrap`` restores them.
 
     Returns:
         ``model``.
@@ -306,10 +308,11 @@ def wrap(
         layer.forward = types.MethodType(_checkpointed_forward, layer)
         state.wrapped.append(layer)
 
-    config = getattr(model, "config", None)
-    if config is not None and getattr(config, "use_cache", False) is True:
-        state.use_cache = (config, True)
-        config.use_cache = False
+    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules()) if c is not None}
+    for config in configs.values():
+        if getattr(config, "use_cache", False) is True:
+            state.use_cache.append(config)
+            config.use_cache = False
     object.__setattr__(model, _STATE_ATTR, state)
     return model
 
@@ -331,9 +334,8 @@ def unwrap(model: nn.Module) -> nn.Module:
             layer.forward = previous
     for parent, attr, original in state.swapped:
         setattr(parent, attr, original)
-    if state.use_cache is not None:
-        config, value = state.use_cache
-        config.use_cache = value
+    for config in state.use_cache:
+        config.use_cache = True
     object.__delattr__(model, _STATE_ATTR)
     return model
 

@@ -290,3 +290,22 @@ def test_more_architectures_match_unwrapped(name, config_class, model_class, kwa
         assert grads.keys() == ref_grads.keys()
         for key in ref_grads:
             torch.testing.assert_close(grads[key], ref_grads[key], msg=lambda m: f"{policy} {key}: {m}")
+
+
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_lora_adapters_with_dropout_match_unwrapped(policy):
+    """Frozen base weights, LoRA adapters with their own dropout (PEFT): only the adapters get
+    gradients, equal to the unwrapped model's; the first layer's input needs no gradient."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
+    model = peft.get_peft_model(_llama("sdpa"), config)
+    ref_loss, ref_grads = _step(model, seed=7)
+    assert ref_grads and all("lora_" in name for name in ref_grads)
+    assert len(wrap_module.find_layers(model)) == 2
+    memopt.wrap(model, policy=policy)
+    loss, grads = _step(model, seed=7)
+    torch.testing.assert_close(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    for key in ref_grads:
+        torch.testing.assert_close(grads[key], ref_grads[key], msg=lambda m: f"{key}: {m}")

@@ -309,3 +309,30 @@ def test_lora_adapters_with_dropout_match_unwrapped(policy):
     assert grads.keys() == ref_grads.keys()
     for key in ref_grads:
         torch.testing.assert_close(grads[key], ref_grads[key], msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("name", ["llama-sdpa", "gpt2-dropout"])
+def test_padding_mask_passes_through_the_checkpoint(name):
+    """A left-padded batch: the attention mask reaches every wrapped layer (as a shared input the
+    recompute sees again) and the result equals the unwrapped model's."""
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    ids = _input_ids()
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref_loss, ref_grads = step()
+    unmasked_loss = _step(model, seed=3)[0]
+    assert not torch.allclose(ref_loss, unmasked_loss)  # the mask matters
+    memopt.wrap(model, policy="selective")
+    loss, grads = step()
+    torch.testing.assert_close(loss, ref_loss)
+    for key in ref_grads:
+        torch.testing.assert_close(grads[key], ref_grads[key], msg=lambda m: f"{key}: {m}")

@@ -169,8 +169,10 @@ def checkpoint(
             the inputs and recomputes all of ``fn``; ``"none"`` runs ``fn`` as is.
         offload: True moves what is saved to host memory through one ``memopt.offload()``
             shared by all calls (each call is one prefetch group); an ``memopt.Offload`` object
-            is used instead of the shared one. Raises ``NotImplementedError`` when
-            ``memopt.offload`` is not available. With ``"full"`` the checkpoint keeps only the
+            is used instead of the shared one. Tensor arguments that need no gradient (masks,
+            rotary tables) stay on the device: the caller holds them, so moving them would free
+            nothing. Raises ``NotImplementedError`` when ``memopt.offload`` is not available.
+            With ``"full"`` the checkpoint keeps only the
             inputs, which it holds itself, so there is nothing to move. On CPU tensors offload
             is a no-op (see ``memopt.offload``).
         preserve_rng_state: as in ``torch.utils.checkpoint``; keep True when ``fn`` uses dropout.
@@ -199,7 +201,11 @@ def checkpoint(
                 "torch.utils.checkpoint.checkpoint accepts respect_saved_tensors_hooks "
                 f"(this is torch {torch.__version__})"
             )
-        with _offload_context(offload):
+        off = _offload_context(offload)
+        # Inputs that need no gradient (attention masks, rotary tables) are held by the caller,
+        # usually for every layer: moving them would free nothing.
+        held_inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and not t.requires_grad]
+        with off, off._keeping_on_device(held_inputs):
             return checkpoint(
                 fn,
                 *args,

@@ -481,8 +481,17 @@ class _PlacementCounter(SavedTensorCounter):
         return sum(n for key, n in self._host_storages.items() if key not in self._storages)
 
 
+# Marks a captured input that was an activation (not a leaf) in the model.
+_ACTIVATION_MARK = "_memopt_plan_activation"
+
+
 def _fresh_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor]]:
-    """Leaf copies of captured layer inputs, keeping which ones require grad."""
+    """Copies of captured layer inputs, detached from the model's graph, keeping which ones
+    require grad. An input that was an activation in the model comes back as a non-leaf (a clone
+    of a fresh leaf), as the offload engine tells the two apart: it sends activations to the host
+    and leaves leaves that require grad (parameters, a model input) on the device."""
+    from memopt.offload import _is_parameter_like
+
     no_grad_inputs: list[torch.Tensor] = []
 
     def fresh(x):
@@ -491,6 +500,10 @@ def _fresh_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Te
         leaf = x.detach().requires_grad_(x.requires_grad)
         if not leaf.requires_grad:
             no_grad_inputs.append(leaf)
+            return leaf
+        if getattr(x, _ACTIVATION_MARK, False) or not _is_parameter_like(x):
+            leaf = leaf.clone()
+            setattr(leaf, _ACTIVATION_MARK, True)
         return leaf
 
     new_args = torch.utils._pytree.tree_map(fresh, args)

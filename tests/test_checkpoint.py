@@ -183,6 +183,29 @@ def test_offload_moves_saved_tensors_and_keeps_results(policy):
         torch.testing.assert_close(grad, ref)
 
 
+def test_offload_keeps_inputs_that_need_no_gradient_on_the_device():
+    """A mask-like input the caller holds is saved by the function but not copied out (moving
+    it would free nothing); an activation input and the function's own intermediates are."""
+    off = memopt.offload(min_bytes=0, pin_memory=False, allow_cpu_source=True)
+    weight = torch.randn(64, 64, requires_grad=True)
+    scale = torch.rand(8, 64)  # no gradient, held by the caller
+    x = torch.randn(8, 64, requires_grad=True) * 1  # an activation: not a leaf
+
+    def fn(h, s):
+        return torch.tanh(h @ weight) * s  # saves h (mm), the tanh output and s (mul)
+
+    out = memopt.checkpoint(fn, x, scale, policy="none", offload=off)
+    moved = off.stats()["bytes_to_host"]
+    # h (8x64 float32) and the tanh output moved; s stayed: exactly two 2 KiB storages.
+    assert moved == 2 * 8 * 64 * 4
+    out.sum().backward()
+    reference_x = x.detach().requires_grad_()
+    reference_w = weight.detach().clone().requires_grad_()
+    (torch.tanh(reference_x @ reference_w) * scale).sum().backward()
+    torch.testing.assert_close(weight.grad, reference_w.grad)
+    assert off._kept_storages == set()  # the exemption ends with the call
+
+
 @gpu
 @pytest.mark.parametrize("policy", ["none", "selective"])
 def test_offload_true_on_cuda(policy):

@@ -336,3 +336,27 @@ def test_padding_mask_passes_through_the_checkpoint(name):
     torch.testing.assert_close(loss, ref_loss)
     for key in ref_grads:
         torch.testing.assert_close(grads[key], ref_grads[key], msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("name", ["llama-sdpa", "gpt2-dropout"])
+def test_offload_policy_on_hf_model_moves_what_the_plan_predicts(name):
+    """"offload" layers of a Hugging Face model (an engine that takes CPU tensors, so bytes
+    really move): the result equals the unwrapped model's and the engine moves exactly the host
+    bytes the plan measured."""
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    ref_loss, ref_grads = _step(model, seed=5)
+    off = memopt.offload(min_bytes=1024, allow_cpu_source=True, pin_memory=False)
+    ids = _input_ids()
+    plan = memopt.plan(model, {"input_ids": ids, "labels": ids, "use_cache": False}, budget_bytes=10**9,
+                       offload=off, repeats=1)
+    plan.policies = ["offload", "none"]
+    assert plan.layer_host_bytes[0]["offload"] > 0
+    before = off.stats()["bytes_to_host"]
+    memopt.wrap(model, plan=plan, offload=off)
+    loss, grads = _step(model, seed=5)
+    assert off.stats()["bytes_to_host"] - before == plan.predicted_host_bytes
+    torch.testing.assert_close(loss, ref_loss)
+    assert grads.keys() == ref_grads.keys()
+    for key in ref_grads:
+        torch.testing.assert_close(grads[key], ref_grads[key], msg=lambda m: f"{key}: {m}")

@@ -164,12 +164,38 @@ def _swap_for_fused_block(layer: nn.Module, policy: str) -> nn.Module | None:
     if supports is None or not supports(layer, allow_autocast=True):
         return None
     block = block_class.from_torch(layer, policy=policy, share_parameters=True)
+    _keep_state_dict_names(block, layer)
     if not supports(layer):
         # A float32 layer on CUDA: the block runs under autocast, the layer itself otherwise.
         from memopt.block import attach_torch_fallback
 
         attach_torch_fallback(block, layer)
     return block
+
+
+def _keep_state_dict_names(block: nn.Module, layer: nn.Module) -> None:
+    """Give a swapped-in ``block`` ``layer``'s state_dict names (both ways: saving and loading),
+    so that a checkpoint saved while wrapped loads into the unwrapped model and back."""
+    layer_names = {id(p): name for name, p in layer.named_parameters()}
+    to_layer = {name: layer_names[id(p)] for name, p in block.named_parameters()}
+    to_block = {layer_name: name for name, layer_name in to_layer.items()}
+    layer_order = [name for name, _ in layer.named_parameters()]
+
+    def save_under_layer_names(module, state_dict, prefix, local_metadata):
+        # The block's entries are the last ones (a module's hook runs after its subtree):
+        # re-added under the layer's names, in the layer's order.
+        values = {to_layer[name]: state_dict.pop(prefix + name) for name in to_layer if prefix + name in state_dict}
+        for name in layer_order:
+            if name in values:
+                state_dict[prefix + name] = values[name]
+
+    def load_from_layer_names(module, state_dict, prefix, *args):
+        for layer_name, name in to_block.items():
+            if prefix + layer_name in state_dict:
+                state_dict[prefix + name] = state_dict.pop(prefix + layer_name)
+
+    block.register_state_dict_post_hook(save_under_layer_names)
+    block.register_load_state_dict_pre_hook(load_from_layer_names)
 
 
 # -- wrap / unwrap --------------------------------------------------------------------------

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import copy
 import time
-import types
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -173,29 +172,38 @@ def _swap_for_fused_block(layer: nn.Module, policy: str) -> nn.Module | None:
     return block
 
 
-def _keep_state_dict_names(block: nn.Module, layer: nn.Module) -> None:
-    """Give a swapped-in ``block`` ``layer``'s state_dict names (both ways: saving and loading),
-    so that a checkpoint saved while wrapped loads into the unwrapped model and back."""
-    layer_names = {id(p): name for name, p in layer.named_parameters()}
-    to_layer = {name: layer_names[id(p)] for name, p in block.named_parameters()}
-    to_block = {layer_name: name for name, layer_name in to_layer.items()}
-    layer_order = [name for name, _ in layer.named_parameters()]
+class _LayerStateDictNames:
+    """A state-dict hook that gives a swapped-in block its torch layer's parameter names: when
+    saving (``loading=False``) or loading. A callable object, not a closure, so that a wrapped
+    model pickles."""
 
-    def save_under_layer_names(module, state_dict, prefix, local_metadata):
+    def __init__(self, block: nn.Module, layer: nn.Module, loading: bool):
+        layer_names = {id(p): name for name, p in layer.named_parameters()}
+        self.to_layer = {name: layer_names[id(p)] for name, p in block.named_parameters()}
+        self.layer_order = [name for name, _ in layer.named_parameters()]
+        self.loading = loading
+
+    def __call__(self, module, state_dict, prefix, *args) -> None:
+        if self.loading:
+            for name, layer_name in self.to_layer.items():
+                if prefix + layer_name in state_dict:
+                    state_dict[prefix + name] = state_dict.pop(prefix + layer_name)
+            return
         # The block's entries are the last ones (a module's hook runs after its subtree):
         # re-added under the layer's names, in the layer's order.
-        values = {to_layer[name]: state_dict.pop(prefix + name) for name in to_layer if prefix + name in state_dict}
-        for name in layer_order:
+        values = {
+            self.to_layer[name]: state_dict.pop(prefix + name) for name in self.to_layer if prefix + name in state_dict
+        }
+        for name in self.layer_order:
             if name in values:
                 state_dict[prefix + name] = values[name]
 
-    def load_from_layer_names(module, state_dict, prefix, *args):
-        for layer_name, name in to_block.items():
-            if prefix + layer_name in state_dict:
-                state_dict[prefix + name] = state_dict.pop(prefix + layer_name)
 
-    block.register_state_dict_post_hook(save_under_layer_names)
-    block.register_load_state_dict_pre_hook(load_from_layer_names)
+def _keep_state_dict_names(block: nn.Module, layer: nn.Module) -> None:
+    """Give a swapped-in ``block`` ``layer``'s state_dict names (both ways: saving and loading),
+    so that a checkpoint saved while wrapped loads into the unwrapped model and back."""
+    block.register_state_dict_post_hook(_LayerStateDictNames(block, layer, loading=False))
+    block.register_load_state_dict_pre_hook(_LayerStateDictNames(block, layer, loading=True))
 
 
 # -- wrap / unwrap --------------------------------------------------------------------------
@@ -219,9 +227,21 @@ class _LayerWrap:
         return _LayerWrap(self.name, self.policy, copy.deepcopy(self.previous_forward, memo), self.offload)
 
 
+class _CheckpointedForward:
+    """The forward ``wrap`` installs on a layer: an object holding the layer rather than a bound
+    method, so that a wrapped model pickles (``torch.save(model)``) and ``copy.deepcopy`` points
+    the copy's forward at the copied layer."""
+
+    __slots__ = ("layer",)
+
+    def __init__(self, layer: nn.Module):
+        self.layer = layer
+
+    def __call__(self, *args, **kwargs):
+        return _checkpointed_forward(self.layer, *args, **kwargs)
+
+
 def _checkpointed_forward(self: nn.Module, *args, **kwargs):
-    """The forward ``wrap`` installs, bound to the layer with ``types.MethodType`` so that
-    ``copy.deepcopy`` of a wrapped model rebinds it to the copy."""
     info: _LayerWrap = getattr(self, _LAYER_ATTR)
     if torch.is_grad_enabled() and any(kwargs.get(k) is not None for k in _CACHE_KWARGS):
         raise ValueError(
@@ -331,7 +351,7 @@ def wrap(
             continue
         layer_wrap = _LayerWrap(name, layer_policy, layer.__dict__.get("forward"), True if offload is None else offload)
         object.__setattr__(layer, _LAYER_ATTR, layer_wrap)
-        layer.forward = types.MethodType(_checkpointed_forward, layer)
+        layer.forward = _CheckpointedForward(layer)
         state.wrapped.append(layer)
 
     configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules()) if c is not None}

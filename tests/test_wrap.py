@@ -326,6 +326,22 @@ def test_fused_block_swapped_in_when_supported_and_restored(monkeypatch, norm_fi
     assert all(a is b for a, b in zip(model.layers, originals))
 
 
+def test_wrapped_model_pickles_with_torch_save_and_stays_wrapped(tmp_path):
+    model = _encoder(2)
+    memopt.wrap(model, policy=["selective", "full"])
+    x = torch.randn(BATCH, SEQ, D_MODEL)
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    loaded = torch.load(path, weights_only=False)
+    assert wrap_module.wrapped_policies(loaded) == {"layers.0": "selective", "layers.1": "full"}
+    _assert_same_step(_step(loaded, x, seed=2), _step(model, x, seed=2))
+    # The loaded layers' forwards are their own (checkpointed), not the original model's.
+    assert loaded.layers[1].forward.layer is loaded.layers[1]
+    assert _counted_bytes(loaded, x.clone().requires_grad_()) == _counted_bytes(model, x.clone().requires_grad_())
+    memopt.unwrap(loaded)
+    assert not wrap_module.wrapped_policies(loaded)
+
+
 # -- torch.compile --------------------------------------------------------------------------
 
 

@@ -153,6 +153,21 @@ def test_checkpoint_saved_while_wrapped_loads_into_the_plain_model_and_back(bias
     torch.testing.assert_close(model(x), plain(x), **F64_TOL)
 
 
+def test_wrapped_model_with_swapped_blocks_pickles(tmp_path):
+    model = _encoder()
+    plain = copy.deepcopy(model)
+    memopt.wrap(model, policy="selective")
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert isinstance(loaded.layers[0], memopt.FusedCheckpointBlock)
+    assert list(loaded.state_dict()) == list(plain.state_dict())
+    x = _input()
+    torch.testing.assert_close(loaded(x), plain(x), **F64_TOL)
+    memopt.unwrap(loaded)
+    assert type(loaded.layers[0]) is nn.TransformerEncoderLayer
+    torch.testing.assert_close(loaded(x), plain(x), atol=0, rtol=0)
+
+
 def test_unwrap_restores_layers_and_state_dict():
     model = _encoder()
     plain = copy.deepcopy(model)

@@ -63,12 +63,20 @@ def _outermost(named: Iterable[tuple[str, nn.Module]]) -> list[tuple[str, nn.Mod
     return chosen
 
 
-def _most_repeated_class(model: nn.Module) -> type:
+def _default_layer_classes(model: nn.Module) -> set[type]:
+    """The layer classes ``wrap`` picks by default: the module class repeated most often inside
+    an ``nn.ModuleList``/``nn.Sequential`` (outermost instances), and any other class stacked
+    alone in such a container that holds at least a tenth of that one's parameters (an
+    encoder-decoder's second stack: Whisper's or BART's decoder layers)."""
     in_containers: list[tuple[str, nn.Module]] = []
+    pure_stacks: set[type] = set()  # classes that fill a whole container on their own
     for name, module in model.named_modules():
         if isinstance(module, _CONTAINERS):
             prefix = f"{name}." if name else ""
-            in_containers += [(prefix + child_name, child) for child_name, child in module.named_children()]
+            children = list(module.named_children())
+            in_containers += [(prefix + child_name, child) for child_name, child in children]
+            if len(children) >= 2 and len({type(child) for _, child in children}) == 1:
+                pure_stacks.add(type(children[0][1]))
     counts = Counter(type(module) for _, module in in_containers)
     candidates = {cls for cls, count in counts.items() if count >= 2}
     if not candidates:
@@ -78,9 +86,15 @@ def _most_repeated_class(model: nn.Module) -> type:
         )
     # Keep classes that occur outside every other candidate (the blocks, not the experts or
     # sub-layers inside them), then take the most repeated of those.
-    candidate_names = [(name, m) for name, m in in_containers if type(m) in candidates]
-    outer_classes = Counter(type(m) for _, m in _outermost(candidate_names))
-    return max(outer_classes, key=lambda cls: (outer_classes[cls], -list(outer_classes).index(cls)))
+    outer = _outermost([(name, m) for name, m in in_containers if type(m) in candidates])
+    outer_classes = Counter(type(m) for _, m in outer)
+    top = max(outer_classes, key=lambda cls: (outer_classes[cls], -list(outer_classes).index(cls)))
+    params = Counter()
+    for _, m in outer:
+        params[type(m)] += sum(p.numel() for p in m.parameters())
+    return {top} | {
+        cls for cls in outer_classes if cls in pure_stacks and outer_classes[cls] >= 2 and params[cls] * 10 >= params[top]
+    }
 
 
 def find_layers(model: nn.Module, layers: LayerSelector = None) -> list[tuple[str, nn.Module]]:
@@ -90,15 +104,18 @@ def find_layers(model: nn.Module, layers: LayerSelector = None) -> list[tuple[st
         model: the model.
         layers: ``None`` picks the module class repeated most often inside an
             ``nn.ModuleList``/``nn.Sequential``, outermost instances only (``TransformerEncoderLayer``,
-            ``LlamaDecoderLayer``, ``GPT2Block``, ``BertLayer``); a class or tuple of classes selects
+            ``LlamaDecoderLayer``, ``GPT2Block``, ``BertLayer``), plus any other class that fills
+            such a container alone with at least a tenth of its parameters (an encoder-decoder's
+            other stack: ``WhisperDecoderLayer`` beside ``WhisperEncoderLayer``); a class or
+            tuple of classes selects
             instances of those; a callable ``layers(module) -> bool`` selects where it returns True.
             Selected modules nested in another selected module are left out.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"memopt.wrap: model must be an nn.Module, got {type(model).__name__}")
     if layers is None:
-        layer_class = _most_repeated_class(model)
-        predicate: Callable[[nn.Module], bool] = lambda m: type(m) is layer_class  # noqa: E731
+        layer_classes = _default_layer_classes(model)
+        predicate: Callable[[nn.Module], bool] = lambda m: type(m) in layer_classes  # noqa: E731
     elif isinstance(layers, type) or (isinstance(layers, tuple) and all(isinstance(c, type) for c in layers)):
         classes = layers
         predicate = lambda m: isinstance(m, classes)  # noqa: E731

@@ -258,7 +258,12 @@ ZOO = [
      dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB)),
     ("t5", "T5Config", "T5ForConditionalGeneration",
      dict(d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16, vocab_size=VOCAB, dropout_rate=0.0)),
+    # Encoder and decoder layers of different classes: both stacks are found.
+    ("bart", "BartConfig", "BartForConditionalGeneration",
+     dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+          encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=VOCAB, max_position_embeddings=64, dropout=0.1)),
 ]
+ENCODER_DECODER = {"t5", "bart"}
 
 
 @pytest.mark.parametrize("name, config_class, model_class, kwargs", ZOO, ids=[z[0] for z in ZOO])
@@ -281,7 +286,7 @@ def test_more_architectures_match_unwrapped(name, config_class, model_class, kwa
 
     ref_loss, ref_grads = step()
     layers = len(wrap_module.find_layers(model))
-    assert layers == (4 if name == "t5" else 2)
+    assert layers == (4 if name in ENCODER_DECODER else 2)
     for policy in ["selective", "full"]:
         memopt.wrap(model, policy=policy)
         loss, grads = step()

@@ -96,6 +96,35 @@ def test_finds_outer_blocks_not_more_numerous_inner_experts():
     assert [name for name, _ in found] == ["blocks.0", "blocks.1"]
 
 
+class _DecoderLayer(_Expert):
+    """A second layer class (an encoder-decoder's decoder layers)."""
+
+
+class _EncoderDecoder(nn.Module):
+    def __init__(self, encoder_layers=3, decoder_layers=2, head_width=1):
+        super().__init__()
+        self.encoder = nn.ModuleList(_Expert() for _ in range(encoder_layers))
+        self.decoder = nn.ModuleList(_DecoderLayer() for _ in range(decoder_layers))
+        self.heads = nn.ModuleList(nn.Linear(D_MODEL, head_width) for _ in range(2))
+
+
+@pytest.mark.parametrize(
+    "model,expected",
+    [
+        # Both stacks; the two small heads (a repeated class too) are not layers.
+        (_EncoderDecoder(), ["encoder.0", "encoder.1", "encoder.2", "decoder.0", "decoder.1"]),
+        # A stack with under a tenth of the main stack's parameters is left out.
+        (_EncoderDecoder(encoder_layers=24), [f"encoder.{i}" for i in range(24)]),
+        # Heads as large as a layer stack count as one.
+        (_EncoderDecoder(decoder_layers=0, head_width=3 * D_MODEL),
+         ["encoder.0", "encoder.1", "encoder.2", "heads.0", "heads.1"]),
+    ],
+    ids=["two-stacks", "small-second-stack", "large-heads"],
+)
+def test_default_layers_take_every_stack_of_comparable_size(model, expected):
+    assert [name for name, _ in wrap_module.find_layers(model)] == expected
+
+
 @pytest.mark.parametrize(
     "layers,expected",
     [

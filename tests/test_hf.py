@@ -85,6 +85,15 @@ def _step(model, seed=0):
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
+def _assert_same(got, want, label=""):
+    """Same loss and the same gradients (by parameter name) as the reference step."""
+    (loss, grads), (ref_loss, ref_grads) = got, want
+    torch.testing.assert_close(loss, ref_loss, msg=lambda m: f"{label} loss: {m}")
+    assert grads.keys() == ref_grads.keys()
+    for key in ref_grads:
+        torch.testing.assert_close(grads[key], ref_grads[key], msg=lambda m: f"{label} {key}: {m}")
+
+
 def _counted_bytes(model):
     ids = _input_ids()
     with memopt.SavedTensorCounter(exclude=list(model.parameters()) + list(model.buffers())) as counter:
@@ -101,10 +110,7 @@ def test_loss_and_gradients_match_unwrapped(name, policy):
     memopt.wrap(model, policy=policy)
     assert list(wrap_module.wrapped_policies(model).values()) == [policy, policy]
     loss, grads = _step(model, seed=7)
-    torch.testing.assert_close(loss, ref_loss)
-    assert grads.keys() == ref_grads.keys()
-    for key in ref_grads:
-        torch.testing.assert_close(grads[key], ref_grads[key], msg=lambda m: f"{key}: {m}")
+    _assert_same((loss, grads), (ref_loss, ref_grads))
 
 
 def test_gpt2_dropout_is_active_so_replay_is_tested():
@@ -150,10 +156,7 @@ def test_bert_encoder_layers_found_and_match():
     ref_out, ref_grads = step()
     memopt.wrap(model, policy="selective")
     out, grads = step()
-    torch.testing.assert_close(out, ref_out)
-    assert grads.keys() == ref_grads.keys()
-    for key in ref_grads:
-        torch.testing.assert_close(grads[key], ref_grads[key], msg=lambda m: f"{key}: {m}")
+    _assert_same((out, grads), (ref_out, ref_grads))
 
 
 @pytest.mark.parametrize("name", ["llama-sdpa", "llama-eager", "gpt2-eager"])
@@ -233,10 +236,8 @@ def test_wrapped_llama_compiles_fullgraph_and_matches_eager(policy, compile_cach
     memopt.wrap(model, policy=policy)
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
     loss, grads = _step(compiled, seed=7)
-    torch.testing.assert_close(loss, ref_loss)
-    assert grads.keys() == {"_orig_mod." + key for key in ref_grads}
-    for key in ref_grads:
-        torch.testing.assert_close(grads["_orig_mod." + key], ref_grads[key], msg=lambda m: f"{key}: {m}")
+    assert all(key.startswith("_orig_mod.") for key in grads)
+    _assert_same((loss, {key.removeprefix("_orig_mod."): g for key, g in grads.items()}), (ref_loss, ref_grads))
 
 
 # More architectures, each built tiny from its config: wrap must find the repeated layers and
@@ -291,10 +292,7 @@ def test_more_architectures_match_unwrapped(name, config_class, model_class, kwa
         memopt.wrap(model, policy=policy)
         loss, grads = step()
         memopt.unwrap(model)
-        torch.testing.assert_close(loss, ref_loss)
-        assert grads.keys() == ref_grads.keys()
-        for key in ref_grads:
-            torch.testing.assert_close(grads[key], ref_grads[key], msg=lambda m: f"{policy} {key}: {m}")
+        _assert_same((loss, grads), (ref_loss, ref_grads), policy)
 
 
 @pytest.mark.parametrize("policy", ["selective", "full"])
@@ -310,10 +308,7 @@ def test_lora_adapters_with_dropout_match_unwrapped(policy):
     assert len(wrap_module.find_layers(model)) == 2
     memopt.wrap(model, policy=policy)
     loss, grads = _step(model, seed=7)
-    torch.testing.assert_close(loss, ref_loss)
-    assert grads.keys() == ref_grads.keys()
-    for key in ref_grads:
-        torch.testing.assert_close(grads[key], ref_grads[key], msg=lambda m: f"{key}: {m}")
+    _assert_same((loss, grads), (ref_loss, ref_grads))
 
 
 @pytest.mark.parametrize("name", ["llama-sdpa", "gpt2-dropout"])
@@ -338,9 +333,7 @@ def test_padding_mask_passes_through_the_checkpoint(name):
     assert not torch.allclose(ref_loss, unmasked_loss)  # the mask matters
     memopt.wrap(model, policy="selective")
     loss, grads = step()
-    torch.testing.assert_close(loss, ref_loss)
-    for key in ref_grads:
-        torch.testing.assert_close(grads[key], ref_grads[key], msg=lambda m: f"{key}: {m}")
+    _assert_same((loss, grads), (ref_loss, ref_grads))
 
 
 @pytest.mark.parametrize("name", ["llama-sdpa", "gpt2-dropout"])
@@ -361,7 +354,4 @@ def test_offload_policy_on_hf_model_moves_what_the_plan_predicts(name):
     memopt.wrap(model, plan=plan, offload=off)
     loss, grads = _step(model, seed=5)
     assert off.stats()["bytes_to_host"] - before == plan.predicted_host_bytes
-    torch.testing.assert_close(loss, ref_loss)
-    assert grads.keys() == ref_grads.keys()
-    for key in ref_grads:
-        torch.testing.assert_close(grads[key], ref_grads[key], msg=lambda m: f"{key}: {m}")
+    _assert_same((loss, grads), (ref_loss, ref_grads))

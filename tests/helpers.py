@@ -22,9 +22,10 @@ def _triton_interpreter_missing() -> str | None:
     return None
 
 
+_WHY_NO_TRITON_INTERPRETER = _triton_interpreter_missing()
 # Tests that run memopt's Triton kernels on CPU tensors, in Triton's interpreter.
 needs_triton_interpreter = pytest.mark.skipif(
-    _triton_interpreter_missing() is not None, reason=_triton_interpreter_missing() or ""
+    _WHY_NO_TRITON_INTERPRETER is not None, reason=_WHY_NO_TRITON_INTERPRETER or ""
 )
 
 # (atol, rtol) per dtype for elementwise and row-reduction ops checked against a float64

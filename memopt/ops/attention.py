@@ -37,8 +37,8 @@ except ModuleNotFoundError as _err:
         raise
     attention_triton = None
 
-# The head sizes the GPU kernels have launch configurations for (attention_triton.GPU_CONFIGS,
-# keyed by the same tuple); the CPU paths take the same ones, so a model runs on either device.
+# The head sizes the GPU kernels have launch configurations for (attention_triton.GPU_CONFIGS;
+# tests check the two agree); the CPU paths take the same ones, so a model runs on either device.
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 GPU_DTYPES = (torch.float16, torch.bfloat16)
 INTERPRETER_DTYPES = (torch.float32,)

@@ -84,7 +84,7 @@ def test_saved_bytes_per_policy():
 
 
 def test_saved_tensors_reach_outer_hooks_on_torch_without_respect_argument(monkeypatch):
-    """torch 2.11..2.13 lack respect_saved_tensors_hooks: the fallback reports the cached tensors."""
+    """torch 2.11..2.13 lack respect_saved_tensors_hooks: the fallback packs the cached tensors."""
     inputs = _block_inputs(torch.float32, 64, 32, 128)
     with_argument = memopt.saved_bytes(lambda *a: memopt.checkpoint(_block, *a), *inputs)
     monkeypatch.setattr(ckpt, "_CHECKPOINT_RESPECTS_HOOKS", False)
@@ -170,8 +170,15 @@ def test_offload_without_engine_raises_not_implemented(monkeypatch):
     assert not ckpt.offload_available()
 
 
-@pytest.mark.parametrize("policy", ["none", "selective"])
-def test_offload_moves_saved_tensors_and_keeps_results(policy):
+@pytest.mark.parametrize(
+    "policy,hooks_path",
+    [("none", "torch"), ("selective", "torch"), ("selective", "fallback")],
+    ids=["none", "selective", "selective-fallback"],
+)
+def test_offload_moves_saved_tensors_and_keeps_results(monkeypatch, policy, hooks_path):
+    if hooks_path == "fallback":
+        # The path of torch 2.11..2.13, which lack respect_saved_tensors_hooks.
+        monkeypatch.setattr(ckpt, "_CHECKPOINT_RESPECTS_HOOKS", False)
     # CPU tensors count as device tensors for this Offload, so the round trip really happens.
     off = memopt.offload(min_bytes=0, pin_memory=False, allow_cpu_source=True)
     inputs = _block_inputs(torch.float32)
@@ -204,6 +211,58 @@ def test_offload_keeps_inputs_that_need_no_gradient_on_the_device():
     (torch.tanh(reference_x @ reference_w) * scale).sum().backward()
     torch.testing.assert_close(weight.grad, reference_w.grad)
     assert off._kept_storages == set()  # the exemption ends with the call
+
+
+@pytest.mark.parametrize("hooks_path", ["torch", "fallback"])
+def test_selective_cache_mutated_in_place_raises_in_backward_under_hooks(monkeypatch, hooks_path):
+    if hooks_path == "fallback":
+        monkeypatch.setattr(ckpt, "_CHECKPOINT_RESPECTS_HOOKS", False)
+    x = torch.randn(4, 5, requires_grad=True)
+    w = torch.randn(5, 3, requires_grad=True)
+
+    def scaled_matmul_in_place(x, w):
+        y = x @ w  # cached by "selective", then changed in place
+        return y.mul_(2).sin()
+
+    with warnings.catch_warnings(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        warnings.simplefilter("ignore", FutureWarning)
+        out = memopt.checkpoint(scaled_matmul_in_place, x, w, policy="selective")
+        with pytest.raises(RuntimeError, match="has been mutated"):
+            out.sum().backward()
+
+
+@pytest.mark.parametrize("layout", ["list", "dict"])
+def test_fallback_packs_every_cached_tensor_in_both_cache_layouts(layout):
+    """torch 2.11 keeps a list of cache entries per op, 2.13 a dict keyed by call index."""
+    from torch.utils.checkpoint import _VersionWrapper
+
+    first, second = torch.randn(3), torch.randn(2)
+    entries = [(_VersionWrapper(first), _VersionWrapper(None)), _VersionWrapper(second)]
+
+    class CachingMode:
+        storage = {"op": entries if layout == "list" else dict(enumerate(entries))}
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    packed = []
+
+    def pack(t):
+        packed.append(t)
+        return len(packed) - 1
+
+    mode = CachingMode()
+    with ckpt._PackCachedWithHooks(mode, (pack, lambda index: packed[index] * 10)):
+        pass
+    per_op = mode.storage["op"]
+    pair, single = per_op[0], per_op[1]
+    assert len(packed) == 2 and packed[0] is first and packed[1] is second
+    torch.testing.assert_close(pair[0].get_val(False), first * 10)
+    assert pair[1].get_val(False) is None
+    torch.testing.assert_close(single.get_val(False), second * 10)
 
 
 @gpu

@@ -185,6 +185,8 @@ def checkpoint(
     preserve_rng_state: bool = True,
     use_reentrant: bool | None = None,
     determinism_check: str = "default",
+    debug: bool = False,
+    context_fn: Callable | None = None,
     **kwargs,
 ):
     """Run ``fn(*args, **kwargs)``, saving for backward only what ``policy`` says.
@@ -211,6 +213,10 @@ def checkpoint(
         preserve_rng_state: as in ``torch.utils.checkpoint``; keep True when ``fn`` uses dropout.
         use_reentrant: accepted for drop-in compatibility; only False (or None) is supported.
         determinism_check: as in ``torch.utils.checkpoint`` (``"default"`` or ``"none"``).
+        debug: as in ``torch.utils.checkpoint`` (a trace of the recompute when the determinism
+            check fails); with ``policy="full"`` only.
+        context_fn: as in ``torch.utils.checkpoint``; only with ``policy="full"`` (``"selective"``
+            is memopt's own context, ``"none"`` has no recompute).
 
     Returns:
         whatever ``fn`` returns.
@@ -227,6 +233,16 @@ def checkpoint(
         raise ValueError(
             "memopt.checkpoint: use_reentrant must be False or None; memopt uses non-reentrant checkpointing"
         )
+    if context_fn is not None and policy != "full":
+        raise ValueError(
+            f"memopt.checkpoint: context_fn needs policy='full' (policy={policy!r} "
+            + ("is memopt's own selective context)" if policy == "selective" else "recomputes nothing)")
+        )
+    if debug and (policy == "selective" or context_fn is not None):
+        raise ValueError(
+            "memopt.checkpoint: debug=True needs policy='full' without context_fn (torch's debug mode "
+            "does not take a context_fn, and 'selective' is one)"
+        )
     if offload:
         off = _offload_context(offload)
         # Inputs that need no gradient (attention masks, rotary tables) are held by the caller,
@@ -239,6 +255,8 @@ def checkpoint(
                 policy=policy,
                 preserve_rng_state=preserve_rng_state,
                 determinism_check=determinism_check,
+                debug=debug,
+                context_fn=context_fn,
                 **kwargs,
             )
     if policy == "none":
@@ -247,7 +265,10 @@ def checkpoint(
         "use_reentrant": False,
         "preserve_rng_state": preserve_rng_state,
         "determinism_check": determinism_check,
+        "debug": debug,
     }
+    if context_fn is not None:
+        options["context_fn"] = context_fn
     if policy == "selective":
         compiling = torch.compiler.is_compiling()
         if _CHECKPOINT_RESPECTS_HOOKS:

@@ -1,5 +1,6 @@
 """memopt.checkpoint: equal outputs and gradients, RNG replay, what each policy saves, errors."""
 
+import contextlib
 import importlib
 import sys
 import warnings
@@ -283,11 +284,37 @@ def test_offload_true_on_cuda(policy):
         ({"policy": "some"}, ValueError, "policy must be one of"),
         ({"policy": None}, ValueError, "policy must be one of"),
         ({"use_reentrant": True}, ValueError, "use_reentrant"),
+        ({"policy": "selective", "context_fn": lambda: (contextlib.nullcontext(), contextlib.nullcontext())},
+         ValueError, "context_fn needs policy='full'"),
+        ({"policy": "none", "context_fn": lambda: (contextlib.nullcontext(), contextlib.nullcontext())},
+         ValueError, "recomputes nothing"),
+        ({"policy": "selective", "debug": True}, ValueError, "debug=True needs policy='full'"),
     ],
 )
 def test_bad_arguments_raise(kwargs, error, match):
     with pytest.raises(error, match=match):
         memopt.checkpoint(torch.sin, torch.randn(3, requires_grad=True), **kwargs)
+
+
+def test_torch_checkpoint_keywords_are_taken_not_passed_to_fn():
+    """Drop-in: ``debug``, ``context_fn`` and ``determinism_check`` go to the checkpoint (they
+    would be a TypeError inside ``fn``), and ``context_fn`` runs under ``"full"``."""
+    entered = []
+
+    @contextlib.contextmanager
+    def mark(name):
+        entered.append(name)
+        yield
+
+    x = torch.randn(4, requires_grad=True)
+    out = memopt.checkpoint(torch.sin, x, policy="full", determinism_check="none",
+                            context_fn=lambda: (mark("forward"), mark("recompute")))
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, torch.cos(x.detach()))
+    assert entered == ["forward", "recompute"]
+    y = x.detach().requires_grad_()
+    memopt.checkpoint(torch.sin, y, policy="full", debug=True).sum().backward()
+    torch.testing.assert_close(y.grad, torch.cos(x.detach()))
 
 
 def test_fn_must_be_callable():

@@ -62,6 +62,8 @@ done
 # -v names each test as it starts: a test that hangs (a stream wait that never ends) is the last line.
 step gpu_tests "${STEP_TIMEOUT_GPU_TESTS:-200}" python -m pytest -v -m gpu -p no:cacheprovider --junitxml="$OUT/gpu_tests.xml" \
   --durations=15 "${gpu_test_files[@]}"
+# Where each configuration's step time goes, by kernel category (why "none" is slower than eager).
+step profile_h200 "${STEP_TIMEOUT_PROFILE:-90}" python -m bench.profile --preset h200 --out "$OUT/profile_h200.json"
 # The harness's GPU preset (bf16, d_model 2048, 16 heads, seq 2048, 4 layers, torch.compile
 # included): FusedCheckpointBlock's policies against eager, checkpoint and selective checkpointing.
 step bench_h200 "${STEP_TIMEOUT_BENCH_H200:-300}" python -m bench --preset h200 --out "$OUT" --no-progress

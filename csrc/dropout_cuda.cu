@@ -39,7 +39,10 @@ __global__ void dropout_add_cuda_kernel(const scalar_t* __restrict__ x,
 
 void launch_dropout_add(const at::Tensor& x, const at::Tensor* residual, at::Tensor& out, double p,
                         const at::Tensor& rng_key) {
-  const auto [seed, offset] = read_rng_key(rng_key, "dropout_add");
+  // Named values, not a structured binding: the dispatch lambda below captures them, which
+  // C++17 (torch 2.11 builds extensions with it) does not allow for bindings.
+  const std::pair<uint64_t, uint64_t> key = read_rng_key(rng_key, "dropout_add");
+  const uint64_t seed = key.first, offset = key.second;
   const int64_t numel = x.numel();
   if (numel == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());

@@ -87,6 +87,21 @@ void refuse_graph_capture(c10::DeviceIndex device, const char* what) {
                " is capturing a CUDA graph; offload cannot run inside one (it waits on the host and "
                "copies through pooled pinned memory). Keep offloaded layers out of the captured region.");
 }
+
+// A pinned host buffer of exactly `nbytes`, freed when the tensor dies. Not from torch's caching
+// host allocator: that one rounds every request up to a power of two (a 1.25 * 2^k block would
+// pin 2^(k+1) bytes, up to 1.6x what max_host_bytes counted) and keeps the blocks the pool evicts
+// pinned in its own cache. The pool here already caches; this way what it counts is what is pinned.
+at::Tensor allocate_pinned(int64_t nbytes, c10::DeviceIndex device) {
+  c10::cuda::CUDAGuard guard(device);  // a context must be current; the memory serves every device
+  void* ptr = nullptr;
+  C10_CUDA_CHECK(cudaHostAlloc(&ptr, static_cast<size_t>(nbytes), cudaHostAllocPortable));
+  // cudaFreeHost waits for the device: blocks are freed only when the pool evicts one (after its
+  // last copy was synchronised on) or with the engine.
+  return at::from_blob(
+      ptr, {nbytes}, [](void* p) { C10_CUDA_IGNORE_ERROR(cudaFreeHost(p)); },
+      at::TensorOptions().dtype(at::kByte).device(at::kCPU));
+}
 #endif
 
 // Round up to 2^k * {1, 1.25, 1.5, 1.75}: at most 25% slack and few distinct classes, so a
@@ -347,6 +362,7 @@ class OffloadEngine : public torch::CustomClassHolder {
     out.insert("prefetched_transfers", counters_.prefetched_transfers);
     out.insert("demand_transfers", counters_.demand_transfers);
     out.insert("prefetch_stalls", counters_.prefetch_stalls);
+    out.insert("prefetches_skipped_oom", counters_.prefetches_skipped_oom);
     out.insert("wait_ns", counters_.wait_ns);
     out.insert("throttle_ns", counters_.throttle_ns);
     out.insert("pool_hits", counters_.pool_hits);
@@ -364,7 +380,8 @@ class OffloadEngine : public torch::CustomClassHolder {
     int64_t bytes_to_host = 0, bytes_to_device = 0, copies_to_host = 0, copies_to_device = 0;
     int64_t tensors_offloaded = 0, tensors_deduplicated = 0, tensors_coalesced = 0;
     int64_t refused_tensors = 0, refused_bytes = 0;
-    int64_t prefetched_transfers = 0, demand_transfers = 0, prefetch_stalls = 0, wait_ns = 0, throttle_ns = 0;
+    int64_t prefetched_transfers = 0, demand_transfers = 0, prefetch_stalls = 0, prefetches_skipped_oom = 0;
+    int64_t wait_ns = 0, throttle_ns = 0;
     int64_t pool_hits = 0, pool_misses = 0;
   };
 
@@ -507,7 +524,7 @@ class OffloadEngine : public torch::CustomClassHolder {
   // Changes nothing in `transfer` or the pool's accounting if it throws.
   void copy_to_host(Transfer& transfer, const at::Tensor& bytes, const std::vector<c10::Storage>& sources) {
     const int64_t cls = size_class(transfer.nbytes);
-    HostBlock block = acquire_block(cls, transfer.device.is_cuda());
+    HostBlock block = acquire_block(cls, transfer.device);
     try {
       at::Tensor host = block.buffer.narrow(0, 0, transfer.nbytes);
 #ifdef MEMOPT_WITH_CUDA
@@ -545,7 +562,7 @@ class OffloadEngine : public torch::CustomClassHolder {
     ++counters_.copies_to_host;
   }
 
-  HostBlock acquire_block(int64_t cls, bool pinned_for_cuda) {
+  HostBlock acquire_block(int64_t cls, c10::Device source_device) {
     auto& free_list = free_blocks_[cls];
     if (!free_list.empty()) {
       HostBlock block = std::move(free_list.back());
@@ -563,7 +580,10 @@ class OffloadEngine : public torch::CustomClassHolder {
     if (max_host_bytes_ >= 0) evict_free_blocks(max_host_bytes_ - cls);
     HostBlock block;
     block.size_class = cls;
-    block.buffer = at::empty({cls}, at::TensorOptions().dtype(at::kByte).pinned_memory(pin_memory_ && pinned_for_cuda));
+#ifdef MEMOPT_WITH_CUDA
+    if (pin_memory_ && source_device.is_cuda()) block.buffer = allocate_pinned(cls, source_device.index());
+#endif
+    if (!block.buffer.defined()) block.buffer = at::empty({cls}, at::TensorOptions().dtype(at::kByte));
     pool_bytes_held_ += cls;
     pool_bytes_in_use_ += cls;
     return block;
@@ -646,7 +666,14 @@ class OffloadEngine : public torch::CustomClassHolder {
           transfer.pending_unpacks == 0) {
         continue;  // (uncopied after the flush above: its flush failed, unpack reports it)
       }
-      copy_to_device(transfer);
+      try {
+        copy_to_device(transfer);
+      } catch (const c10::OutOfMemoryError&) {
+        // Prefetching is an optimisation: with the device full, leave this group to the copies on
+        // demand at its unpack, when the backward of later layers has freed their memory.
+        ++counters_.prefetches_skipped_oom;
+        return;
+      }
       ++counters_.prefetched_transfers;
     }
   }

@@ -67,11 +67,18 @@ Limits:
 * No CUDA graphs: the engine waits on the host and reuses pinned blocks, so every engine call
   raises while the current stream is capturing. Keep offloaded layers out of captured regions.
 * ``stats()`` waits for the timing events of past stalls: call it between steps, not inside one.
+* Host blocks for CUDA tensors are pinned with ``cudaHostAlloc`` at the pool's size classes, not
+  through torch's pinned allocator (which rounds to powers of two and caches what the pool
+  evicts), so ``max_host_bytes`` bounds the pinned memory itself. Freeing one (eviction, engine
+  teardown) waits for the device.
+* A prefetch that hits a device out-of-memory error is dropped (``prefetches_skipped_oom``); the
+  group's tensors are copied back on demand when unpacked.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+import contextlib
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -228,6 +235,7 @@ class Offload:
         )
         self._hooks = None
         self.skipped_tensors = 0
+        self._kept_storages: set[tuple[int, torch.device]] = set()
 
     @property
     def active(self) -> bool:
@@ -241,7 +249,20 @@ class Offload:
             return False
         if t.is_conj() or t.is_neg() or _is_parameter_like(t):
             return False
+        if self._kept_storages and (t.untyped_storage().data_ptr(), t.device) in self._kept_storages:
+            return False
         return t.numel() * t.element_size() >= self.min_bytes
+
+    @contextlib.contextmanager
+    def _keeping_on_device(self, tensors: Iterable[torch.Tensor]) -> Iterator[None]:
+        """Inside, saved tensors sharing storage with ``tensors`` stay on the device (inputs the
+        caller holds anyway: copying them would cost bandwidth and host memory, free nothing)."""
+        keys = {(t.untyped_storage().data_ptr(), t.device) for t in tensors} - self._kept_storages
+        self._kept_storages |= keys
+        try:
+            yield
+        finally:
+            self._kept_storages -= keys
 
     def _pack(self, t: torch.Tensor):
         if not self._should_offload(t):

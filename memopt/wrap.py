@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import functools
 import time
-import types
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -47,8 +46,9 @@ class _WrapState:
     wrapped: list[nn.Module] = field(default_factory=list)
     # (parent, attribute, original layer) for layers swapped for a fused block
     swapped: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list)
-    # (config, previous use_cache) for Hugging Face models
-    use_cache: tuple[Any, bool] | None = None
+    # Hugging Face configs whose use_cache wrap turned off (it was True); an encoder-decoder's
+    # decoder stack holds a copy of the model's config, so there can be several
+    use_cache: list[Any] = field(default_factory=list)
     policies: dict[str, str] = field(default_factory=dict)
 
 
@@ -64,12 +64,20 @@ def _outermost(named: Iterable[tuple[str, nn.Module]]) -> list[tuple[str, nn.Mod
     return chosen
 
 
-def _most_repeated_class(model: nn.Module) -> type:
+def _default_layer_classes(model: nn.Module) -> set[type]:
+    """The layer classes ``wrap`` picks by default: the module class repeated most often inside
+    an ``nn.ModuleList``/``nn.Sequential`` (outermost instances), and any other class stacked
+    alone in such a container that holds at least a tenth of that one's parameters (an
+    encoder-decoder's second stack: Whisper's or BART's decoder layers)."""
     in_containers: list[tuple[str, nn.Module]] = []
+    pure_stacks: set[type] = set()  # classes that fill a whole container on their own
     for name, module in model.named_modules():
         if isinstance(module, _CONTAINERS):
             prefix = f"{name}." if name else ""
-            in_containers += [(prefix + child_name, child) for child_name, child in module.named_children()]
+            children = list(module.named_children())
+            in_containers += [(prefix + child_name, child) for child_name, child in children]
+            if len(children) >= 2 and len({type(child) for _, child in children}) == 1:
+                pure_stacks.add(type(children[0][1]))
     counts = Counter(type(module) for _, module in in_containers)
     candidates = {cls for cls, count in counts.items() if count >= 2}
     if not candidates:
@@ -79,9 +87,15 @@ def _most_repeated_class(model: nn.Module) -> type:
         )
     # Keep classes that occur outside every other candidate (the blocks, not the experts or
     # sub-layers inside them), then take the most repeated of those.
-    candidate_names = [(name, m) for name, m in in_containers if type(m) in candidates]
-    outer_classes = Counter(type(m) for _, m in _outermost(candidate_names))
-    return max(outer_classes, key=lambda cls: (outer_classes[cls], -list(outer_classes).index(cls)))
+    outer = _outermost([(name, m) for name, m in in_containers if type(m) in candidates])
+    outer_classes = Counter(type(m) for _, m in outer)
+    top = max(outer_classes, key=lambda cls: (outer_classes[cls], -list(outer_classes).index(cls)))
+    params = Counter()
+    for _, m in outer:
+        params[type(m)] += sum(p.numel() for p in m.parameters())
+    return {top} | {
+        cls for cls in outer_classes if cls in pure_stacks and outer_classes[cls] >= 2 and params[cls] * 10 >= params[top]
+    }
 
 
 def find_layers(model: nn.Module, layers: LayerSelector = None) -> list[tuple[str, nn.Module]]:
@@ -91,15 +105,18 @@ def find_layers(model: nn.Module, layers: LayerSelector = None) -> list[tuple[st
         model: the model.
         layers: ``None`` picks the module class repeated most often inside an
             ``nn.ModuleList``/``nn.Sequential``, outermost instances only (``TransformerEncoderLayer``,
-            ``LlamaDecoderLayer``, ``GPT2Block``, ``BertLayer``); a class or tuple of classes selects
+            ``LlamaDecoderLayer``, ``GPT2Block``, ``BertLayer``), plus any other class that fills
+            such a container alone with at least a tenth of its parameters (an encoder-decoder's
+            other stack: ``WhisperDecoderLayer`` beside ``WhisperEncoderLayer``); a class or
+            tuple of classes selects
             instances of those; a callable ``layers(module) -> bool`` selects where it returns True.
             Selected modules nested in another selected module are left out.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"memopt.wrap: model must be an nn.Module, got {type(model).__name__}")
     if layers is None:
-        layer_class = _most_repeated_class(model)
-        predicate: Callable[[nn.Module], bool] = lambda m: type(m) is layer_class  # noqa: E731
+        layer_classes = _default_layer_classes(model)
+        predicate: Callable[[nn.Module], bool] = lambda m: type(m) in layer_classes  # noqa: E731
     elif isinstance(layers, type) or (isinstance(layers, tuple) and all(isinstance(c, type) for c in layers)):
         classes = layers
         predicate = lambda m: isinstance(m, classes)  # noqa: E731
@@ -164,12 +181,47 @@ def _swap_for_fused_block(layer: nn.Module, policy: str) -> nn.Module | None:
     if supports is None or not supports(layer, allow_autocast=True):
         return None
     block = block_class.from_torch(layer, policy=policy, share_parameters=True)
+    _keep_state_dict_names(block, layer)
     if not supports(layer):
         # A float32 layer on CUDA: the block runs under autocast, the layer itself otherwise.
         from memopt.block import attach_torch_fallback
 
         attach_torch_fallback(block, layer)
     return block
+
+
+class _LayerStateDictNames:
+    """A state-dict hook that gives a swapped-in block its torch layer's parameter names: when
+    saving (``loading=False``) or loading. A callable object, not a closure, so that a wrapped
+    model pickles."""
+
+    def __init__(self, block: nn.Module, layer: nn.Module, loading: bool):
+        layer_names = {id(p): name for name, p in layer.named_parameters()}
+        self.to_layer = {name: layer_names[id(p)] for name, p in block.named_parameters()}
+        self.layer_order = [name for name, _ in layer.named_parameters()]
+        self.loading = loading
+
+    def __call__(self, module, state_dict, prefix, *args) -> None:
+        if self.loading:
+            for name, layer_name in self.to_layer.items():
+                if prefix + layer_name in state_dict:
+                    state_dict[prefix + name] = state_dict.pop(prefix + layer_name)
+            return
+        # The block's entries are the last ones (a module's hook runs after its subtree):
+        # re-added under the layer's names, in the layer's order.
+        values = {
+            self.to_layer[name]: state_dict.pop(prefix + name) for name in self.to_layer if prefix + name in state_dict
+        }
+        for name in self.layer_order:
+            if name in values:
+                state_dict[prefix + name] = values[name]
+
+
+def _keep_state_dict_names(block: nn.Module, layer: nn.Module) -> None:
+    """Give a swapped-in ``block`` ``layer``'s state_dict names (both ways: saving and loading),
+    so that a checkpoint saved while wrapped loads into the unwrapped model and back."""
+    block.register_state_dict_post_hook(_LayerStateDictNames(block, layer, loading=False))
+    block.register_load_state_dict_pre_hook(_LayerStateDictNames(block, layer, loading=True))
 
 
 # -- wrap / unwrap --------------------------------------------------------------------------
@@ -193,9 +245,21 @@ class _LayerWrap:
         return _LayerWrap(self.name, self.policy, copy.deepcopy(self.previous_forward, memo), self.offload)
 
 
+class _CheckpointedForward:
+    """The forward ``wrap`` installs on a layer: an object holding the layer rather than a bound
+    method, so that a wrapped model pickles (``torch.save(model)``) and ``copy.deepcopy`` points
+    the copy's forward at the copied layer."""
+
+    __slots__ = ("layer",)
+
+    def __init__(self, layer: nn.Module):
+        self.layer = layer
+
+    def __call__(self, *args, **kwargs):
+        return _checkpointed_forward(self.layer, *args, **kwargs)
+
+
 def _checkpointed_forward(self: nn.Module, *args, **kwargs):
-    """The forward ``wrap`` installs, bound to the layer with ``types.MethodType`` so that
-    ``copy.deepcopy`` of a wrapped model rebinds it to the copy."""
     info: _LayerWrap = getattr(self, _LAYER_ATTR)
     if torch.is_grad_enabled() and any(kwargs.get(k) is not None for k in _CACHE_KWARGS):
         raise ValueError(
@@ -250,7 +314,8 @@ def wrap(
 
     Wrapping twice raises ``RuntimeError``: call :func:`unwrap` first. Hugging Face models get
     ``config.use_cache = False`` while wrapped (a key/value cache cannot be recomputed), as their
-    own gradient checkpointing does; ``unwrap`` restores it.
+    own gradient checkpointing does, on every config in the model (an encoder-decoder's decoder
+    stack has its own copy); ``unwrap`` restores them.
 
     Returns:
         ``model``.
@@ -306,13 +371,14 @@ def wrap(
             continue
         layer_wrap = _LayerWrap(name, layer_policy, layer.__dict__.get("forward"), True if offload is None else offload)
         object.__setattr__(layer, _LAYER_ATTR, layer_wrap)
-        layer.forward = types.MethodType(_checkpointed_forward, layer)
+        layer.forward = _CheckpointedForward(layer)
         state.wrapped.append(layer)
 
-    config = getattr(model, "config", None)
-    if config is not None and getattr(config, "use_cache", False) is True:
-        state.use_cache = (config, True)
-        config.use_cache = False
+    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules()) if c is not None}
+    for config in configs.values():
+        if getattr(config, "use_cache", False) is True:
+            state.use_cache.append(config)
+            config.use_cache = False
     object.__setattr__(model, _STATE_ATTR, state)
     return model
 
@@ -334,9 +400,8 @@ def unwrap(model: nn.Module) -> nn.Module:
             layer.forward = previous
     for parent, attr, original in state.swapped:
         setattr(parent, attr, original)
-    if state.use_cache is not None:
-        config, value = state.use_cache
-        config.use_cache = value
+    for config in state.use_cache:
+        config.use_cache = True
     object.__delattr__(model, _STATE_ATTR)
     return model
 
@@ -482,8 +547,17 @@ class _PlacementCounter(SavedTensorCounter):
         return sum(n for key, n in self._host_storages.items() if key not in self._storages)
 
 
+# Marks a captured input that was an activation (not a leaf) in the model.
+_ACTIVATION_MARK = "_memopt_plan_activation"
+
+
 def _fresh_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor]]:
-    """Leaf copies of captured layer inputs, keeping which ones require grad."""
+    """Copies of captured layer inputs, detached from the model's graph, keeping which ones
+    require grad. An input that was an activation in the model comes back as a non-leaf (a clone
+    of a fresh leaf), as the offload engine tells the two apart: it sends activations to the host
+    and leaves leaves that require grad (parameters, a model input) on the device."""
+    from memopt.offload import _is_parameter_like
+
     no_grad_inputs: list[torch.Tensor] = []
 
     def fresh(x):
@@ -492,6 +566,10 @@ def _fresh_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Te
         leaf = x.detach().requires_grad_(x.requires_grad)
         if not leaf.requires_grad:
             no_grad_inputs.append(leaf)
+            return leaf
+        if getattr(x, _ACTIVATION_MARK, False) or not _is_parameter_like(x):
+            leaf = leaf.clone()
+            setattr(leaf, _ACTIVATION_MARK, True)
         return leaf
 
     new_args = torch.utils._pytree.tree_map(fresh, args)
@@ -644,9 +722,9 @@ def plan(
     * time: its forward + backward under each policy (the fastest of ``repeats`` after a
       warm-up), minus the same under ``"none"``: recompute, checkpoint bookkeeping and, for
       ``"offload"``, the copies to the host and back, measured rather than modelled. Layers
-      with the same signature (class, parameter shapes, input shapes and dtypes) are timed
-      once. A layer timed alone cannot overlap its offload copies with other layers' compute,
-      so ``"offload"``'s time is an upper bound.
+      with the same signature (class, parameter shapes, input shapes and dtypes, and the bytes
+      just measured under each policy) are timed once. A layer timed alone cannot overlap its
+      offload copies with other layers' compute, so ``"offload"``'s time is an upper bound.
 
     Bytes saved outside the layers (``other_bytes``) are the whole model's count minus the
     layers'; layer inputs that need no gradient and are shared by the layers (masks, rotary
@@ -764,7 +842,9 @@ def plan(
             layer_bytes.append(measured)
             layer_host_bytes.append(host)
 
-            signature = _layer_signature(layer, args, kwargs)
+            # Layers that save different bytes under some policy behave differently (a
+            # layer-specific branch): they are timed on their own.
+            signature = (_layer_signature(layer, args, kwargs), tuple(sorted(measured.items())))
             if signature not in timed:
                 params = [p for p in layer.parameters() if p.requires_grad]
                 seconds = {p: _step_seconds(run_under(p), args, kwargs, params, synchronize, repeats) for p in policies}

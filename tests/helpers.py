@@ -10,6 +10,24 @@ CUDA_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 gpu = pytest.mark.gpu
 
+
+def _triton_interpreter_missing() -> str | None:
+    """Why memopt's Triton kernels cannot run on CPU here, or None when they can."""
+    from memopt.ops.attention import attention_triton
+
+    if attention_triton is None:
+        return "triton is not installed (CPU-only torch wheels lack it)"
+    if not attention_triton.INTERPRETED:
+        return "the Triton CPU path needs TRITON_INTERPRET=1 before memopt is imported"
+    return None
+
+
+_WHY_NO_TRITON_INTERPRETER = _triton_interpreter_missing()
+# Tests that run memopt's Triton kernels on CPU tensors, in Triton's interpreter.
+needs_triton_interpreter = pytest.mark.skipif(
+    _WHY_NO_TRITON_INTERPRETER is not None, reason=_WHY_NO_TRITON_INTERPRETER or ""
+)
+
 # (atol, rtol) per dtype for elementwise and row-reduction ops checked against a float64
 # reference. Half precision: about 2x the error plain PyTorch makes in the same dtype.
 TOLERANCES = {
@@ -18,6 +36,15 @@ TOLERANCES = {
     torch.float16: (2e-3, 2e-3),
     torch.bfloat16: (1.6e-2, 1.6e-2),
 }
+
+
+def installed_triton_version() -> str | None:
+    """triton's version, or None where it is not installed (CPU-only torch wheels lack it)."""
+    try:
+        import triton
+    except ImportError:
+        return None
+    return triton.__version__
 
 
 def tolerances(dtype: torch.dtype) -> dict:

@@ -9,16 +9,14 @@ import torch
 import torch.nn.functional as F
 
 import memopt
-from memopt.ops import attention_triton
+from memopt.ops import attention as attention_ops
 from memopt.ops._philox import dropout_keep_mask
 from memopt.ops._rng import rng_key
-from memopt.ops.attention import AttentionFunction, attention_ref, cpu_backend
+from memopt.ops.attention import SUPPORTED_HEAD_DIMS, AttentionFunction, attention_ref, attention_triton, cpu_backend
 
-from helpers import gpu
+from helpers import gpu, needs_triton_interpreter as needs_interpreter
 
-needs_interpreter = pytest.mark.skipif(
-    not attention_triton.INTERPRETED, reason="the Triton CPU path needs TRITON_INTERPRET=1 before import"
-)
+needs_triton = pytest.mark.skipif(attention_triton is None, reason="triton is not installed (CPU-only torch wheels lack it)")
 BACKENDS = [
     pytest.param("triton", marks=needs_interpreter),
     pytest.param("native"),
@@ -272,6 +270,23 @@ def test_cpu_backend_switch_rejects_unknown_name():
     with pytest.raises(ValueError, match="cpu backend must be"):
         with cpu_backend("cuda"):
             pass
+
+
+def test_without_triton_cpu_runs_native_and_triton_backend_says_install(monkeypatch):
+    monkeypatch.setattr(attention_ops, "attention_triton", None)
+    with pytest.raises(RuntimeError, match="triton is not installed"):
+        with cpu_backend("triton"):
+            pass
+    q, k, v = _inputs((1, 2, 1, 9, 7, 16))
+    with cpu_backend("native"):
+        actual, expected = _run_and_reference(q, k, v, True, 0.0, rng_key(3, 0))
+    _assert_close(actual, expected, torch.float32)
+
+
+@needs_triton
+def test_gpu_launch_table_covers_exactly_the_supported_head_dims():
+    for kernel, table in attention_triton.GPU_CONFIGS.items():
+        assert sorted({head_dim for head_dim, _ in table}) == list(SUPPORTED_HEAD_DIMS), kernel
 
 
 def _t(*shape, dtype=torch.float32):

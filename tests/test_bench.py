@@ -14,7 +14,7 @@ import memopt
 from bench import compare, configs, plot
 from bench.memory import LiveTensorTracker
 from bench.model import FUSED_BLOCK_PARAMETER_NAMES, GPTBlock, LayerStack, fused_state_dict_from_eager
-from helpers import gpu
+from helpers import gpu, installed_triton_version
 
 TINY = replace(compare.PRESETS["tiny"], device="cpu")
 METRIC_COLUMNS = (
@@ -47,8 +47,9 @@ def tiny_run(tmp_path_factory):
 def test_tiny_run_has_every_column_for_every_configuration(tiny_run):
     result, _ = tiny_run
     assert result["kind"] == "compare"
-    for key in ("torch", "triton", "device_name", "commit", "date", "memopt_build"):
+    for key in ("torch", "device_name", "commit", "date", "memopt_build"):
         assert result["environment"][key], key
+    assert result["environment"]["triton"] == installed_triton_version()
     assert result["arguments"]["preset"] == "tiny"
     names = [r["config"] for r in result["rows"]]
     assert names == configs.config_names()
@@ -300,3 +301,65 @@ def test_kernel_benchmarks_run_on_cuda(tmp_path):
         assert rows[(provider, "time_fwd_bwd")]["status"] == "ok"
         assert rows[(provider, "time_fwd_bwd")]["median"] > 0
     assert rows[("memopt", "saved_bytes")]["median"] == 16
+
+
+# -- bench.profile ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "name, want",
+    [
+        ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1x1_execute_segment_k_off_kernel__5x_cublas", "matmul"),
+        ("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NTT", "matmul"),
+        ("void pytorch_flash::flash_bwd_dq_dk_dv_loop_seqk_parallel_kernel<Flash_bwd_kernel_traits<128, 64, 128>>", "attention"),
+        ("_attn_bwd_dkdv_kernel", "attention"),
+        ("void memopt::(anonymous namespace)::norm_fwd_cuda_kernel<c10::BFloat16, true>(...)", "norm"),
+        ("void memopt::(anonymous namespace)::bias_act_bwd_cuda_kernel<c10::BFloat16>(...)", "activation"),
+        ("void memopt::(anonymous namespace)::dropout_add_cuda_kernel<c10::BFloat16>(...)", "dropout"),
+        ("void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char*, 1>>", "elementwise"),
+        ("void at::native::elementwise_kernel<128, 4, at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)>", "copy"),
+        ("void at::native::(anonymous namespace)::multi_tensor_apply_kernel<foreach_sgd>", "optimizer"),
+        ("aten::addmm", "matmul"),
+        ("aten::add_", "elementwise"),
+        ("aten::_softmax", "softmax/mask"),
+        ("something_new", "other"),
+    ],
+)
+def test_profile_categories(name, want):
+    from bench import profile
+
+    assert profile.category(name) == want
+
+
+def test_profile_tiny_run_writes_categories_that_add_up(tmp_path, capsys):
+    from bench import profile
+
+    out = tmp_path / "profile.json"
+    rc = profile.main(["--preset", "tiny", "--configs", "eager-sdpa,memopt-selective,memopt-offload",
+                       "--steps", "1", "--warmup", "1", "--top", "5", "--out", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert result["environment"]["torch"] == torch.__version__
+    for name in ("eager-sdpa", "memopt-selective"):
+        config = result["configs"][name]
+        assert config["status"] == "ok" and 0 < len(config["top"]) <= 5
+        assert sum(config["ms_per_step_by_category"].values()) == pytest.approx(config["total_ms_per_step"])
+        assert config["total_ms_per_step"] > 0
+    assert result["configs"]["memopt-offload"]["status"].startswith("not available")
+    table = capsys.readouterr().out
+    assert "| ms per step | eager-sdpa | memopt-selective |" in table and "memopt-offload: not available" in table
+    with pytest.raises(SystemExit, match="unknown names"):
+        profile.main(["--preset", "tiny", "--configs", "nope", "--out", str(out)])
+
+
+@gpu
+def test_profile_on_cuda_times_kernels(tmp_path):
+    from bench import profile
+
+    out = tmp_path / "profile.json"
+    rc = profile.main(["--preset", "tiny", "--device", "cuda", "--dtype", "bfloat16", "--configs",
+                       "eager-sdpa,memopt-selective", "--steps", "2", "--out", str(out)])
+    assert rc == 0
+    for config in json.loads(out.read_text())["configs"].values():
+        assert config["status"] == "ok" and config["timed"] == "CUDA kernel device time"
+        assert config["ms_per_step_by_category"].get("matmul", 0) > 0
+        assert config["ms_per_step_by_category"].get("attention", 0) > 0

@@ -11,7 +11,7 @@ import memopt
 from memopt.ops.attention import cpu_backend
 from memopt.block import EagerTransformerBlock, saved_bytes_per_layer, saved_bytes_per_token
 
-from helpers import gpu
+from helpers import gpu, needs_triton_interpreter
 
 POLICIES = ["none", "selective", "full"]
 
@@ -84,6 +84,7 @@ def test_matches_eager_block_float64(config, policy):
     _assert_runs_close(_run(block, x, grad), _run(block.to_eager(), x, grad), **F64_TOL)
 
 
+@needs_triton_interpreter
 @pytest.mark.parametrize("policy", POLICIES)
 def test_matches_eager_block_float32_triton_interpreter(policy):
     block = _make(CONFIGS["pre-rms-swiglu-gqa-causal-nobias"], policy, dtype=torch.float32)
@@ -198,21 +199,23 @@ def test_causal_masks_match_causal_flag(mask_kind):
 # Determinism and policy switching.
 
 
+@pytest.mark.parametrize("attention_backend", [pytest.param("triton", marks=needs_triton_interpreter), "native"])
 @pytest.mark.parametrize("config", [CONFIGS["pre-ln-gelu"], CONFIGS["post-rms-gelu_tanh-gqa"]], ids=["pre", "post"])
-def test_same_seed_bit_identical_across_policies_with_dropout(config):
+def test_same_seed_bit_identical_across_policies_with_dropout(config, attention_backend):
     block = _make(config, dtype=torch.float32, dropout=0.2, causal=True)
     x = torch.randn(2, 9, D_MODEL)
     grad = torch.randn_like(x)
     runs = {}
-    with cpu_backend("triton"):  # the kernels' own dropout masks, in the interpreter
+    # "triton": the kernels' own dropout masks, in the interpreter.
+    with cpu_backend(attention_backend):
         for policy in POLICIES:
             block.policy = policy
             torch.manual_seed(123)
             runs[policy] = _run(block, x, grad)
+        torch.manual_seed(124)
+        other_seed = _run(block, x, grad)
     for policy in POLICIES[1:]:
         _assert_runs_equal(runs[policy], runs["none"])
-    torch.manual_seed(124)
-    other_seed = _run(block, x, grad)
     assert not torch.equal(other_seed[0], runs["none"][0])
     block.eval()
     assert not torch.allclose(block(x), runs["none"][0])  # dropout was active in training

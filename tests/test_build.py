@@ -27,6 +27,13 @@ def test_cuda_kernels_were_compiled():
     assert {"8.0", "9.0"} <= set(info["cuda_archs"]) or os.environ.get("TORCH_CUDA_ARCH_LIST")
 
 
+@pytest.mark.skipif(os.environ.get("MEMOPT_EXPECT_CUDA_BUILD") != "0", reason="only where a CPU-only build is expected")
+def test_cpu_only_build_where_expected():
+    # CI's CPU-only torch run: MEMOPT_BUILD_CUDA=auto must not try the CUDA sources.
+    info = memopt.build_info()
+    assert not info["with_cuda"] and info["cuda_archs"] == [], info
+
+
 def test_every_op_has_cpu_and_cuda_kernels_and_a_fake_impl():
     ops = memopt_cpp_ops()
     assert "memopt::dropout_add_fwd" in ops

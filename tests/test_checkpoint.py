@@ -1,5 +1,6 @@
 """memopt.checkpoint: equal outputs and gradients, RNG replay, what each policy saves, errors."""
 
+import contextlib
 import importlib
 import sys
 import warnings
@@ -84,7 +85,7 @@ def test_saved_bytes_per_policy():
 
 
 def test_saved_tensors_reach_outer_hooks_on_torch_without_respect_argument(monkeypatch):
-    """torch 2.11..2.13 lack respect_saved_tensors_hooks: the fallback reports the cached tensors."""
+    """torch 2.11..2.13 lack respect_saved_tensors_hooks: the fallback packs the cached tensors."""
     inputs = _block_inputs(torch.float32, 64, 32, 128)
     with_argument = memopt.saved_bytes(lambda *a: memopt.checkpoint(_block, *a), *inputs)
     monkeypatch.setattr(ckpt, "_CHECKPOINT_RESPECTS_HOOKS", False)
@@ -98,41 +99,6 @@ def test_saved_tensors_reach_outer_hooks_on_torch_without_respect_argument(monke
     torch.testing.assert_close(out, ref_out)
     for grad, ref in zip(grads, ref_grads):
         torch.testing.assert_close(grad, ref)
-
-
-class _ListStorageCachingMode:
-    """PyTorch's selective-checkpoint caching mode, its cache seen as torch 2.11 lays it out: a
-    list of cached outputs per op (2.13 and later key them by call index in a dict)."""
-
-    def __init__(self, mode):
-        self._mode = mode
-
-    def __enter__(self):
-        return self._mode.__enter__()
-
-    def __exit__(self, *exc):
-        return self._mode.__exit__(*exc)
-
-    @property
-    def storage(self):
-        return {op: list(calls.values()) if isinstance(calls, dict) else list(calls) for op, calls in self._mode.storage.items()}
-
-
-def test_fallback_reads_the_selective_cache_in_torch_2_11_layout(monkeypatch):
-    inputs = _block_inputs(torch.float32, 64, 32, 128)
-    with_argument = memopt.saved_bytes(lambda *a: memopt.checkpoint(_block, *a), *inputs)
-    real_contexts = ckpt.create_selective_checkpoint_contexts
-
-    def list_layout_contexts(policy_fn):
-        forward_context, recompute_context = real_contexts(policy_fn)
-        return _ListStorageCachingMode(forward_context), recompute_context
-
-    monkeypatch.setattr(ckpt, "_CHECKPOINT_RESPECTS_HOOKS", False)
-    monkeypatch.setattr(ckpt, "create_selective_checkpoint_contexts", list_layout_contexts)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)
-        without_argument = memopt.saved_bytes(lambda *a: memopt.checkpoint(_block, *a), *inputs)
-    assert without_argument == with_argument > 0
 
 
 def test_selective_saves_attention_output_not_probabilities():
@@ -207,16 +173,18 @@ def test_offload_without_engine_raises_not_implemented(monkeypatch):
     assert not ckpt.offload_available()
 
 
-@pytest.mark.parametrize("policy", ["none", "selective"])
-def test_offload_moves_saved_tensors_and_keeps_results(policy):
+@pytest.mark.parametrize(
+    "policy,hooks_path",
+    [("none", "torch"), ("selective", "torch"), ("selective", "fallback")],
+    ids=["none", "selective", "selective-fallback"],
+)
+def test_offload_moves_saved_tensors_and_keeps_results(monkeypatch, policy, hooks_path):
+    if hooks_path == "fallback":
+        # The path of torch 2.11..2.13, which lack respect_saved_tensors_hooks.
+        monkeypatch.setattr(ckpt, "_CHECKPOINT_RESPECTS_HOOKS", False)
     # CPU tensors count as device tensors for this Offload, so the round trip really happens.
     off = memopt.offload(min_bytes=0, pin_memory=False, allow_cpu_source=True)
     inputs = _block_inputs(torch.float32)
-    if policy == "selective" and not ckpt._CHECKPOINT_RESPECTS_HOOKS:
-        # torch 2.11..2.13: see test_offload_true_on_cuda.
-        with pytest.raises(NotImplementedError, match="respect_saved_tensors_hooks"):
-            memopt.checkpoint(_block, *inputs, policy=policy, offload=off)
-        return
     out, grads, _ = _grads(lambda *a: memopt.checkpoint(_block, *a, policy=policy, offload=off, p=0.2), inputs, seed=6)
     ref_out, ref_grads, _ = _grads(lambda *a: _block(*a, p=0.2), inputs, seed=6)
     assert off.stats()["copies_to_host"] > 0
@@ -225,16 +193,85 @@ def test_offload_moves_saved_tensors_and_keeps_results(policy):
         torch.testing.assert_close(grad, ref)
 
 
+def test_offload_keeps_inputs_that_need_no_gradient_on_the_device():
+    """A mask-like input the caller holds is saved by the function but not copied out (moving
+    it would free nothing); an activation input and the function's own intermediates are."""
+    off = memopt.offload(min_bytes=0, pin_memory=False, allow_cpu_source=True)
+    weight = torch.randn(64, 64, requires_grad=True)
+    scale = torch.rand(8, 64)  # no gradient, held by the caller
+    x = torch.randn(8, 64, requires_grad=True) * 1  # an activation: not a leaf
+
+    def fn(h, s):
+        return torch.tanh(h @ weight) * s  # saves h (mm), the tanh output and s (mul)
+
+    out = memopt.checkpoint(fn, x, scale, policy="none", offload=off)
+    moved = off.stats()["bytes_to_host"]
+    # h (8x64 float32) and the tanh output moved; s stayed: exactly two 2 KiB storages.
+    assert moved == 2 * 8 * 64 * 4
+    out.sum().backward()
+    reference_x = x.detach().requires_grad_()
+    reference_w = weight.detach().clone().requires_grad_()
+    (torch.tanh(reference_x @ reference_w) * scale).sum().backward()
+    torch.testing.assert_close(weight.grad, reference_w.grad)
+    assert off._kept_storages == set()  # the exemption ends with the call
+
+
+@pytest.mark.parametrize("hooks_path", ["torch", "fallback"])
+def test_selective_cache_mutated_in_place_raises_in_backward_under_hooks(monkeypatch, hooks_path):
+    if hooks_path == "fallback":
+        monkeypatch.setattr(ckpt, "_CHECKPOINT_RESPECTS_HOOKS", False)
+    x = torch.randn(4, 5, requires_grad=True)
+    w = torch.randn(5, 3, requires_grad=True)
+
+    def scaled_matmul_in_place(x, w):
+        y = x @ w  # cached by "selective", then changed in place
+        return y.mul_(2).sin()
+
+    with warnings.catch_warnings(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        warnings.simplefilter("ignore", FutureWarning)
+        out = memopt.checkpoint(scaled_matmul_in_place, x, w, policy="selective")
+        with pytest.raises(RuntimeError, match="has been mutated"):
+            out.sum().backward()
+
+
+@pytest.mark.parametrize("layout", ["list", "dict"])
+def test_fallback_packs_every_cached_tensor_in_both_cache_layouts(layout):
+    """torch 2.11 keeps a list of cache entries per op, 2.13 a dict keyed by call index."""
+    from torch.utils.checkpoint import _VersionWrapper
+
+    first, second = torch.randn(3), torch.randn(2)
+    entries = [(_VersionWrapper(first), _VersionWrapper(None)), _VersionWrapper(second)]
+
+    class CachingMode:
+        storage = {"op": entries if layout == "list" else dict(enumerate(entries))}
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    packed = []
+
+    def pack(t):
+        packed.append(t)
+        return len(packed) - 1
+
+    mode = CachingMode()
+    with ckpt._PackCachedWithHooks(mode, (pack, lambda index: packed[index] * 10)):
+        pass
+    per_op = mode.storage["op"]
+    pair, single = per_op[0], per_op[1]
+    assert len(packed) == 2 and packed[0] is first and packed[1] is second
+    torch.testing.assert_close(pair[0].get_val(False), first * 10)
+    assert pair[1].get_val(False) is None
+    torch.testing.assert_close(single.get_val(False), second * 10)
+
+
 @gpu
 @pytest.mark.parametrize("policy", ["none", "selective"])
 def test_offload_true_on_cuda(policy):
     inputs = [t.detach().cuda().requires_grad_() for t in _block_inputs(torch.float32, n=1024, d=256, hidden=1024)]
-    if policy == "selective" and not ckpt._CHECKPOINT_RESPECTS_HOOKS:
-        # torch 2.11..2.13 (the GPU machine runs 2.11) keep selective checkpointing's cache out of
-        # reach of the saved-tensor hooks, so offload could not move it: memopt refuses and says why.
-        with pytest.raises(NotImplementedError, match="respect_saved_tensors_hooks"):
-            memopt.checkpoint(_block, *inputs, policy=policy, offload=True)
-        return
     out, grads, _ = _grads(lambda *a: memopt.checkpoint(_block, *a, policy=policy, offload=True, p=0.2), inputs, seed=6)
     ref_out, ref_grads, _ = _grads(lambda *a: _block(*a, p=0.2), inputs, seed=6)
     assert ckpt._shared_offload.stats()["copies_to_host"] > 0
@@ -249,11 +286,37 @@ def test_offload_true_on_cuda(policy):
         ({"policy": "some"}, ValueError, "policy must be one of"),
         ({"policy": None}, ValueError, "policy must be one of"),
         ({"use_reentrant": True}, ValueError, "use_reentrant"),
+        ({"policy": "selective", "context_fn": lambda: (contextlib.nullcontext(), contextlib.nullcontext())},
+         ValueError, "context_fn needs policy='full'"),
+        ({"policy": "none", "context_fn": lambda: (contextlib.nullcontext(), contextlib.nullcontext())},
+         ValueError, "recomputes nothing"),
+        ({"policy": "selective", "debug": True}, ValueError, "debug=True needs policy='full'"),
     ],
 )
 def test_bad_arguments_raise(kwargs, error, match):
     with pytest.raises(error, match=match):
         memopt.checkpoint(torch.sin, torch.randn(3, requires_grad=True), **kwargs)
+
+
+def test_torch_checkpoint_keywords_are_taken_not_passed_to_fn():
+    """Drop-in: ``debug``, ``context_fn`` and ``determinism_check`` go to the checkpoint (they
+    would be a TypeError inside ``fn``), and ``context_fn`` runs under ``"full"``."""
+    entered = []
+
+    @contextlib.contextmanager
+    def mark(name):
+        entered.append(name)
+        yield
+
+    x = torch.randn(4, requires_grad=True)
+    out = memopt.checkpoint(torch.sin, x, policy="full", determinism_check="none",
+                            context_fn=lambda: (mark("forward"), mark("recompute")))
+    out.sum().backward()
+    torch.testing.assert_close(x.grad, torch.cos(x.detach()))
+    assert entered == ["forward", "recompute"]
+    y = x.detach().requires_grad_()
+    memopt.checkpoint(torch.sin, y, policy="full", debug=True).sum().backward()
+    torch.testing.assert_close(y.grad, torch.cos(x.detach()))
 
 
 def test_fn_must_be_callable():

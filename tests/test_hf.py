@@ -85,6 +85,15 @@ def _step(model, seed=0):
     return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
 
 
+def _assert_same(got, want, label=""):
+    """Same loss and the same gradients (by parameter name) as the reference step."""
+    (loss, grads), (ref_loss, ref_grads) = got, want
+    torch.testing.assert_close(loss, ref_loss, msg=lambda m: f"{label} loss: {m}")
+    assert grads.keys() == ref_grads.keys()
+    for key in ref_grads:
+        torch.testing.assert_close(grads[key], ref_grads[key], msg=lambda m: f"{label} {key}: {m}")
+
+
 def _counted_bytes(model):
     ids = _input_ids()
     with memopt.SavedTensorCounter(exclude=list(model.parameters()) + list(model.buffers())) as counter:
@@ -101,10 +110,7 @@ def test_loss_and_gradients_match_unwrapped(name, policy):
     memopt.wrap(model, policy=policy)
     assert list(wrap_module.wrapped_policies(model).values()) == [policy, policy]
     loss, grads = _step(model, seed=7)
-    torch.testing.assert_close(loss, ref_loss)
-    assert grads.keys() == ref_grads.keys()
-    for key in ref_grads:
-        torch.testing.assert_close(grads[key], ref_grads[key], msg=lambda m: f"{key}: {m}")
+    _assert_same((loss, grads), (ref_loss, ref_grads))
 
 
 def test_gpt2_dropout_is_active_so_replay_is_tested():
@@ -150,10 +156,7 @@ def test_bert_encoder_layers_found_and_match():
     ref_out, ref_grads = step()
     memopt.wrap(model, policy="selective")
     out, grads = step()
-    torch.testing.assert_close(out, ref_out)
-    assert grads.keys() == ref_grads.keys()
-    for key in ref_grads:
-        torch.testing.assert_close(grads[key], ref_grads[key], msg=lambda m: f"{key}: {m}")
+    _assert_same((out, grads), (ref_out, ref_grads))
 
 
 @pytest.mark.parametrize("name", ["llama-sdpa", "llama-eager", "gpt2-eager"])
@@ -222,3 +225,133 @@ def test_plan_predicts_counted_bytes(name):
     alternative = dataclasses.replace(chosen, policies=["none", "selective"])
     assert alternative.predicted_bytes <= budget
     assert chosen.predicted_extra_seconds <= alternative.predicted_extra_seconds
+
+
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_wrapped_llama_compiles_fullgraph_and_matches_eager(policy, compile_cache):
+    """Wrapping adds no graph break: the whole wrapped Llama (loss included) is one graph."""
+    torch.manual_seed(0)
+    model = _llama("sdpa")
+    ref_loss, ref_grads = _step(model, seed=7)
+    memopt.wrap(model, policy=policy)
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    loss, grads = _step(compiled, seed=7)
+    assert all(key.startswith("_orig_mod.") for key in grads)
+    _assert_same((loss, {key.removeprefix("_orig_mod."): g for key, g in grads.items()}), (ref_loss, ref_grads))
+
+
+# More architectures, each built tiny from its config: wrap must find the repeated layers and
+# reproduce the loss and every gradient. (name, config class, model class, config arguments)
+_DECODER = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=64)
+ZOO = [
+    ("qwen2", "Qwen2Config", "Qwen2ForCausalLM", _DECODER),
+    ("gemma2", "Gemma2Config", "Gemma2ForCausalLM", {**_DECODER, "head_dim": 16, "sliding_window": 8}),
+    ("phi3", "Phi3Config", "Phi3ForCausalLM", {**_DECODER, "pad_token_id": 0}),
+    ("mixtral-moe", "MixtralConfig", "MixtralForCausalLM", {**_DECODER, "num_local_experts": 4, "num_experts_per_tok": 2}),
+    ("gpt-neox", "GPTNeoXConfig", "GPTNeoXForCausalLM",
+     dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB,
+          max_position_embeddings=64)),
+    ("opt", "OPTConfig", "OPTForCausalLM",
+     dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4, word_embed_proj_dim=64,
+          vocab_size=VOCAB, max_position_embeddings=64, dropout=0.0)),
+    ("falcon", "FalconConfig", "FalconForCausalLM",
+     dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=VOCAB)),
+    ("t5", "T5Config", "T5ForConditionalGeneration",
+     dict(d_model=64, d_ff=128, num_layers=2, num_heads=4, d_kv=16, vocab_size=VOCAB, dropout_rate=0.0)),
+    # Encoder and decoder layers of different classes: both stacks are found.
+    ("bart", "BartConfig", "BartForConditionalGeneration",
+     dict(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
+          encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=VOCAB, max_position_embeddings=64, dropout=0.1)),
+]
+ENCODER_DECODER = {"t5", "bart"}
+
+
+@pytest.mark.parametrize("name, config_class, model_class, kwargs", ZOO, ids=[z[0] for z in ZOO])
+def test_more_architectures_match_unwrapped(name, config_class, model_class, kwargs):
+    if not hasattr(transformers, config_class) or not hasattr(transformers, model_class):
+        pytest.skip(f"transformers {transformers.__version__} has no {model_class}")
+    torch.manual_seed(0)
+    model = getattr(transformers, model_class)(getattr(transformers, config_class)(**kwargs)).train()
+    ids = _input_ids()
+    # T5's decoder keeps a cache unless every config in the model says not to (its decoder stack
+    # holds its own copy of the config): wrap must turn off each of them.
+    extra = {"decoder_input_ids": ids} if name == "t5" else {}
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(7)
+        loss = model(input_ids=ids, labels=ids, **extra).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref_loss, ref_grads = step()
+    layers = len(wrap_module.find_layers(model))
+    assert layers == (4 if name in ENCODER_DECODER else 2)
+    for policy in ["selective", "full"]:
+        memopt.wrap(model, policy=policy)
+        loss, grads = step()
+        memopt.unwrap(model)
+        _assert_same((loss, grads), (ref_loss, ref_grads), policy)
+
+
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_lora_adapters_with_dropout_match_unwrapped(policy):
+    """Frozen base weights, LoRA adapters with their own dropout (PEFT): only the adapters get
+    gradients, equal to the unwrapped model's; the first layer's input needs no gradient."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.1)
+    model = peft.get_peft_model(_llama("sdpa"), config)
+    ref_loss, ref_grads = _step(model, seed=7)
+    assert ref_grads and all("lora_" in name for name in ref_grads)
+    assert len(wrap_module.find_layers(model)) == 2
+    memopt.wrap(model, policy=policy)
+    loss, grads = _step(model, seed=7)
+    _assert_same((loss, grads), (ref_loss, ref_grads))
+
+
+@pytest.mark.parametrize("name", ["llama-sdpa", "gpt2-dropout"])
+def test_padding_mask_passes_through_the_checkpoint(name):
+    """A left-padded batch: the attention mask reaches every wrapped layer (as a shared input the
+    recompute sees again) and the result equals the unwrapped model's."""
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    ids = _input_ids()
+    mask = torch.ones_like(ids)
+    mask[0, :5] = 0
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(3)
+        loss = model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=False).loss
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref_loss, ref_grads = step()
+    unmasked_loss = _step(model, seed=3)[0]
+    assert not torch.allclose(ref_loss, unmasked_loss)  # the mask matters
+    memopt.wrap(model, policy="selective")
+    loss, grads = step()
+    _assert_same((loss, grads), (ref_loss, ref_grads))
+
+
+@pytest.mark.parametrize("name", ["llama-sdpa", "gpt2-dropout"])
+def test_offload_policy_on_hf_model_moves_what_the_plan_predicts(name):
+    """"offload" layers of a Hugging Face model (an engine that takes CPU tensors, so bytes
+    really move): the result equals the unwrapped model's and the engine moves exactly the host
+    bytes the plan measured."""
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    ref_loss, ref_grads = _step(model, seed=5)
+    off = memopt.offload(min_bytes=1024, allow_cpu_source=True, pin_memory=False)
+    ids = _input_ids()
+    plan = memopt.plan(model, {"input_ids": ids, "labels": ids, "use_cache": False}, budget_bytes=10**9,
+                       offload=off, repeats=1)
+    plan.policies = ["offload", "none"]
+    assert plan.layer_host_bytes[0]["offload"] > 0
+    before = off.stats()["bytes_to_host"]
+    memopt.wrap(model, plan=plan, offload=off)
+    loss, grads = _step(model, seed=5)
+    assert off.stats()["bytes_to_host"] - before == plan.predicted_host_bytes
+    _assert_same((loss, grads), (ref_loss, ref_grads))

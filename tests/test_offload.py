@@ -698,3 +698,44 @@ def test_gpu_refuses_cuda_graph_capture():
     torch.cuda.synchronize()
     assert torch.equal(y, x * 2)
     assert torch.equal(engine.unpack(handle), x)  # the refusals left the engine usable
+
+
+@gpu
+def test_gpu_host_blocks_are_pinned_at_the_pools_size_class():
+    """What max_host_bytes counts is what is pinned: a 5 MiB tensor takes a 5 MiB block (torch's
+    pinned allocator would have pinned 8 MiB, the next power of two, and kept it cached)."""
+    torch.cuda.synchronize()
+    host_stats = getattr(torch.cuda, "host_memory_stats", lambda: {})
+    host_allocs_before = host_stats().get("num_host_alloc")
+    engine = memopt.OffloadEngine(coalesce_bytes=0, prefetch=0)
+    x = torch.randn(5 * 2**18, device="cuda")  # 5 MiB of float32: size class 1.25 * 2^22
+    handle = engine.pack(x)
+    engine.end_group()
+    engine.synchronize()
+    assert engine.stats()["pool_bytes_held"] == 5 * 2**20
+    assert host_stats().get("num_host_alloc") == host_allocs_before
+    assert torch.equal(engine.unpack(handle), x)
+
+
+@gpu
+def test_gpu_prefetch_that_finds_the_device_full_is_skipped_and_restored_on_demand():
+    engine = memopt.OffloadEngine(prefetch=0, coalesce_bytes=0)
+    x = torch.randn(2**24, device="cuda")  # 64 MiB
+    want = x.cpu()
+    handle = engine.pack(x)
+    group = engine.current_group()
+    engine.end_group()
+    engine.synchronize()
+    del x
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    # The allocator may hold 16 MiB more than it does now: too little for the 64 MiB restore.
+    torch.cuda.set_per_process_memory_fraction((torch.cuda.memory_reserved() + 2**24) / total)
+    try:
+        engine.prefetch_group(group)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    stats = engine.stats()
+    assert stats["prefetches_skipped_oom"] == 1 and stats["prefetched_transfers"] == 0
+    assert torch.equal(engine.unpack(handle).cpu(), want)
+    assert engine.stats()["demand_transfers"] == 1

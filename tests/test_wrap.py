@@ -96,6 +96,35 @@ def test_finds_outer_blocks_not_more_numerous_inner_experts():
     assert [name for name, _ in found] == ["blocks.0", "blocks.1"]
 
 
+class _DecoderLayer(_Expert):
+    """A second layer class (an encoder-decoder's decoder layers)."""
+
+
+class _EncoderDecoder(nn.Module):
+    def __init__(self, encoder_layers=3, decoder_layers=2, head_width=1):
+        super().__init__()
+        self.encoder = nn.ModuleList(_Expert() for _ in range(encoder_layers))
+        self.decoder = nn.ModuleList(_DecoderLayer() for _ in range(decoder_layers))
+        self.heads = nn.ModuleList(nn.Linear(D_MODEL, head_width) for _ in range(2))
+
+
+@pytest.mark.parametrize(
+    "model,expected",
+    [
+        # Both stacks; the two small heads (a repeated class too) are not layers.
+        (_EncoderDecoder(), ["encoder.0", "encoder.1", "encoder.2", "decoder.0", "decoder.1"]),
+        # A stack with under a tenth of the main stack's parameters is left out.
+        (_EncoderDecoder(encoder_layers=24), [f"encoder.{i}" for i in range(24)]),
+        # Heads as large as a layer stack count as one.
+        (_EncoderDecoder(decoder_layers=0, head_width=3 * D_MODEL),
+         ["encoder.0", "encoder.1", "encoder.2", "heads.0", "heads.1"]),
+    ],
+    ids=["two-stacks", "small-second-stack", "large-heads"],
+)
+def test_default_layers_take_every_stack_of_comparable_size(model, expected):
+    assert [name for name, _ in wrap_module.find_layers(model)] == expected
+
+
 @pytest.mark.parametrize(
     "layers,expected",
     [
@@ -326,6 +355,22 @@ def test_fused_block_swapped_in_when_supported_and_restored(monkeypatch, norm_fi
     assert all(a is b for a, b in zip(model.layers, originals))
 
 
+def test_wrapped_model_pickles_with_torch_save_and_stays_wrapped(tmp_path):
+    model = _encoder(2)
+    memopt.wrap(model, policy=["selective", "full"])
+    x = torch.randn(BATCH, SEQ, D_MODEL)
+    path = tmp_path / "model.pt"
+    torch.save(model, path)
+    loaded = torch.load(path, weights_only=False)
+    assert wrap_module.wrapped_policies(loaded) == {"layers.0": "selective", "layers.1": "full"}
+    _assert_same_step(_step(loaded, x, seed=2), _step(model, x, seed=2))
+    # The loaded layers' forwards are their own (checkpointed), not the original model's.
+    assert loaded.layers[1].forward.layer is loaded.layers[1]
+    assert _counted_bytes(loaded, x.clone().requires_grad_()) == _counted_bytes(model, x.clone().requires_grad_())
+    memopt.unwrap(loaded)
+    assert not wrap_module.wrapped_policies(loaded)
+
+
 # -- torch.compile --------------------------------------------------------------------------
 
 
@@ -344,6 +389,29 @@ def test_wrapped_encoder_compiles_fullgraph(policy, compile_cache):
 
 def _plan_inputs():
     return (torch.randn(BATCH, SEQ, D_MODEL, requires_grad=True),)
+
+
+class _GatedLayer(nn.Module):
+    """Same class and shapes for every layer; ``extra`` switches on a branch that saves more."""
+
+    def __init__(self, extra):
+        super().__init__()
+        self.fc = nn.Linear(D_MODEL, D_MODEL)
+        self.extra = extra
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        return h * torch.sigmoid(h) if self.extra else h
+
+
+def test_plan_times_layers_with_one_signature_once_and_a_differing_branch_apart(monkeypatch):
+    model = nn.Sequential(*[_GatedLayer(extra=i == 2) for i in range(4)])
+    timed = []
+    monkeypatch.setattr(wrap_module, "_step_seconds", lambda fn, *a, **k: timed.append(fn) or 0.0)
+    plan = memopt.plan(model, _plan_inputs(), budget_bytes=10**9, policies=["none", "full"], repeats=1)
+    # Layers 0, 1 and 3 share one timing; layer 2 saves more under "none" and is timed apart.
+    assert len(timed) == 2 * 2
+    assert plan.layer_bytes[2]["none"] > plan.layer_bytes[0]["none"] == plan.layer_bytes[3]["none"]
 
 
 def test_plan_predicts_counted_bytes_for_every_policy_mix():

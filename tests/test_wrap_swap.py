@@ -127,12 +127,54 @@ def test_training_through_wrapped_model_trains_the_original_layers(norm_first):
     assert not torch.equal(trained["layers.0.linear1.weight"], _encoder(norm_first=norm_first).state_dict()["layers.0.linear1.weight"])
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_checkpoint_saved_while_wrapped_loads_into_the_plain_model_and_back(bias):
+    model = nn.TransformerEncoder(
+        nn.TransformerEncoderLayer(D_MODEL, HEADS, FFN, dropout=0.0, batch_first=True, bias=bias, dtype=torch.float64),
+        2, enable_nested_tensor=False,
+    )  # fmt: skip
+    plain = copy.deepcopy(model)
+    memopt.wrap(model, policy="selective")
+    assert isinstance(model.layers[0], memopt.FusedCheckpointBlock)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p))  # "training" while wrapped
+    saved = model.state_dict()
+    assert list(saved) == list(plain.state_dict())
+    plain.load_state_dict(saved)  # strict: every name matches
+    x = _input()
+    torch.testing.assert_close(plain(x), model(x), **F64_TOL)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.mul_(0.5)
+    model.load_state_dict(plain.state_dict())  # and back into the wrapped model
+    torch.testing.assert_close(model(x), plain(x), **F64_TOL)
+    memopt.unwrap(model)
+    torch.testing.assert_close(model(x), plain(x), **F64_TOL)
+
+
+def test_wrapped_model_with_swapped_blocks_pickles(tmp_path):
+    model = _encoder()
+    plain = copy.deepcopy(model)
+    memopt.wrap(model, policy="selective")
+    torch.save(model, tmp_path / "model.pt")
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    assert isinstance(loaded.layers[0], memopt.FusedCheckpointBlock)
+    assert list(loaded.state_dict()) == list(plain.state_dict())
+    x = _input()
+    torch.testing.assert_close(loaded(x), plain(x), **F64_TOL)
+    memopt.unwrap(loaded)
+    assert type(loaded.layers[0]) is nn.TransformerEncoderLayer
+    torch.testing.assert_close(loaded(x), plain(x), atol=0, rtol=0)
+
+
 def test_unwrap_restores_layers_and_state_dict():
     model = _encoder()
     plain = copy.deepcopy(model)
     originals = list(model.layers)
     memopt.wrap(model, policy="full")
-    assert "layers.0.qkv.weight" in model.state_dict()
+    assert isinstance(model.layers[0], memopt.FusedCheckpointBlock)
+    assert list(model.state_dict()) == list(plain.state_dict())  # the layer's names, while wrapped too
     memopt.unwrap(model)
     assert all(a is b for a, b in zip(model.layers, originals))
     restored, reference = model.state_dict(), plain.state_dict()

@@ -12,7 +12,8 @@ Which code runs where:
   * CPU tensors, ``TRITON_INTERPRET=1`` set before memopt was imported: the same Triton kernels in
     Triton's interpreter (float32), which is how CI tests them.
   * CPU tensors otherwise: a native PyTorch path (float32, float64) with the same contract: an
-    online softmax over key chunks forward, chunk-by-chunk recomputation backward.
+    online softmax over key chunks forward, chunk-by-chunk recomputation backward. This is also the
+    only CPU path when triton is not installed (CPU-only torch wheels do not pull it in).
 ``cpu_backend("native" | "triton")`` switches the CPU path explicitly (tests run both).
 """
 
@@ -23,12 +24,22 @@ import math
 
 import torch
 
-from memopt.ops import attention_triton
 from memopt.ops.philox_mask import philox_keep_mask
 from memopt.ops._philox import dropout_keep_mask
 from memopt.ops._rng import new_rng_key
 
-SUPPORTED_HEAD_DIMS = attention_triton.SUPPORTED_HEAD_DIMS
+try:
+    from memopt.ops import attention_triton
+except ModuleNotFoundError as _err:
+    # CPU-only torch wheels come without triton: CPU attention then runs the native path, and
+    # CUDA tensors are refused by _check_inputs with an install hint.
+    if _err.name != "triton":
+        raise
+    attention_triton = None
+
+# The head sizes the GPU kernels have launch configurations for (attention_triton.GPU_CONFIGS;
+# tests check the two agree); the CPU paths take the same ones, so a model runs on either device.
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
 GPU_DTYPES = (torch.float16, torch.bfloat16)
 INTERPRETER_DTYPES = (torch.float32,)
 NATIVE_DTYPES = (torch.float32, torch.float64)
@@ -36,7 +47,7 @@ NATIVE_DTYPES = (torch.float32, torch.float64)
 # Keys per chunk of the native CPU path: its temporaries are (B, H, Sq, chunk).
 NATIVE_CHUNK = 128
 
-_cpu_backend = "triton" if attention_triton.INTERPRETED else "native"
+_cpu_backend = "triton" if attention_triton is not None and attention_triton.INTERPRETED else "native"
 
 
 def get_cpu_backend() -> str:
@@ -53,6 +64,11 @@ def cpu_backend(name: str):
     global _cpu_backend
     if name not in ("triton", "native"):
         raise ValueError(f"memopt.attention: cpu backend must be 'triton' or 'native', got {name!r}")
+    if name == "triton" and attention_triton is None:
+        raise RuntimeError(
+            "memopt.attention: the 'triton' CPU backend runs the kernels in Triton's interpreter, but triton "
+            "is not installed (CPU-only torch wheels do not pull it in: pip install triton)"
+        )
     if name == "triton" and not attention_triton.INTERPRETED:
         raise RuntimeError(
             "memopt.attention: the 'triton' CPU backend runs the kernels in Triton's interpreter, which "
@@ -103,6 +119,11 @@ def _check_inputs(q, k, v, dropout_p, rng_key) -> None:
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"memopt.attention: q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     backend = _backend_for(q.device)
+    if backend == "cuda" and attention_triton is None:
+        raise RuntimeError(
+            "memopt.attention: CUDA tensors run memopt's Triton kernels, but triton is not installed "
+            f"(torch {torch.__version__} came without it): pip install triton"
+        )
     allowed = supported_dtypes(q.device)
     if q.dtype not in allowed:
         where = {"cuda": "on CUDA", "triton": "in the Triton interpreter", "native": "on the native CPU path"}[backend]

@@ -45,8 +45,6 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
-
 
 def interpreter_enabled() -> bool:
     """True when the @triton.jit kernels of this module were built for Triton's CPU interpreter."""
@@ -60,6 +58,8 @@ INTERPRETED = interpreter_enabled()
 # nothing can be measured on the build machine, so this is a table, and
 # tests/test_attention_aot.py proves that every entry compiles for sm_90 without spilling.
 #   kernel -> (head_dim, dropout) -> (BLOCK_M, BLOCK_N, num_warps, num_stages)
+# with one entry per head_dim in memopt.ops.attention.SUPPORTED_HEAD_DIMS (tests/test_attention.py
+# checks the two agree).
 # BLOCK_M tiles queries and BLOCK_N keys in every kernel; one entry serves float16 and bfloat16,
 # causal or not. Dropout gets smaller tiles: Philox keeps four 32-bit words of state per element of
 # the score tile while it runs, which spills the plain tiles.
@@ -85,9 +85,9 @@ GPU_CONFIGS = {
         (128, False): (128, 32, 8, 2), (128, True): (64, 32, 4, 3),
         (256, False): (64, 32, 8, 2), (256, True): (64, 32, 8, 2),
     },
-    # rowsum(dout * out): no dropout variant, BLOCK_N unused.
-    "bwd_delta": {(d, False): (64, 0, 4, 1) for d in SUPPORTED_HEAD_DIMS},
 }
+# rowsum(dout * out): no dropout variant, BLOCK_N unused; the head sizes of the forward table.
+GPU_CONFIGS["bwd_delta"] = {(d, False): (64, 0, 4, 1) for d, dropout in GPU_CONFIGS["fwd"] if not dropout}
 
 # Under the interpreter the blocks are small so CPU tests stay fast, and tile edges are crossed
 # by short sequences.

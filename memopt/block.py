@@ -583,6 +583,18 @@ def _unsupported_reason(layer: nn.Module, allow_autocast: bool = False) -> str |
     return None
 
 
+def shared_parameter_names(block: "FusedCheckpointBlock", layer: nn.Module) -> dict[str, str]:
+    """``{block parameter name: layer parameter name}`` for a block made by
+    ``from_torch(layer, share_parameters=True)``: the two names of each shared ``nn.Parameter``."""
+    layer_names = {id(p): name for name, p in layer.named_parameters()}
+    names = {}
+    for block_name, p in block.named_parameters():
+        if id(p) not in layer_names:
+            raise ValueError(f"memopt: block parameter {block_name!r} is not one of the layer's")
+        names[block_name] = layer_names[id(p)]
+    return names
+
+
 def attach_torch_fallback(block: "FusedCheckpointBlock", layer: nn.TransformerEncoderLayer) -> None:
     """Let ``block`` (made by ``from_torch(layer, share_parameters=True)``) run ``layer``'s
     forward, checkpointed under the block's policy, for calls whose compute dtype attention does
@@ -593,14 +605,8 @@ def attach_torch_fallback(block: "FusedCheckpointBlock", layer: nn.TransformerEn
     must reach those. The layer is held outside the module tree (no second set of names in the
     state_dict); ``copy.deepcopy`` copies it with the block.
     """
-    layer_names = {id(p): name for name, p in layer.named_parameters()}
-    names = {}
-    for block_name, p in block.named_parameters():
-        if id(p) not in layer_names:
-            raise ValueError(f"attach_torch_fallback: block parameter {block_name!r} is not one of layer's")
-        names[block_name] = layer_names[id(p)]
     object.__setattr__(block, "_torch_fallback", layer)
-    object.__setattr__(block, "_torch_fallback_names", names)
+    object.__setattr__(block, "_torch_fallback_names", shared_parameter_names(block, layer))
 
 
 def _run_torch_fallback(block, x, attn_mask, is_causal, src_mask, src_key_padding_mask):

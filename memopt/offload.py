@@ -84,6 +84,7 @@ import torch
 from torch import nn
 
 from memopt._extension import build_info, require_cuda_kernels
+from memopt.saved import _storage_key
 
 __all__ = ["Offload", "OffloadEngine", "OffloadHandle", "offload", "offload_module_groups"]
 
@@ -235,7 +236,7 @@ class Offload:
         )
         self._hooks = None
         self.skipped_tensors = 0
-        self._kept_storages: set[tuple[int, torch.device]] = set()
+        self._kept_storages: set[tuple[int, str]] = set()
 
     @property
     def active(self) -> bool:
@@ -249,7 +250,7 @@ class Offload:
             return False
         if t.is_conj() or t.is_neg() or _is_parameter_like(t):
             return False
-        if self._kept_storages and (t.untyped_storage().data_ptr(), t.device) in self._kept_storages:
+        if self._kept_storages and _storage_key(t) in self._kept_storages:
             return False
         return t.numel() * t.element_size() >= self.min_bytes
 
@@ -257,7 +258,7 @@ class Offload:
     def _keeping_on_device(self, tensors: Iterable[torch.Tensor]) -> Iterator[None]:
         """Inside, saved tensors sharing storage with ``tensors`` stay on the device (inputs the
         caller holds anyway: copying them would cost bandwidth and host memory, free nothing)."""
-        keys = {(t.untyped_storage().data_ptr(), t.device) for t in tensors} - self._kept_storages
+        keys = {_storage_key(t) for t in tensors} - self._kept_storages
         self._kept_storages |= keys
         try:
             yield

@@ -94,7 +94,7 @@ def _default_layer_classes(model: nn.Module) -> set[type]:
     for _, m in outer:
         params[type(m)] += sum(p.numel() for p in m.parameters())
     return {top} | {
-        cls for cls in outer_classes if cls in pure_stacks and outer_classes[cls] >= 2 and params[cls] * 10 >= params[top]
+        cls for cls in outer_classes if cls in pure_stacks and params[cls] * 10 >= params[top]
     }
 
 
@@ -196,8 +196,9 @@ class _LayerStateDictNames:
     model pickles."""
 
     def __init__(self, block: nn.Module, layer: nn.Module, loading: bool):
-        layer_names = {id(p): name for name, p in layer.named_parameters()}
-        self.to_layer = {name: layer_names[id(p)] for name, p in block.named_parameters()}
+        from memopt.block import shared_parameter_names
+
+        self.to_layer = shared_parameter_names(block, layer)
         self.layer_order = [name for name, _ in layer.named_parameters()]
         self.loading = loading
 
@@ -256,21 +257,18 @@ class _CheckpointedForward:
         self.layer = layer
 
     def __call__(self, *args, **kwargs):
-        return _checkpointed_forward(self.layer, *args, **kwargs)
-
-
-def _checkpointed_forward(self: nn.Module, *args, **kwargs):
-    info: _LayerWrap = getattr(self, _LAYER_ATTR)
-    if torch.is_grad_enabled() and any(kwargs.get(k) is not None for k in _CACHE_KWARGS):
-        raise ValueError(
-            f"memopt.wrap: layer {info.name!r} got a key/value cache while computing gradients; the "
-            "recompute would append to the cache twice. Train with use_cache=False"
-        )
-    # functools.partial rather than the bound method: torch 2.11's dynamo cannot trace
-    # function.__get__ (nor types.MethodType) under torch.compile(fullgraph=True).
-    original = info.previous_forward or functools.partial(type(self).forward, self)
-    policy, offload = ("none", info.offload) if info.policy == "offload" else (info.policy, False)
-    return checkpoint(original, *args, policy=policy, offload=offload, **kwargs)
+        layer = self.layer
+        info: _LayerWrap = getattr(layer, _LAYER_ATTR)
+        if torch.is_grad_enabled() and any(kwargs.get(k) is not None for k in _CACHE_KWARGS):
+            raise ValueError(
+                f"memopt.wrap: layer {info.name!r} got a key/value cache while computing gradients; the "
+                "recompute would append to the cache twice. Train with use_cache=False"
+            )
+        # functools.partial rather than the bound method: torch 2.11's dynamo cannot trace
+        # function.__get__ (nor types.MethodType) under torch.compile(fullgraph=True).
+        original = info.previous_forward or functools.partial(type(layer).forward, layer)
+        policy, offload = ("none", info.offload) if info.policy == "offload" else (info.policy, False)
+        return checkpoint(original, *args, policy=policy, offload=offload, **kwargs)
 
 
 def wrap(

@@ -6,6 +6,8 @@
 # Each step has a time limit (STEP_TIMEOUT_<NAME> overrides it) so one slow step cannot eat the
 # whole device session; a step that fails or times out is logged and the next one still runs.
 # BENCH_SWEEPS=1 adds the depth and sequence-length sweeps of the harness (a few more minutes).
+# Back on the development machine, `python -m bench.collect <the fetched $OUT>` copies the run into
+# bench/results/<gpu>-<date>/ with a summary README and updates the README's GPU results block.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-bench/results/device-$(date -u +%Y%m%dT%H%M%SZ)}"

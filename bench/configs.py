@@ -1,9 +1,9 @@
 """The registry of configurations the harness compares: what users have today, and memopt.
 
 Every configuration is built from the same reference blocks (``BuildContext.reference_blocks``)
-so that all of them start from identical weights. A configuration that cannot run here (an API
-not in this memopt yet, ``torch.compile`` not requested) says why through ``unavailable``; the
-harness lists it with that reason instead of hiding it.
+so that all of them start from identical weights. A configuration that cannot run here (offload
+without a GPU, ``torch.compile`` not requested) says why through ``unavailable``; the harness
+lists it with that reason instead of hiding it.
 """
 
 from __future__ import annotations
@@ -16,8 +16,11 @@ from torch import nn
 
 import memopt
 from bench.model import GPTBlock, LayerStack, fused_state_dict_from_eager
+from memopt.policy import POLICIES
 
-FUSED_POLICIES = ("none", "selective", "full", "offload")
+FUSED_CHOICES = tuple((policy, False) for policy in POLICIES) + (("selective", True),)
+"""The ``(policy, offload)`` of each ``memopt-*`` block row: every policy, and the selective set
+offloaded (the row ``memopt-offload``)."""
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,7 @@ def eager_stack(ctx: BuildContext, attention: str = "sdpa", checkpoint_mode: str
     return LayerStack(eager_blocks(ctx, attention), checkpoint_mode).train()
 
 
-def fused_stack(ctx: BuildContext, policy: str) -> nn.Module:
+def fused_stack(ctx: BuildContext, policy: str, offload: bool = False) -> nn.Module:
     """A stack of ``memopt.FusedCheckpointBlock`` with the reference weights loaded."""
     blocks = []
     for ref in ctx.reference_blocks:
@@ -88,28 +91,16 @@ def fused_stack(ctx: BuildContext, policy: str) -> nn.Module:
             norm_first=True,
             causal=True,
             policy=policy,
+            offload=offload,
         )
         block.load_state_dict(fused_state_dict_from_eager(ref.state_dict()))
         blocks.append(block.to(device=ctx.device, dtype=ctx.dtype))
     return LayerStack(blocks, "none").train()
 
 
-def _needs_fused_block(ctx: BuildContext) -> str | None:
-    if not hasattr(memopt, "FusedCheckpointBlock"):
-        return "memopt.FusedCheckpointBlock is not in this build of memopt yet"
-    return None
-
-
 def _needs_offload_device(ctx: BuildContext) -> str | None:
-    reason = _needs_fused_block(ctx)
-    if reason is None and ctx.device.type != "cuda":
+    if ctx.device.type != "cuda":
         return "offload moves activations from GPU to host memory; there is no GPU here"
-    return reason
-
-
-def _needs_wrap(ctx: BuildContext) -> str | None:
-    if not hasattr(memopt, "wrap"):
-        return "memopt.wrap is not in this build of memopt yet"
     return None
 
 
@@ -124,18 +115,16 @@ def _compiled_stack(ctx: BuildContext) -> nn.Module:
 
 
 def _wrapped_stack(ctx: BuildContext) -> nn.Module:
-    model = eager_stack(ctx, "sdpa")
-    wrapped = memopt.wrap(model)
-    return model if wrapped is None else wrapped
+    return memopt.wrap(eager_stack(ctx, "sdpa"))
 
 
-def _fused_config(policy: str) -> BenchConfig:
+def _fused_config(policy: str, offload: bool) -> BenchConfig:
     return BenchConfig(
-        name=f"memopt-{policy}",
+        name="memopt-offload" if offload else f"memopt-{policy}",
         provider="memopt",
-        description=f"memopt.FusedCheckpointBlock per layer, policy={policy!r}",
-        build=lambda ctx: fused_stack(ctx, policy),
-        unavailable=_needs_offload_device if policy == "offload" else _needs_fused_block,
+        description=f"memopt.FusedCheckpointBlock per layer, policy={policy!r}, offload={offload}",
+        build=lambda ctx: fused_stack(ctx, policy, offload),
+        unavailable=_needs_offload_device if offload else (lambda ctx: None),
     )
 
 
@@ -175,13 +164,12 @@ def default_configs() -> list[BenchConfig]:
             unavailable=_needs_compile,
             tracks_memory=False,
         ),
-        *[_fused_config(policy) for policy in FUSED_POLICIES],
+        *[_fused_config(policy, offload) for policy, offload in FUSED_CHOICES],
         BenchConfig(
             "memopt-wrap",
             "memopt",
             "memopt.wrap applied to the eager-sdpa stack",
             _wrapped_stack,
-            unavailable=_needs_wrap,
         ),
     ]
 

@@ -13,6 +13,7 @@ Conventions the fused block must share for the weights to mean the same thing:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from typing import Callable
@@ -20,7 +21,9 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+from memopt.policy import POLICIES, selective_checkpoint_policy
 
 ATTENTION_IMPLS = ("math", "sdpa")
 
@@ -91,32 +94,10 @@ class GPTBlock(nn.Module):
         return x + F.dropout(self.fc2(hidden), self.dropout, self.training)
 
 
-def sac_policy_ops() -> list:
-    """The aten ops PyTorch selective checkpointing should save: matmuls and every SDPA kernel."""
-    names = [
-        "mm",
-        "addmm",
-        "bmm",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-    ]
-    return [getattr(torch.ops.aten, n).default for n in names if hasattr(torch.ops.aten, n)]
-
-
 def _selective_context_fn() -> Callable:
-    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
-
-    saved_ops = set(sac_policy_ops())
-
-    def policy(ctx, op, *args, **kwargs):
-        return CheckpointPolicy.MUST_SAVE if op in saved_ops else CheckpointPolicy.PREFER_RECOMPUTE
-
-    return lambda: create_selective_checkpoint_contexts(policy)
-
-
-CHECKPOINT_MODES = ("none", "full", "selective")
+    # memopt's "selective" op list (memopt.policy.SELECTIVE_SAVED_OPS: matmuls, SDPA kernels)
+    # through PyTorch's own selective checkpointing: the baseline users can write today.
+    return functools.partial(create_selective_checkpoint_contexts, selective_checkpoint_policy)
 
 
 class LayerStack(nn.Module):
@@ -125,14 +106,15 @@ class LayerStack(nn.Module):
     Args:
         layers: the blocks (any modules mapping ``(B, S, D)`` to ``(B, S, D)``).
         checkpoint_mode: ``"none"``; ``"full"``: non-reentrant ``torch.utils.checkpoint`` per
-            layer; ``"selective"``: the same with PyTorch's selective checkpointing policy that
-            saves matmul and SDPA outputs and recomputes the rest.
+            layer; ``"selective"``: the same with PyTorch's selective checkpointing, saving the
+            outputs of ``memopt.policy.SELECTIVE_SAVED_OPS`` (matmuls, SDPA) and recomputing
+            the rest.
     """
 
     def __init__(self, layers: list[nn.Module], checkpoint_mode: str = "none"):
         super().__init__()
-        if checkpoint_mode not in CHECKPOINT_MODES:
-            raise ValueError(f"LayerStack: checkpoint_mode must be one of {CHECKPOINT_MODES}, got {checkpoint_mode!r}")
+        if checkpoint_mode not in POLICIES:
+            raise ValueError(f"LayerStack: checkpoint_mode must be one of {POLICIES}, got {checkpoint_mode!r}")
         self.layers = nn.ModuleList(layers)
         self.checkpoint_mode = checkpoint_mode
         self._checkpoint_kwargs: dict = {"use_reentrant": False}

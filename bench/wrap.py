@@ -21,7 +21,7 @@ dtype's tolerance). Planner rows add the budget, the per-layer policies chosen, 
 device and host bytes and added step time, and whether the measured bytes fit the budget (the
 saved-tensor count, and on GPU also ``held_gpu_bytes``: offloaded tensors are invisible to the
 count); a plan over its budget is flagged ``OVER BUDGET`` and fails the run (after the results
-are written). On GPU the planner may choose ``"offload"`` per layer.
+are written). On GPU the planner may offload a layer (an upper-case letter).
 
 No optimizer step: the weights stay the initial ones for every configuration.
 
@@ -58,7 +58,7 @@ from bench.compare import (
 # Relative tolerance on loss and gradient differences against ``plain`` in the same dtype: the
 # configurations recompute the same ops, so only reordered or non-deterministic kernels differ.
 TOLERANCE = {**GRAD_RTOL, **GRAD_RTOL_FLOOR}
-POLICY_LETTERS = {"none": "n", "selective": "s", "full": "f", "offload": "o"}
+POLICY_LETTERS = {"none": "n", "selective": "s", "full": "f"}
 MODELS = ("gpt2", "llama")
 
 
@@ -138,9 +138,10 @@ def hf_checkpointing(model: nn.Module, enable: bool) -> None:
         model.gradient_checkpointing_disable()
 
 
-def policy_string(policies: list[str]) -> str:
-    """One letter per layer: n(one), s(elective), f(ull), o(ffload)."""
-    return "".join(POLICY_LETTERS[p] for p in policies)
+def policy_string(policies: list[str], offloads: list[bool] | None = None) -> str:
+    """One letter per layer: n(one), s(elective), f(ull); upper case when the layer offloads."""
+    offloads = [False] * len(policies) if offloads is None else offloads
+    return "".join(POLICY_LETTERS[p].upper() if o else POLICY_LETTERS[p] for p, o in zip(policies, offloads, strict=True))
 
 
 def empty_row(model_name: str, config: str, settings: Settings) -> dict:
@@ -311,7 +312,7 @@ class Runner:
             )
             return row
         row.update(
-            policies=policy_string(plan.policies),
+            policies=policy_string(plan.policies, plan.offloads),
             predicted_bytes=plan.predicted_bytes,
             predicted_host_bytes=plan.predicted_host_bytes,
             predicted_extra_ms=plan.predicted_extra_seconds * 1e3,

@@ -17,7 +17,8 @@ from memopt.estimate import ModelConfig, estimate, max_micro_batch, max_seq_len,
 from memopt.estimate import PRESETS as estimate_presets
 from memopt.report import diagnose_oom, memory_report
 from memopt.checkpoint import checkpoint
-from memopt.wrap import Plan, plan, unwrap, wrap
+from memopt.plan import LayerCost, Plan, plan
+from memopt.wrap import unwrap, wrap
 
 __version__ = "0.1.0"
 
@@ -26,6 +27,7 @@ __all__ = [
     "EagerTransformerBlock",
     "FusedCheckpointBlock",
     "FusedCheckpointStack",
+    "LayerCost",
     "MicroBatchFloorError",
     "ModelConfig",
     "Offload",

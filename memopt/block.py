@@ -23,17 +23,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from memopt import _extension
-from memopt.block_functions import (
-    PARAM_NAMES,
-    POLICIES,
-    SUPPORTED_HEAD_DIMS,
-    BlockSpec,
-    FusedBlockFunction,
-    saved_names,
-)
-from memopt.offload import Offload
+from memopt.block_functions import PARAM_NAMES, SUPPORTED_HEAD_DIMS, BlockSpec, FusedBlockFunction, saved_names
+from memopt.offload import Offload, offload_group
 from memopt.ops import attention as _attention_ops
 from memopt.ops._rng import new_rng_key
+from memopt.policy import check_offload, check_policy
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
@@ -245,7 +239,7 @@ class FusedCheckpointBlock(_TransformerBlockBase):
 
     ``FusedCheckpointBlock(d_model, n_heads, d_ff=4*d_model, *, n_kv_heads=n_heads, dropout=0.0,
     activation="gelu", norm="layernorm", norm_first=True, causal=False, bias=True, eps=1e-5,
-    policy="selective", batch_first=True, device=None, dtype=None)``
+    policy="selective", offload=False, batch_first=True, device=None, dtype=None)``
 
     Args:
         activation: ``"relu"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"`` or ``"swiglu"``
@@ -264,13 +258,14 @@ class FusedCheckpointBlock(_TransformerBlockBase):
               No extra matmul.
             * ``"full"``: only the block input and the RNG key; the backward reruns the forward
               up to what it needs (pre-norm skips fc2, whose output only feeds the block output).
-            * ``"offload"``: ``"selective"``'s saved set, copied to host memory by the offload
-              engine (``memopt/offload.py``) and brought back a block ahead in the backward.
-              Each block call is one offload group. The engine is ``block.offloader`` (a
-              ``memopt.Offload``) when set, else one shared default
-              (``memopt.block.default_offloader()``). Inside an active ``with offloader:`` the
-              block marks a new group instead of entering it again. CPU tensors stay where they
-              are unless the offloader was made with ``allow_cpu_source=True``.
+        offload: where the policy's saved set lives; switchable through ``block.offload``
+            (see :mod:`memopt.policy`). False: on the device. True: copied to host memory by
+            the offload engine (``memopt/offload.py``) and brought back a block ahead in the
+            backward, each block call one offload group, in the active ``memopt.Offload`` or
+            else the process default (``memopt.offload.default_offload()``). A
+            ``memopt.Offload``: that engine (a new group in it when it is already active). CPU
+            tensors stay where they are unless the engine was made with
+            ``allow_cpu_source=True``.
         batch_first: input layout, ``(B, S, d_model)`` when True, else ``(S, B, d_model)`` (as
             ``nn.TransformerEncoderLayer(batch_first=False)``; costs a transpose copy).
 
@@ -282,7 +277,16 @@ class FusedCheckpointBlock(_TransformerBlockBase):
     for it. Other masks raise ``ValueError``.
     """
 
-    def __init__(self, d_model: int, n_heads: int, d_ff: int | None = None, *, policy: str = "selective", **kwargs):
+    def __init__(
+        self,
+        d_model: int,
+        n_heads: int,
+        d_ff: int | None = None,
+        *,
+        policy: str = "selective",
+        offload: bool | Offload = False,
+        **kwargs,
+    ):
         super().__init__(d_model, n_heads, d_ff, **kwargs)
         if self.head_dim not in SUPPORTED_HEAD_DIMS:
             raise ValueError(
@@ -290,7 +294,7 @@ class FusedCheckpointBlock(_TransformerBlockBase):
                 f"{SUPPORTED_HEAD_DIMS} (the sizes memopt.attention's kernels take)"
             )
         self.policy = policy
-        self.offloader: Offload | None = None  # for policy="offload"; None: default_offloader()
+        self.offload = offload
 
     @property
     def policy(self) -> str:
@@ -298,8 +302,15 @@ class FusedCheckpointBlock(_TransformerBlockBase):
 
     @policy.setter
     def policy(self, value: str) -> None:
-        _check_choice(value, POLICIES, "policy", type(self).__name__)
-        self._policy = value
+        self._policy = check_policy(value, type(self).__name__)
+
+    @property
+    def offload(self) -> bool | Offload:
+        return self._offload
+
+    @offload.setter
+    def offload(self, value: bool | Offload) -> None:
+        self._offload = check_offload(value, type(self).__name__)
 
     def config(self) -> dict:
         return {**super().config(), "policy": self.policy}
@@ -334,7 +345,7 @@ class FusedCheckpointBlock(_TransformerBlockBase):
         compute_dtype = self._compute_dtype(x)
         drop = self.dropout if self.training else 0.0
         spec = BlockSpec(
-            policy="selective" if self.policy == "offload" else self.policy,
+            policy=self.policy,
             norm=self.norm, norm_first=self.norm_first, activation=self.activation,
             n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, causal=causal,
             eps=self.eps, attention_dropout=drop, residual_dropout=drop, compute_dtype=compute_dtype,
@@ -342,14 +353,9 @@ class FusedCheckpointBlock(_TransformerBlockBase):
         rng_key = new_rng_key() if spec.uses_rng else None
         params = [_param(self, name) for name in PARAM_NAMES]
         x_flat = x_bf.reshape(batch * seq, self.d_model).contiguous()
-        if self.policy == "offload":
-            offloader = self.offloader if self.offloader is not None else default_offloader()
-            if offloader.active:
-                offloader.next_group()
+        if self.offload:
+            with offload_group(self.offload):
                 y = FusedBlockFunction.apply(spec, x_flat, rng_key, batch, seq, *params)
-            else:
-                with offloader:
-                    y = FusedBlockFunction.apply(spec, x_flat, rng_key, batch, seq, *params)
         else:
             y = FusedBlockFunction.apply(spec, x_flat, rng_key, batch, seq, *params)
         y = y.view(batch, seq, self.d_model)
@@ -623,18 +629,6 @@ def _run_torch_fallback(block, x, attn_mask, is_causal, src_mask, src_key_paddin
     )
 
 
-_DEFAULT_OFFLOADER: Offload | None = None
-
-
-def default_offloader() -> Offload:
-    """The ``memopt.Offload`` shared by blocks with ``policy="offload"`` and no ``offloader``:
-    made on first use with the engine's defaults (tensors of 1 MiB and more, one block ahead)."""
-    global _DEFAULT_OFFLOADER
-    if _DEFAULT_OFFLOADER is None:
-        _DEFAULT_OFFLOADER = Offload(pin_memory=torch.cuda.is_available())
-    return _DEFAULT_OFFLOADER
-
-
 def _param(block: nn.Module, name: str) -> torch.Tensor | None:
     """The parameter ``name`` (``"norm1.bias"``) of ``block``, None when the block has none."""
     module, attr = name.split(".")
@@ -660,17 +654,30 @@ def _torch_activation_name(activation) -> str:
 class FusedCheckpointStack(nn.Module):
     """``n_layers`` :class:`FusedCheckpointBlock` s applied in order.
 
-    ``FusedCheckpointStack(n_layers, d_model, n_heads, d_ff=None, *, policy="selective", **block_kwargs)``:
-    ``policy`` is one name for every layer or a list of ``n_layers`` names (mixable, e.g.
-    ``["full"] * 4 + ["selective"] * 8``). ``stack.policy`` reads and sets the same way.
+    ``FusedCheckpointStack(n_layers, d_model, n_heads, d_ff=None, *, policy="selective",
+    offload=False, **block_kwargs)``: ``policy`` is one name for every layer or a list of
+    ``n_layers`` names (mixable, e.g. ``["full"] * 4 + ["selective"] * 8``); ``offload`` likewise
+    one value (False, True or a ``memopt.Offload``) or a list of ``n_layers``. ``stack.policy``
+    and ``stack.offload`` read and set the same way.
     """
 
-    def __init__(self, n_layers: int, d_model: int, n_heads: int, d_ff: int | None = None, *, policy="selective", **block_kwargs):
+    def __init__(
+        self, n_layers: int, d_model: int, n_heads: int, d_ff: int | None = None, *, policy="selective", offload=False, **block_kwargs
+    ):
         super().__init__()
         if not isinstance(n_layers, int) or n_layers <= 0:
             raise ValueError(f"FusedCheckpointStack: n_layers must be a positive int, got {n_layers!r}")
         self.layers = nn.ModuleList(FusedCheckpointBlock(d_model, n_heads, d_ff, **block_kwargs) for _ in range(n_layers))
         self.policy = policy
+        self.offload = offload
+
+    def _per_layer(self, value, name: str, is_one) -> list:
+        values = [value] * len(self.layers) if is_one(value) else list(value)
+        if len(values) != len(self.layers):
+            raise ValueError(
+                f"FusedCheckpointStack: {name} must be one value or a list of {len(self.layers)}, got {len(values)}"
+            )
+        return values
 
     @property
     def policy(self) -> list[str]:
@@ -678,11 +685,17 @@ class FusedCheckpointStack(nn.Module):
 
     @policy.setter
     def policy(self, value) -> None:
-        policies = [value] * len(self.layers) if isinstance(value, str) else list(value)
-        if len(policies) != len(self.layers):
-            raise ValueError(f"FusedCheckpointStack: policy must be a name or a list of {len(self.layers)} names, got {len(policies)}")
-        for layer, name in zip(self.layers, policies):
+        for layer, name in zip(self.layers, self._per_layer(value, "policy", lambda v: isinstance(v, str))):
             layer.policy = name
+
+    @property
+    def offload(self) -> list:
+        return [layer.offload for layer in self.layers]
+
+    @offload.setter
+    def offload(self, value) -> None:
+        for layer, where in zip(self.layers, self._per_layer(value, "offload", lambda v: isinstance(v, (bool, Offload)))):
+            layer.offload = where
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, *, is_causal: bool = False):
         for layer in self.layers:
@@ -712,7 +725,7 @@ def saved_bytes_per_token(
     float32 (float64 for float64), the attention log-sum-exp float32. The RNG key (16 bytes per block
     call when dropout is active) is not per token: see :func:`saved_bytes_per_layer`.
     """
-    _check_choice(policy, POLICIES, "policy", "saved_bytes_per_token")
+    check_policy(policy, "saved_bytes_per_token")
     _check_choice(activation, ACTIVATIONS, "activation", "saved_bytes_per_token")
     _check_choice(norm, NORMS, "norm", "saved_bytes_per_token")
     n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads

@@ -41,8 +41,6 @@ from memopt.ops import norm as _norm_ops  # noqa: F401
 
 SUPPORTED_HEAD_DIMS = _attention_ops.SUPPORTED_HEAD_DIMS
 
-POLICIES = ("none", "selective", "full", "offload")
-
 # Philox counter offset of each dropout site inside one block's key. Sites are 2^50 counters
 # apart: a site would need 2^52 elements to run into the next one.
 _SITE_STRIDE = 1 << 50
@@ -75,7 +73,7 @@ def saved_names(policy: str, norm_first: bool, norm: str) -> tuple[str, ...]:
         rebuilt = ("h", "g")
     if policy == "none":
         return selective + rebuilt
-    return selective  # "selective" and "offload" keep the same set
+    return selective
 
 
 @dataclass(frozen=True)

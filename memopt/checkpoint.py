@@ -1,12 +1,9 @@
-"""memopt.checkpoint: ``torch.utils.checkpoint.checkpoint`` with a per-op save/recompute policy.
+"""memopt.checkpoint: ``torch.utils.checkpoint.checkpoint`` with a recompute policy and offload.
 
-Policies:
-
-- ``"none"``: no checkpointing; autograd saves what it always saves.
-- ``"full"``: save only the inputs; the whole function is recomputed in backward.
-- ``"selective"``: save the outputs of the expensive ops (matmuls and attention kernels, listed
-  in :data:`SELECTIVE_SAVED_OPS`) and recompute the cheap ones (norms, activations, dropout,
-  softmax, views) from them.
+The policies and ``offload`` are :mod:`memopt.policy`'s: ``"none"`` runs the function as is,
+``"full"`` saves only the inputs and recomputes everything, ``"selective"`` saves the outputs of
+the ops in :data:`memopt.policy.SELECTIVE_SAVED_OPS` (matmuls, attention kernels) and recomputes
+the cheap ones (norms, activations, dropout, softmax, views) from them.
 
 The checkpointed variants are PyTorch's non-reentrant checkpoint (``use_reentrant=False``) with
 the RNG state preserved, so dropout replays the same mask in the recompute; ``"selective"`` is
@@ -26,53 +23,19 @@ path holds the layer's cached tensors on the device until its forward ends.
 from __future__ import annotations
 
 import functools
-import importlib
 import inspect
 from typing import Any, Callable
 
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
-POLICIES = ("none", "selective", "full")
-
-_aten = torch.ops.aten
-
-
-def _existing_ops(names: list[str]) -> frozenset:
-    # Some attention kernels exist only in some builds or versions of torch.
-    ops = []
-    for name in names:
-        packet = getattr(_aten, name, None)
-        if packet is not None:
-            ops.extend(getattr(packet, overload) for overload in packet.overloads())
-    return frozenset(ops)
-
-
-SELECTIVE_SAVED_OPS: frozenset = _existing_ops(
-    [
-        "mm",
-        "addmm",
-        "bmm",
-        "baddbmm",
-        "linear",
-        "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_flash_attention_for_cpu",
-        "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention",
-        "_flash_attention_forward",
-        "_efficient_attention_forward",
-    ]
-)
-"""Ops whose outputs ``policy="selective"`` saves; every other op is recomputed."""
+from memopt.offload import Offload, offload_group
+from memopt.policy import check_offload, check_policy, selective_checkpoint_policy
 
 _CHECKPOINT_RESPECTS_HOOKS = (
     "respect_saved_tensors_hooks" in inspect.signature(torch.utils.checkpoint.checkpoint).parameters
 )
-
-
-def _selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 class _HookedCacheEntry:
@@ -134,54 +97,17 @@ class _PackCachedWithHooks:
 
 
 def _selective_context_fn(outer_hooks):
-    forward_context, recompute_context = create_selective_checkpoint_contexts(_selective_policy)
+    forward_context, recompute_context = create_selective_checkpoint_contexts(selective_checkpoint_policy)
     if outer_hooks is None:
         return forward_context, recompute_context
     return _PackCachedWithHooks(forward_context, outer_hooks), recompute_context
-
-
-_shared_offload = None
-
-
-def _offload_module():
-    try:
-        return importlib.import_module("memopt.offload")
-    except ImportError as exc:
-        raise NotImplementedError(
-            "memopt.checkpoint: offload=True needs memopt.offload (the activation offload engine), "
-            "which this installation does not have"
-        ) from exc
-
-
-def _offload_context(offload):
-    """The ``memopt.offload`` context that moves saved tensors to host memory.
-
-    ``offload=True`` uses one ``memopt.offload()`` shared by every call, so all layers share one
-    host pool and each call is one prefetch group; an ``Offload`` object is used as given.
-    """
-    global _shared_offload
-    module = _offload_module()
-    if isinstance(offload, module.Offload):
-        return offload
-    if _shared_offload is None:
-        _shared_offload = module.offload()
-    return _shared_offload
-
-
-def offload_available() -> bool:
-    """Whether ``offload=True`` can run here (``memopt.offload`` is importable)."""
-    try:
-        _offload_module()
-    except NotImplementedError:
-        return False
-    return True
 
 
 def checkpoint(
     fn: Callable,
     *args,
     policy: str = "selective",
-    offload=False,
+    offload: bool | Offload = False,
     preserve_rng_state: bool = True,
     use_reentrant: bool | None = None,
     determinism_check: str = "default",
@@ -200,14 +126,14 @@ def checkpoint(
         fn: the function (or module) to run; its outputs are returned unchanged.
         *args, **kwargs: passed to ``fn``.
         policy: ``"selective"`` (default) saves the outputs of matmuls and attention kernels
-            (:data:`SELECTIVE_SAVED_OPS`) and recomputes everything else; ``"full"`` saves only
+            (:data:`memopt.policy.SELECTIVE_SAVED_OPS`) and recomputes everything else; ``"full"`` saves only
             the inputs and recomputes all of ``fn``; ``"none"`` runs ``fn`` as is.
-        offload: True moves what is saved to host memory through one ``memopt.offload()``
-            shared by all calls (each call is one prefetch group); an ``memopt.Offload`` object
-            is used instead of the shared one. Tensor arguments that need no gradient (masks,
-            rotary tables) stay on the device: the caller holds them, so moving them would free
-            nothing. Raises ``NotImplementedError`` when ``memopt.offload`` is not available.
-            With ``"full"`` the checkpoint keeps only the
+        offload: where what ``policy`` saves lives (see :mod:`memopt.policy`): False, on the
+            device; True, in host memory through the active ``memopt.Offload`` (the call is a
+            new group in it) or else the process default (``memopt.offload.default_offload``);
+            a ``memopt.Offload``, through that one. Tensor arguments that need no gradient
+            (masks, rotary tables) stay on the device: the caller holds them, so moving them
+            would free nothing. With ``"full"`` the checkpoint keeps only the
             inputs, which it holds itself, so there is nothing to move. On CPU tensors offload
             is a no-op (see ``memopt.offload``).
         preserve_rng_state: as in ``torch.utils.checkpoint``; keep True when ``fn`` uses dropout.
@@ -227,8 +153,8 @@ def checkpoint(
     """
     if not callable(fn):
         raise TypeError(f"memopt.checkpoint: fn must be callable, got {type(fn).__name__}")
-    if policy not in POLICIES:
-        raise ValueError(f"memopt.checkpoint: policy must be one of {POLICIES}, got {policy!r}")
+    check_policy(policy, "memopt.checkpoint")
+    check_offload(offload, "memopt.checkpoint")
     if use_reentrant:
         raise ValueError(
             "memopt.checkpoint: use_reentrant must be False or None; memopt uses non-reentrant checkpointing"
@@ -244,11 +170,10 @@ def checkpoint(
             "does not take a context_fn, and 'selective' is one)"
         )
     if offload:
-        off = _offload_context(offload)
         # Inputs that need no gradient (attention masks, rotary tables) are held by the caller,
         # usually for every layer: moving them would free nothing.
         held_inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and not t.requires_grad]
-        with off, off._keeping_on_device(held_inputs):
+        with offload_group(offload, keep_on_device=held_inputs):
             return checkpoint(
                 fn,
                 *args,

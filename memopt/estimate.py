@@ -321,7 +321,9 @@ def _block_policy(policy: str) -> PolicyFormula:
         # The block's formula is for a block whose parameters and input have one dtype (no
         # autocast) and leaves the block input out; the input is added here as for every policy.
         tokens = cfg.micro_batch * cfg.seq_len
-        per_token = saved_bytes_per_token(policy, d_model=cfg.d_model, n_heads=cfg.n_heads, d_ff=cfg.d_ff,
+        # The estimator's "offload" is the block's policy="selective" with offload=True.
+        block_policy = "selective" if policy == "offload" else policy
+        per_token = saved_bytes_per_token(block_policy, d_model=cfg.d_model, n_heads=cfg.n_heads, d_ff=cfg.d_ff,
                                           dtype=cfg.dtype if cfg.precision == "fp32" else cfg.low_dtype)
         saved = int(per_token) * tokens
         out = {"layer_input": tokens * cfg.d_model * cfg.residual_bytes,

@@ -31,8 +31,8 @@ Guarantees:
 * Host buffers are pooled by size class and reused across steps: once warm, a step allocates no
   host memory.
 
-The engine API (what the transformer block's ``"offload"`` policy calls)
---------------------------------------------------------------------------
+The engine API (what ``offload=True`` in the transformer block calls)
+---------------------------------------------------------------------
 
 :class:`OffloadEngine` is the native engine (``torch.classes.memopt.OffloadEngine``) behind a
 small Python class:
@@ -84,9 +84,11 @@ import torch
 from torch import nn
 
 from memopt._extension import build_info, require_cuda_kernels
-from memopt.saved import _storage_key
+from memopt.saved import storage_key
 
-__all__ = ["Offload", "OffloadEngine", "OffloadHandle", "offload", "offload_module_groups"]
+__all__ = [
+    "Offload", "OffloadEngine", "OffloadHandle", "default_offload", "offload", "offload_group", "offload_module_groups",
+]  # fmt: skip
 
 DEFAULT_MIN_BYTES = 2**20
 DEFAULT_COALESCE_BYTES = 4 * 2**20
@@ -202,7 +204,9 @@ class OffloadHandle:
             pass
 
 
-def _is_parameter_like(t: torch.Tensor) -> bool:
+def is_parameter_like(t: torch.Tensor) -> bool:
+    """A parameter, a view of one, or another leaf that requires grad: the engine leaves these
+    on the device (they outlive the step anyway)."""
     base = t._base if t._base is not None else t
     return isinstance(base, nn.Parameter) or (base.is_leaf and base.requires_grad)
 
@@ -242,15 +246,18 @@ class Offload:
     def active(self) -> bool:
         return self._hooks is not None
 
-    def _should_offload(self, t: torch.Tensor) -> bool:
+    def should_offload(self, t: torch.Tensor) -> bool:
+        """Whether this engine would move ``t`` (a tensor saved for backward) to the host: a
+        plain strided tensor on a device it takes, not a parameter (or a view of one), not one of
+        the storages kept on the device for the current call, and at least ``min_bytes``."""
         if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_quantized:
             return False
         on_device = t.device.type == "cuda" or (t.device.type == "cpu" and self.engine.allow_cpu_source)
         if not on_device:
             return False
-        if t.is_conj() or t.is_neg() or _is_parameter_like(t):
+        if t.is_conj() or t.is_neg() or is_parameter_like(t):
             return False
-        if self._kept_storages and _storage_key(t) in self._kept_storages:
+        if self._kept_storages and storage_key(t) in self._kept_storages:
             return False
         return t.numel() * t.element_size() >= self.min_bytes
 
@@ -258,7 +265,7 @@ class Offload:
     def _keeping_on_device(self, tensors: Iterable[torch.Tensor]) -> Iterator[None]:
         """Inside, saved tensors sharing storage with ``tensors`` stay on the device (inputs the
         caller holds anyway: copying them would cost bandwidth and host memory, free nothing)."""
-        keys = {_storage_key(t) for t in tensors} - self._kept_storages
+        keys = {storage_key(t) for t in tensors} - self._kept_storages
         self._kept_storages |= keys
         try:
             yield
@@ -266,7 +273,7 @@ class Offload:
             self._kept_storages -= keys
 
     def _pack(self, t: torch.Tensor):
-        if not self._should_offload(t):
+        if not self.should_offload(t):
             self.skipped_tensors += 1
             return t
         handle = self.engine.pack(t)
@@ -296,12 +303,54 @@ class Offload:
         self.engine.begin_group()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._hooks.__enter__()
+        _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc) -> None:
         hooks, self._hooks = self._hooks, None
+        _ACTIVE.remove(self)
         hooks.__exit__(*exc)
         self.engine.end_group()
+
+
+# The Offloads whose ``with`` is open, innermost last.
+_ACTIVE: list[Offload] = []
+_DEFAULT: Offload | None = None
+
+
+def default_offload() -> Offload:
+    """The process's one default :class:`Offload`, used by ``offload=True`` outside any active
+    engine: made on first use with the engine's defaults (tensors of 1 MiB and more, one group
+    ahead, pinned host memory when CUDA is available)."""
+    global _DEFAULT
+    if _DEFAULT is None:
+        _DEFAULT = Offload(pin_memory=torch.cuda.is_available())
+    return _DEFAULT
+
+
+@contextlib.contextmanager
+def offload_group(offload: "bool | Offload", keep_on_device: Iterable[torch.Tensor] = ()) -> Iterator[Offload]:
+    """The one nesting rule of ``offload=`` (blocks, ``memopt.checkpoint``, ``memopt.wrap``): the
+    tensors saved inside go to the host as one group of the engine this yields.
+
+    ``offload=True`` takes the innermost active :class:`Offload`, else :func:`default_offload`;
+    an ``Offload`` is taken as given. An engine that is already active gets a new group
+    (``next_group``); one that is not is entered for the duration. Saved tensors sharing storage
+    with ``keep_on_device`` (inputs the caller holds anyway) stay on the device.
+    """
+    if isinstance(offload, Offload):
+        engine = offload
+    elif offload is True:
+        engine = _ACTIVE[-1] if _ACTIVE else default_offload()
+    else:
+        raise TypeError(f"memopt.offload_group: offload must be True or a memopt.Offload, got {offload!r}")
+    with contextlib.ExitStack() as stack:
+        if engine.active:
+            engine.next_group()
+        else:
+            stack.enter_context(engine)
+        stack.enter_context(engine._keeping_on_device(keep_on_device))
+        yield engine
 
 
 def offload(

@@ -170,10 +170,7 @@ def diagnose_oom(exc: BaseException, config: ModelConfig | None = None, memory_b
     diag.memory_bytes, diag.estimated_bytes = int(memory_bytes), est.total_bytes
     diag.largest = est.largest(3)
     for policy in registered_policies():
-        try:
-            diag.fits[policy] = max_micro_batch(memory_bytes, config, policy=policy)
-        except NotImplementedError:
-            continue
+        diag.fits[policy] = max_micro_batch(memory_bytes, config, policy=policy)
     current = config.micro_batch
     fitting_now = [p for p, b in diag.fits.items() if b >= current]
     if diag.fits.get(config.policy, 0) >= current:

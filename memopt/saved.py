@@ -14,7 +14,8 @@ from typing import Callable, Iterable
 import torch
 
 
-def _storage_key(t: torch.Tensor) -> tuple[int, str]:
+def storage_key(t: torch.Tensor) -> tuple[int, str]:
+    """What identifies ``t``'s storage: views of one buffer share it."""
     return t.untyped_storage().data_ptr(), str(t.device)
 
 
@@ -31,22 +32,37 @@ class SavedTensorCounter:
         total_bytes: bytes of distinct storages saved (excluded ones left out).
         bytes_by_device: the same split by device string (``"cpu"``, ``"cuda:0"``).
         num_tensors: saved tensors seen, before deduplication (excluded ones left out).
+
+    Args:
+        exclude: tensors whose storages are not counted (parameters, inputs).
+        on_save: called as ``on_save(tensor, storage_key, storage_nbytes)`` for every saved
+            tensor that is counted (before deduplication: once per saved view), so a caller can
+            classify storages its own way (``memopt.plan`` splits them by where an offload
+            engine would keep them).
     """
 
-    def __init__(self, exclude: Iterable[torch.Tensor] = ()):
-        self._excluded = {_storage_key(t) for t in exclude if isinstance(t, torch.Tensor)}
+    def __init__(
+        self,
+        exclude: Iterable[torch.Tensor] = (),
+        on_save: Callable[[torch.Tensor, tuple[int, str], int], None] | None = None,
+    ):
+        self._excluded = {storage_key(t) for t in exclude if isinstance(t, torch.Tensor)}
         self._storages: dict[tuple[int, str], int] = {}
+        self._on_save = on_save
         self.num_tensors = 0
         self._hooks = None
 
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
-        self._excluded.update(_storage_key(t) for t in tensors if isinstance(t, torch.Tensor))
+        self._excluded.update(storage_key(t) for t in tensors if isinstance(t, torch.Tensor))
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = _storage_key(t)
+        key = storage_key(t)
         if key not in self._excluded:
             self.num_tensors += 1
-            self._storages[key] = t.untyped_storage().nbytes()
+            nbytes = t.untyped_storage().nbytes()
+            self._storages[key] = nbytes
+            if self._on_save is not None:
+                self._on_save(t, key, nbytes)
         return t
 
     def __enter__(self) -> "SavedTensorCounter":

@@ -79,17 +79,14 @@ def test_tiny_run_writes_a_plot_and_plot_module_redraws_it(tiny_run, tmp_path):
     assert redrawn.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_unavailable_configurations_are_listed_with_their_reason(monkeypatch):
-    monkeypatch.delattr(memopt, "FusedCheckpointBlock", raising=False)
-    monkeypatch.delattr(memopt, "wrap", raising=False)
-    wanted = ["eager-math", "torch-compile", "memopt-full", "memopt-wrap"]
+def test_unavailable_configurations_are_listed_with_their_reason():
+    wanted = ["eager-math", "torch-compile", "memopt-offload"]
     rows = compare.run_comparison(TINY, [registry_config(n) for n in wanted], progress=False)
     status = {r["config"]: r["status"] for r in rows}
     assert [r["config"] for r in rows] == wanted
     assert status["eager-math"] == "ok"
     assert status["torch-compile"].startswith("not available (torch.compile not requested")
-    assert status["memopt-full"] == "not available (memopt.FusedCheckpointBlock is not in this build of memopt yet)"
-    assert status["memopt-wrap"] == "not available (memopt.wrap is not in this build of memopt yet)"
+    assert status["memopt-offload"].startswith("not available (offload moves activations from GPU to host memory")
     table = compare.markdown_table(rows)
     for name in wanted:
         assert f"| {name} |" in table
@@ -249,26 +246,14 @@ def test_kernel_benchmarks_run_on_tiny_shapes_and_list_missing_ops(tmp_path, mon
     assert json_path.with_suffix(".png").exists()
 
 
-class StandInFusedBlock(GPTBlock):
-    """Takes FusedCheckpointBlock's expected constructor and parameter names; computes like the
-    eager block. Lets the harness's memopt path run before the real block lands."""
-
-    def __init__(self, d_model, n_heads, d_ff, *, dropout, activation, norm, norm_first, causal, policy):
-        assert (activation, norm, norm_first, causal) == ("gelu", "layernorm", True, True)
-        assert policy in configs.FUSED_POLICIES
-        super().__init__(d_model, n_heads, d_ff, dropout, attention="sdpa")
-
-
-def test_memopt_configurations_build_from_the_reference_weights(monkeypatch):
-    monkeypatch.setattr(memopt, "FusedCheckpointBlock", StandInFusedBlock, raising=False)
-    monkeypatch.setattr(memopt, "wrap", lambda model: model, raising=False)
+def test_memopt_configurations_build_from_the_reference_weights():
     wanted = ["eager-math", "memopt-selective", "memopt-full", "memopt-offload", "memopt-wrap"]
     rows = compare.run_comparison(TINY, [registry_config(n) for n in wanted], progress=False)
     by_name = {r["config"]: r for r in rows}
     for name in ("memopt-selective", "memopt-full", "memopt-wrap"):
         assert by_name[name]["status"] == "ok", by_name[name]
-        # Same weights, same batch, same math: only SDPA-vs-matmul rounding separates them.
-        assert by_name[name]["grad_check"] == "ok" and by_name[name]["grad_max_rel_diff"] < 1e-5
+        # Same weights, same batch, same math: the harness's gradient check holds.
+        assert by_name[name]["grad_check"] == "ok", by_name[name]
     assert by_name["memopt-offload"]["status"].startswith("not available (offload moves activations")
 
 

@@ -2,6 +2,7 @@
 policy and configuration; saved bytes equal to the formula; determinism; interop; errors."""
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -266,7 +267,7 @@ def test_stack_mixed_policies_and_sequential():
         torch.testing.assert_close(got[1], expected[1], **F64_TOL)
         for a, b in zip(got[2].values(), expected[2].values(), strict=True):
             torch.testing.assert_close(a, b, **F64_TOL)
-    with pytest.raises(ValueError, match="list of 3 names"):
+    with pytest.raises(ValueError, match="policy must be one value or a list of 3"):
         stack.policy = ["full", "none"]
 
 
@@ -383,7 +384,8 @@ def test_gpu_stack_compiles_fullgraph_with_inductor(compile_cache):
     [
         (dict(d_model=62, n_heads=4), "d_model \\(62\\) must be divisible by n_heads \\(4\\)"),
         (dict(n_kv_heads=3), "n_heads \\(4\\) must be divisible by n_kv_heads \\(3\\)"),
-        (dict(policy="sometimes"), "policy must be one of \\['none', 'selective', 'full', 'offload'\\]"),
+        (dict(policy="sometimes"), "policy must be one of \\['none', 'selective', 'full'\\]"),
+        (dict(policy="offload"), "write policy='selective', offload=True"),
         (dict(activation="tanh"), "activation must be one of"),
         (dict(norm="batchnorm"), "norm must be one of"),
         (dict(dropout=1.0), "dropout must be a float in \\[0, 1\\)"),
@@ -421,7 +423,7 @@ def _cpu_offloader():
     return memopt.Offload(min_bytes=0, pin_memory=False, allow_cpu_source=True)
 
 
-def test_offload_policy_matches_selective_and_moves_saved_tensors():
+def test_offload_matches_selective_and_moves_saved_tensors():
     config = CONFIGS["post-ln-relu-causal"]
     block = _make(config, "selective", dtype=torch.float32, dropout=0.1)
     batch, seq = 2, 8
@@ -429,13 +431,12 @@ def test_offload_policy_matches_selective_and_moves_saved_tensors():
     grad = torch.randn_like(x)
     torch.manual_seed(3)
     expected = _run(block, x, grad)
-    block.policy = "offload"
     # CPU stands in for the device here: the engine copies CPU tensors like device ones.
-    block.offloader = _cpu_offloader()
+    block.offload = _cpu_offloader()
     torch.manual_seed(3)
     got = _run(block, x, grad)
     _assert_runs_equal(got, expected)
-    stats = block.offloader.stats()
+    stats = block.offload.stats()
     formula_args = {k: v for k, v in config.items() if k in ("d_ff", "activation", "norm", "norm_first")}
     selective = saved_bytes_per_layer(
         "selective", D_MODEL, N_HEADS, batch=batch, seq=seq, dropout=0.1, dtype=torch.float32, **formula_args
@@ -444,23 +445,30 @@ def test_offload_policy_matches_selective_and_moves_saved_tensors():
     assert stats["refused_tensors"] == 0
 
 
-def test_offload_policy_default_offloader_leaves_cpu_tensors_alone():
+def test_offload_true_uses_the_default_engine_which_leaves_cpu_tensors_alone():
     block = _make(CONFIGS["pre-ln-gelu"], "selective")
     x = torch.randn(2, 5, D_MODEL, dtype=torch.float64)
     grad = torch.randn_like(x)
     expected = _run(block, x, grad)
-    block.policy = "offload"
+    block.offload = True
     _assert_runs_equal(_run(block, x, grad), expected)
-    assert block.offloader is None and memopt.block.default_offloader().stats()["tensors_offloaded"] == 0
+    default = importlib.import_module("memopt.offload").default_offload()
+    assert default.stats()["tensors_offloaded"] == 0
 
 
-def test_offload_policy_inside_an_active_offloader_marks_groups():
-    stack = memopt.FusedCheckpointStack(2, D_MODEL, N_HEADS, 48, policy="offload", dtype=torch.float64)
-    reference = copy.deepcopy(stack)
-    reference.policy = "selective"
+def test_bad_offload_raises():
+    with pytest.raises(TypeError, match="offload must be False, True or a memopt.Offload"):
+        _make(CONFIGS["pre-ln-gelu"]).offload = "host"
+    with pytest.raises(ValueError, match="offload must be one value or a list of 2"):
+        memopt.FusedCheckpointStack(2, D_MODEL, N_HEADS, 48, offload=[True], dtype=torch.float64)
+
+
+def test_offload_inside_an_active_engine_marks_groups():
     offloader = _cpu_offloader()
-    for layer in stack.layers:
-        layer.offloader = offloader
+    stack = memopt.FusedCheckpointStack(2, D_MODEL, N_HEADS, 48, offload=True, dtype=torch.float64)
+    assert stack.policy == ["selective"] * 2 and stack.offload == [True, True]
+    reference = copy.deepcopy(stack)
+    reference.offload = False
     x = torch.randn(2, 6, D_MODEL, dtype=torch.float64)
     grad = torch.randn_like(x)
     with offloader:
@@ -540,14 +548,14 @@ def test_gpu_autocast_fp16_with_grad_scaler():
 
 
 @gpu
-def test_gpu_offload_policy_frees_device_memory():
+def test_gpu_offload_frees_device_memory():
     # Six layers: the engine may keep the last two groups on the device until their copies out
     # complete (double buffering), so offload must hold well under half of what selective holds.
     stack = memopt.FusedCheckpointStack(6, 1024, 16, device="cuda", dtype=torch.bfloat16)
     x = torch.randn(4, 1024, 1024, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 
-    def held_after_forward(policy):
-        stack.policy = policy
+    def held_after_forward(offload):
+        stack.offload = offload
         torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         out = stack(x)
@@ -556,8 +564,8 @@ def test_gpu_offload_policy_frees_device_memory():
         out.float().sum().backward()
         return held
 
-    held_after_forward("offload")  # warm the host pool
-    selective, offloaded = held_after_forward("selective"), held_after_forward("offload")
+    held_after_forward(True)  # warm the host pool
+    selective, offloaded = held_after_forward(False), held_after_forward(True)
     per_layer = saved_bytes_per_layer("selective", 1024, 16, batch=4, seq=1024, dtype=torch.bfloat16)
     assert selective >= 6 * per_layer
     assert offloaded < 0.5 * selective

@@ -2,7 +2,6 @@
 
 import contextlib
 import importlib
-import sys
 import warnings
 
 import pytest
@@ -165,12 +164,32 @@ def test_compile_fullgraph(policy, compile_cache):
         torch.testing.assert_close(grad, ref)
 
 
-def test_offload_without_engine_raises_not_implemented(monkeypatch):
-    monkeypatch.setitem(sys.modules, "memopt.offload", None)  # import fails as if it were absent
+def test_offload_as_a_policy_says_what_to_write_instead():
     x = torch.randn(3, requires_grad=True)
-    with pytest.raises(NotImplementedError, match="memopt.offload"):
-        memopt.checkpoint(torch.sin, x, policy="none", offload=True)
-    assert not ckpt.offload_available()
+    with pytest.raises(ValueError, match="write policy='selective', offload=True"):
+        memopt.checkpoint(torch.sin, x, policy="offload")
+    with pytest.raises(TypeError, match="offload must be False, True or a memopt.Offload"):
+        memopt.checkpoint(torch.sin, x, policy="none", offload="yes")
+
+
+def test_offload_inside_an_active_engine_marks_a_group_there():
+    """One nesting rule: inside ``with off:``, offload=True and offload=off both take a new
+    group of ``off`` (no second engine, no "already active"); outside, offload=off enters it."""
+    off = memopt.offload(min_bytes=0, pin_memory=False, allow_cpu_source=True)
+    leaf = torch.randn(8, 64, requires_grad=True)
+    x = leaf * 1  # an activation: the engine moves it
+    with off:
+        first = off.engine.current_group()
+        y = memopt.checkpoint(torch.tanh, x, policy="none", offload=True)
+        y = memopt.checkpoint(torch.tanh, y, policy="none", offload=off)
+        assert off.engine.current_group() == first + 2
+    moved = off.stats()["bytes_to_host"]
+    assert moved == 2 * 8 * 64 * 4  # each tanh saved its output: both went to this engine
+    y.sum().backward()
+    inner = torch.tanh(leaf.detach())
+    torch.testing.assert_close(leaf.grad, (1 - torch.tanh(inner) ** 2) * (1 - inner**2))
+    memopt.checkpoint(torch.tanh, x, policy="none", offload=off)
+    assert not off.active and off.stats()["bytes_to_host"] > moved
 
 
 @pytest.mark.parametrize(
@@ -274,7 +293,7 @@ def test_offload_true_on_cuda(policy):
     inputs = [t.detach().cuda().requires_grad_() for t in _block_inputs(torch.float32, n=1024, d=256, hidden=1024)]
     out, grads, _ = _grads(lambda *a: memopt.checkpoint(_block, *a, policy=policy, offload=True, p=0.2), inputs, seed=6)
     ref_out, ref_grads, _ = _grads(lambda *a: _block(*a, p=0.2), inputs, seed=6)
-    assert ckpt._shared_offload.stats()["copies_to_host"] > 0
+    assert importlib.import_module("memopt.offload").default_offload().stats()["copies_to_host"] > 0
     torch.testing.assert_close(out, ref_out)
     for grad, ref in zip(grads, ref_grads):
         torch.testing.assert_close(grad, ref)

@@ -217,12 +217,13 @@ def test_plan_predicts_counted_bytes(name):
         # not depending on the policies; the prediction counts them once, always.
         assert plan.predicted_bytes - plan.shared_bytes <= counted <= plan.predicted_bytes, mix
     assert 0 < plan.shared_bytes < 0.05 * plan.predicted_bytes
-    budget = plan.layer_bytes[0]["none"] + plan.layer_bytes[1]["selective"] + plan.other_bytes + plan.shared_bytes
+    costs = plan.layer_costs
+    budget = costs[0].device_bytes[("none", False)] + costs[1].device_bytes[("selective", False)] + plan.other_bytes + plan.shared_bytes
     chosen = memopt.plan(model, inputs, budget_bytes=budget)
     assert chosen.predicted_bytes <= budget
     # The choice is the fastest that fits under its own measurements: no slower than the mix the
     # budget was built from (on a CPU "full" can be the faster policy, so it may still win).
-    alternative = dataclasses.replace(chosen, policies=["none", "selective"])
+    alternative = dataclasses.replace(chosen, choices=[("none", False), ("selective", False)])
     assert alternative.predicted_bytes <= budget
     assert chosen.predicted_extra_seconds <= alternative.predicted_extra_seconds
 
@@ -337,8 +338,8 @@ def test_padding_mask_passes_through_the_checkpoint(name):
 
 
 @pytest.mark.parametrize("name", ["llama-sdpa", "gpt2-dropout"])
-def test_offload_policy_on_hf_model_moves_what_the_plan_predicts(name):
-    """"offload" layers of a Hugging Face model (an engine that takes CPU tensors, so bytes
+def test_offload_on_hf_model_moves_what_the_plan_predicts(name):
+    """Offloading layers of a Hugging Face model (an engine that takes CPU tensors, so bytes
     really move): the result equals the unwrapped model's and the engine moves exactly the host
     bytes the plan measured."""
     torch.manual_seed(0)
@@ -348,8 +349,8 @@ def test_offload_policy_on_hf_model_moves_what_the_plan_predicts(name):
     ids = _input_ids()
     plan = memopt.plan(model, {"input_ids": ids, "labels": ids, "use_cache": False}, budget_bytes=10**9,
                        offload=off, repeats=1)
-    plan.policies = ["offload", "none"]
-    assert plan.layer_host_bytes[0]["offload"] > 0
+    plan.choices = [("none", True), ("none", False)]
+    assert plan.layer_costs[0].host_bytes[("none", True)] > 0
     before = off.stats()["bytes_to_host"]
     memopt.wrap(model, plan=plan, offload=off)
     loss, grads = _step(model, seed=5)

@@ -15,6 +15,7 @@ from helpers import gpu
 
 # The functions memopt.wrap and memopt.checkpoint shadow their modules as attributes of memopt.
 wrap_module = importlib.import_module("memopt.wrap")
+plan_module = importlib.import_module("memopt.plan")
 
 D_MODEL, HEADS, FFN, SEQ, BATCH = 32, 4, 64, 12, 3
 
@@ -275,84 +276,22 @@ def test_bad_policy_raises(policy, error, match):
         memopt.wrap(_encoder(2), policy=policy)
 
 
-def test_offload_policy_without_engine_raises(monkeypatch):
-    monkeypatch.setitem(sys.modules, "memopt.offload", None)  # import fails as if it were absent
-    with pytest.raises(NotImplementedError, match="memopt.offload"):
+def test_offload_as_a_policy_says_what_to_write_instead():
+    with pytest.raises(ValueError, match="policy for layer 'layers.0'='offload' is not a policy"):
         memopt.wrap(_encoder(2), policy="offload")
+    with pytest.raises(TypeError, match="offload for layer 'layers.1' must be False, True or a memopt.Offload"):
+        memopt.wrap(_encoder(2), offload=[False, "yes"])
+    with pytest.raises(ValueError, match="offload has 1 entries for 2 layers"):
+        memopt.wrap(_encoder(2), offload=[True])
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
-def test_offload_policy_matches_plain(device):
+def test_offload_matches_plain(device):
     model = _encoder(2, dropout=0.1).to(device)
     x = torch.randn(BATCH, SEQ, D_MODEL, device=device)
     reference = _step(model, x, seed=8)
-    memopt.wrap(model, policy=["offload", "selective"])
+    memopt.wrap(model, policy=["none", "selective"], offload=[True, True])
     _assert_same_step(_step(model, x, seed=8), reference)
-
-
-# -- the fused-block extension point --------------------------------------------------------
-
-
-class _FakeFusedBlock(nn.Module):
-    """Stands in for memopt.FusedCheckpointBlock: shares the layer, records the policy."""
-
-    def __init__(self, layer, policy):
-        super().__init__()
-        self.layer, self.policy = layer, policy
-
-    @staticmethod
-    def supports(layer, allow_autocast=False):
-        return layer.norm_first
-
-    @classmethod
-    def from_torch(cls, layer, policy, share_parameters=False):
-        # wrap must ask for shared parameters: unwrap puts the layer back.
-        assert share_parameters
-        return cls(layer, policy)
-
-    @property
-    def self_attn(self):
-        # nn.TransformerEncoder.forward inspects its first layer's self_attn.
-        return self.layer.self_attn
-
-    def forward(self, *args, **kwargs):
-        return self.layer(*args, **kwargs)
-
-
-def test_fused_block_extension_point_is_unused_without_a_supporting_block(monkeypatch):
-    monkeypatch.delattr(memopt, "FusedCheckpointBlock", raising=False)
-    assert wrap_module._swap_for_fused_block(_encoder(1).layers[0], "selective") is None
-
-    class BlockWithoutSupports:
-        @classmethod
-        def from_torch(cls, layer, policy, share_parameters=False):
-            raise AssertionError("must not be called without supports()")
-
-    monkeypatch.setattr(memopt, "FusedCheckpointBlock", BlockWithoutSupports, raising=False)
-    assert wrap_module._swap_for_fused_block(_encoder(1).layers[0], "selective") is None
-
-
-@pytest.mark.parametrize("norm_first", [True, False])
-def test_fused_block_swapped_in_when_supported_and_restored(monkeypatch, norm_first):
-    monkeypatch.setattr(memopt, "FusedCheckpointBlock", _FakeFusedBlock, raising=False)
-    model = _encoder(2, norm_first=norm_first)
-    originals = list(model.layers)
-    params = list(model.parameters())
-    x = torch.randn(BATCH, SEQ, D_MODEL)
-    out, x_grad, _ = _step(model, x)
-    param_grads = [p.grad.clone() for p in params]
-    memopt.wrap(model, policy="full")
-    swapped = [isinstance(layer, _FakeFusedBlock) for layer in model.layers]
-    assert swapped == [norm_first, norm_first]
-    if norm_first:
-        assert [layer.policy for layer in model.layers] == ["full", "full"]
-    wrapped_out, wrapped_x_grad, _ = _step(model, x)
-    torch.testing.assert_close(wrapped_out, out)
-    torch.testing.assert_close(wrapped_x_grad, x_grad)
-    for p, grad in zip(params, param_grads):
-        torch.testing.assert_close(p.grad, grad)
-    memopt.unwrap(model)
-    assert all(a is b for a, b in zip(model.layers, originals))
 
 
 def test_wrapped_model_pickles_with_torch_save_and_stays_wrapped(tmp_path):
@@ -407,11 +346,12 @@ class _GatedLayer(nn.Module):
 def test_plan_times_layers_with_one_signature_once_and_a_differing_branch_apart(monkeypatch):
     model = nn.Sequential(*[_GatedLayer(extra=i == 2) for i in range(4)])
     timed = []
-    monkeypatch.setattr(wrap_module, "_step_seconds", lambda fn, *a, **k: timed.append(fn) or 0.0)
-    plan = memopt.plan(model, _plan_inputs(), budget_bytes=10**9, policies=["none", "full"], repeats=1)
+    monkeypatch.setattr(plan_module, "_step_seconds", lambda fn, *a, **k: timed.append(fn) or 0.0)
+    plan = memopt.plan(model, _plan_inputs(), budget_bytes=10**9, choices=[N, F], repeats=1)
     # Layers 0, 1 and 3 share one timing; layer 2 saves more under "none" and is timed apart.
     assert len(timed) == 2 * 2
-    assert plan.layer_bytes[2]["none"] > plan.layer_bytes[0]["none"] == plan.layer_bytes[3]["none"]
+    saved = [cost.device_bytes[N] for cost in plan.layer_costs]
+    assert saved[2] > saved[0] == saved[3]
 
 
 def test_plan_predicts_counted_bytes_for_every_policy_mix():
@@ -476,8 +416,10 @@ def test_plan_errors():
         memopt.plan(model, _plan_inputs(), budget_bytes=0)
     with pytest.raises(ValueError, match="budget_bytes must be"):
         memopt.plan(model, _plan_inputs(), budget_bytes=-1)
-    with pytest.raises(ValueError, match="policies must include"):
-        memopt.plan(model, _plan_inputs(), budget_bytes=10, policies=("full",))
+    with pytest.raises(ValueError, match="choices must include"):
+        memopt.plan(model, _plan_inputs(), budget_bytes=10, choices=(F,))
+    with pytest.raises(ValueError, match="write policy='selective', offload=True"):
+        memopt.plan(model, _plan_inputs(), budget_bytes=10, choices=(N, ("offload", False)))
     with pytest.raises(ValueError, match="needs example_inputs"):
         memopt.wrap(model, budget_bytes=10)
     plan = memopt.plan(model, _plan_inputs(), budget_bytes=10**9)
@@ -486,6 +428,15 @@ def test_plan_errors():
     memopt.wrap(model)
     with pytest.raises(RuntimeError, match="is wrapped"):
         memopt.plan(model, _plan_inputs(), budget_bytes=10**9)
+
+
+N, S, F, NO = ("none", False), ("selective", False), ("full", False), ("none", True)
+
+
+def _choose(layer_bytes, layer_seconds, budget):
+    """memopt.plan.choose on costs given as per-layer dicts choice -> bytes / seconds."""
+    costs = [memopt.LayerCost(dict(b), {c: 0 for c in b}, dict(s)) for b, s in zip(layer_bytes, layer_seconds)]
+    return plan_module.choose(costs, budget)
 
 
 def _brute_force(layer_bytes, layer_seconds, budget):
@@ -503,24 +454,24 @@ def _brute_force(layer_bytes, layer_seconds, budget):
     "layer_bytes, layer_seconds",
     [
         # Identical layers: 300 bytes kept, 100 with selective (1 ms), 10 with full (3 ms).
-        ([{"none": 300, "selective": 100, "full": 10}] * 3, [{"none": 0.0, "selective": 1e-3, "full": 3e-3}] * 3),
+        ([{N: 300, S: 100, F: 10}] * 3, [{N: 0.0, S: 1e-3, F: 3e-3}] * 3),
         # Different layers, offload among the options, a ratio-greedy order that overshoots.
         (
             [
-                {"none": 400, "selective": 400, "full": 0, "offload": 50},
-                {"none": 100, "selective": 0, "full": 0, "offload": 10},
-                {"none": 250, "selective": 120, "full": 20, "offload": 30},
+                {N: 400, S: 400, F: 0, NO: 50},
+                {N: 100, S: 0, F: 0, NO: 10},
+                {N: 250, S: 120, F: 20, NO: 30},
             ],
             [
-                {"none": 0.0, "selective": 0.0, "full": 1.0, "offload": 0.9},
-                {"none": 0.0, "selective": 0.05, "full": 0.06, "offload": 0.2},
-                {"none": 0.0, "selective": 0.3, "full": 0.5, "offload": 0.1},
+                {N: 0.0, S: 0.0, F: 1.0, NO: 0.9},
+                {N: 0.0, S: 0.05, F: 0.06, NO: 0.2},
+                {N: 0.0, S: 0.3, F: 0.5, NO: 0.1},
             ],
         ),
     ],
 )
 def test_choice_is_optimal(budget, layer_bytes, layer_seconds):
-    chosen = wrap_module._choose(layer_bytes, layer_seconds, budget)
+    chosen = _choose(layer_bytes, layer_seconds, budget)
     total = sum(b[c] for b, c in zip(layer_bytes, chosen))
     cost = sum(s[c] for s, c in zip(layer_seconds, chosen))
     optimum = _brute_force(layer_bytes, layer_seconds, budget)
@@ -533,20 +484,20 @@ def test_choice_is_optimal(budget, layer_bytes, layer_seconds):
 
 
 def test_choice_ties_give_earlier_layers_the_stronger_policy():
-    layer_bytes = [{"none": 300, "selective": 100, "full": 10}] * 3
-    layer_seconds = [{"none": 0.0, "selective": 1e-3, "full": 3e-3}] * 3
-    assert wrap_module._choose(layer_bytes, layer_seconds, 500) == ["selective", "selective", "none"]
-    assert wrap_module._choose(layer_bytes, layer_seconds, 700) == ["selective", "none", "none"]
-    assert wrap_module._choose(layer_bytes, layer_seconds, 10**6) == ["none"] * 3
+    layer_bytes = [{N: 300, S: 100, F: 10}] * 3
+    layer_seconds = [{N: 0.0, S: 1e-3, F: 3e-3}] * 3
+    assert _choose(layer_bytes, layer_seconds, 500) == [S, S, N]
+    assert _choose(layer_bytes, layer_seconds, 700) == [S, N, N]
+    assert _choose(layer_bytes, layer_seconds, 10**6) == [N] * 3
 
 
 def test_choice_takes_offload_when_it_frees_bytes_cheapest():
-    layer_bytes = [{"none": 300, "selective": 100, "full": 10, "offload": 20}] * 3
-    layer_seconds = [{"none": 0.0, "selective": 1e-3, "full": 3e-3, "offload": 2e-4}] * 3
-    assert wrap_module._choose(layer_bytes, layer_seconds, 3 * 20) == ["offload"] * 3
+    layer_bytes = [{N: 300, S: 100, F: 10, NO: 20}] * 3
+    layer_seconds = [{N: 0.0, S: 1e-3, F: 3e-3, NO: 2e-4}] * 3
+    assert _choose(layer_bytes, layer_seconds, 3 * 20) == [NO] * 3
     # Below what offload keeps, part of the model must take "full".
-    assert wrap_module._choose(layer_bytes, layer_seconds, 3 * 10) == ["full"] * 3
-    assert wrap_module._choose(layer_bytes, layer_seconds, 50) == ["full", "offload", "offload"]
+    assert _choose(layer_bytes, layer_seconds, 3 * 10) == [F] * 3
+    assert _choose(layer_bytes, layer_seconds, 50) == [F, NO, NO]
 
 
 def test_choice_scales_to_many_layers():
@@ -556,13 +507,13 @@ def test_choice_scales_to_many_layers():
     for _ in range(96):
         none = int(torch.randint(10**6, 10**7, (1,), generator=generator))
         fractions = torch.rand(3, generator=generator).tolist()
-        layer_bytes.append({"none": none, "selective": int(none * fractions[0]), "full": int(none * 0.01), "offload": int(none * 0.05)})
+        layer_bytes.append({N: none, S: int(none * fractions[0]), F: int(none * 0.01), NO: int(none * 0.05)})
         costs = torch.rand(3, generator=generator).tolist()
-        layer_seconds.append({"none": 0.0, "selective": costs[0], "full": 1.0 + costs[1], "offload": costs[2]})
-    budget = sum(b["none"] for b in layer_bytes) // 4
-    chosen = wrap_module._choose(layer_bytes, layer_seconds, budget)
+        layer_seconds.append({N: 0.0, S: costs[0], F: 1.0 + costs[1], NO: costs[2]})
+    budget = sum(b[N] for b in layer_bytes) // 4
+    chosen = _choose(layer_bytes, layer_seconds, budget)
     assert sum(b[c] for b, c in zip(layer_bytes, chosen)) <= budget
-    assert set(chosen) - {"none"}
+    assert set(chosen) - {N}
 
 
 def test_plan_times_identical_layers_once_and_leaves_grads_alone():
@@ -572,10 +523,11 @@ def test_plan_times_identical_layers_once_and_leaves_grads_alone():
     plan = memopt.plan(model, _plan_inputs(), budget_bytes=10**9, repeats=2)
     assert all(torch.equal(p.grad, torch.full_like(p, 7.0)) for p in model.parameters())
     # Identical layers share one timing; "none" adds nothing and nothing is negative.
-    assert plan.layer_seconds[0] == plan.layer_seconds[1] == plan.layer_seconds[2]
-    assert plan.layer_seconds[0]["none"] == 0.0 and min(plan.layer_seconds[0].values()) >= 0.0
-    # On CPU without an offload that takes CPU tensors, "offload" would move nothing.
-    assert set(plan.layer_bytes[0]) == {"none", "selective", "full"}
+    seconds = [cost.seconds for cost in plan.layer_costs]
+    assert seconds[0] == seconds[1] == seconds[2]
+    assert seconds[0][N] == 0.0 and min(seconds[0].values()) >= 0.0
+    # On CPU without an engine that takes CPU tensors, offloading would move nothing.
+    assert set(plan.layer_costs[0].choices) == {N, S, F}
 
 
 def _cpu_offload():
@@ -588,18 +540,18 @@ def test_plan_offload_predicts_what_the_engine_moves():
     reference = _step(model, x, seed=3)
     off = _cpu_offload()
     plan = memopt.plan(model, (x.clone().requires_grad_(),), budget_bytes=10**9, offload=off, repeats=1)
-    assert set(plan.layer_bytes[0]) == {"none", "selective", "full", "offload"}
-    for b, h in zip(plan.layer_bytes, plan.layer_host_bytes):
+    assert set(plan.layer_costs[0].choices) == {N, S, F, NO}
+    for cost in plan.layer_costs:
         # Offload keeps only tensors under min_bytes on the device; what it takes is on the host.
-        assert b["offload"] < b["none"] and h["offload"] > 0
-        assert h["none"] == h["selective"] == h["full"] == 0
-    plan.policies = ["offload", "offload", "none"]
+        assert cost.device_bytes[NO] < cost.device_bytes[N] and cost.host_bytes[NO] > 0
+        assert cost.host_bytes[N] == cost.host_bytes[S] == cost.host_bytes[F] == 0
+    plan.choices = [NO, NO, N]
     before = off.stats()["bytes_to_host"]
     memopt.wrap(model, plan=plan, offload=off)
     _assert_same_step(_step(model, x, seed=3), reference)
     moved = off.stats()["bytes_to_host"] - before
-    assert moved == plan.predicted_host_bytes == plan.layer_host_bytes[0]["offload"] * 2
-    assert plan.predicted_bytes < plan.other_bytes + plan.shared_bytes + 3 * plan.layer_bytes[0]["none"]
+    assert moved == plan.predicted_host_bytes == plan.layer_costs[0].host_bytes[NO] * 2
+    assert plan.predicted_bytes < plan.other_bytes + plan.shared_bytes + 3 * plan.layer_costs[0].device_bytes[N]
     assert "host MiB" in str(plan)
 
 
@@ -611,12 +563,13 @@ def test_plan_with_budget_and_offload_fits_and_matches(monkeypatch):
     inputs = (x.clone().requires_grad_(),)
     probe = memopt.plan(model, inputs, budget_bytes=10**9, offload=off, repeats=1)
     # Make offload the cheapest way to free bytes, whatever this machine measured.
-    probe_seconds = [{"none": 0.0, "selective": 1.0, "full": 2.0, "offload": 1e-3} for _ in range(3)]
-    monkeypatch.setattr(wrap_module, "_step_seconds", lambda fn, *a, **k: 0.0)
-    probe.policies = ["offload"] * 3
+    probe_seconds = [{N: 0.0, S: 1.0, F: 2.0, NO: 1e-3} for _ in range(3)]
+    monkeypatch.setattr(plan_module, "_step_seconds", lambda fn, *a, **k: 0.0)
+    probe.choices = [NO] * 3
     budget = probe.predicted_bytes
-    chosen = wrap_module._choose(probe.layer_bytes, probe_seconds, budget - probe.other_bytes - probe.shared_bytes)
-    assert chosen == ["offload"] * 3
+    layer_bytes = [cost.device_bytes for cost in probe.layer_costs]
+    chosen = _choose(layer_bytes, probe_seconds, budget - probe.other_bytes - probe.shared_bytes)
+    assert chosen == [NO] * 3
     plan = memopt.plan(model, inputs, budget_bytes=budget, offload=off, repeats=1)
     assert plan.predicted_bytes <= budget
     memopt.wrap(model, plan=plan, offload=off)
@@ -625,15 +578,17 @@ def test_plan_with_budget_and_offload_fits_and_matches(monkeypatch):
 
 def test_plan_and_wrap_offload_errors():
     model = _encoder(2)
-    with pytest.raises(TypeError, match="offload must be a memopt.Offload"):
-        memopt.plan(model, _plan_inputs(), budget_bytes=10**9, offload=True)
-    with pytest.raises(TypeError, match="offload must be a memopt.Offload"):
-        memopt.wrap(model, policy="offload", offload="yes")
+    with pytest.raises(TypeError, match="offload must be False, True or a memopt.Offload"):
+        memopt.plan(model, _plan_inputs(), budget_bytes=10**9, offload="yes")
+    with pytest.raises(TypeError, match="offload must be a bool, a memopt.Offload, a list or a dict"):
+        memopt.wrap(model, offload="yes")
+    with pytest.raises(ValueError, match="offload, but offload=False"):
+        memopt.plan(model, _plan_inputs(), budget_bytes=10**9, choices=[N, NO], offload=False)
     with pytest.raises(ValueError, match="repeats must be"):
         memopt.plan(model, _plan_inputs(), budget_bytes=10**9, repeats=0)
     plan = memopt.plan(model, _plan_inputs(), budget_bytes=10**9, repeats=1)
-    plan.policies = ["offload", "none"]
-    with pytest.raises(ValueError, match="'offload' of layer 'layers.0' was not measured"):
+    plan.choices = [NO, N]
+    with pytest.raises(ValueError, match="choice \\('none', True\\) of layer 'layers.0' was not measured"):
         memopt.wrap(model, plan=plan)
     with pytest.raises(ValueError, match="was not measured"):
         plan.predicted_bytes
@@ -684,23 +639,23 @@ def test_plan_round_trips_through_json_and_can_be_edited():
     inputs = _plan_inputs()
     plan = memopt.plan(model, inputs, budget_bytes=10**9, repeats=1)
     data = json.loads(json.dumps(plan.to_dict()))
-    data["policies"] = ["none", "full", "none"]
+    data["choices"] = [{"policy": p, "offload": False} for p in ("none", "full", "none")]
     loaded = memopt.Plan.from_dict(data)
-    assert loaded.policies == ["none", "full", "none"] and loaded.layer_bytes == plan.layer_bytes
+    assert loaded.choices == [N, F, N] and loaded.layer_costs == plan.layer_costs
     memopt.wrap(model, plan=loaded)
     assert _counted_bytes(model, *inputs) == loaded.predicted_bytes
-    data["policies"][0] = "fastest"
-    with pytest.raises(ValueError, match="'fastest' of layer 'layers.0' was not measured"):
+    data["choices"][0]["policy"] = "fastest"
+    with pytest.raises(ValueError, match="\\('fastest', False\\) of layer 'layers.0' was not measured"):
         memopt.Plan.from_dict(data)
     with pytest.raises(ValueError, match="lacks"):
-        memopt.Plan.from_dict({"policies": []})
+        memopt.Plan.from_dict({"choices": []})
 
 
 def test_choice_prefers_weaker_policies_when_times_tie():
     # A measured cost of 0 (noise, or a policy as fast as none) must not turn on checkpointing
     # that the budget does not need.
-    layer_bytes = [{"none": 300, "selective": 100, "full": 10}] * 3
-    layer_seconds = [{"none": 0.0, "selective": 0.0, "full": 0.0}] * 3
-    assert wrap_module._choose(layer_bytes, layer_seconds, 10**6) == ["none"] * 3
-    assert wrap_module._choose(layer_bytes, layer_seconds, 700) == ["selective", "none", "none"]
-    assert wrap_module._choose(layer_bytes, layer_seconds, 610) == ["full", "none", "none"]
+    layer_bytes = [{N: 300, S: 100, F: 10}] * 3
+    layer_seconds = [{N: 0.0, S: 0.0, F: 0.0}] * 3
+    assert _choose(layer_bytes, layer_seconds, 10**6) == [N] * 3
+    assert _choose(layer_bytes, layer_seconds, 700) == [S, N, N]
+    assert _choose(layer_bytes, layer_seconds, 610) == [F, N, N]

@@ -282,10 +282,16 @@ def test_unsupported_layers_fall_back_to_checkpointing(make_model, reason):
     assert not any(hasattr(layer, "_memopt_wrap_layer") for layer in model.layers)
 
 
-def test_offload_policy_is_not_swapped():
-    layer = _encoder().layers[0]
-    assert wrap_module._swap_for_fused_block(layer, "offload") is None
-    assert isinstance(wrap_module._swap_for_fused_block(layer, "full"), memopt.FusedCheckpointBlock)
+def test_offloading_layers_are_not_swapped():
+    model = _encoder()
+    plain = copy.deepcopy(model)
+    x = _input()
+    expected = _step(plain, x, dict(plain.named_parameters()))
+    original_params = dict(model.named_parameters())
+    memopt.wrap(model, policy="full", offload={0: True})
+    assert type(model.layers[0]) is nn.TransformerEncoderLayer
+    assert isinstance(model.layers[1], memopt.FusedCheckpointBlock)
+    _assert_same_step(_step(model, x, original_params), expected)
 
 
 def _layer(heads=HEADS, dropout=0.0, **kwargs):

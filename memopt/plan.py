@@ -1,0 +1,587 @@
+"""memopt.plan: choose a (policy, offload) pair per layer so that saved activations fit a budget.
+
+The planner is three steps, each a function with a typed result:
+
+1. :func:`capture_layer_inputs`: one forward of the model, layers under ``"full"`` (little
+   memory), records each layer's inputs and what the rest of the model saves.
+2. :func:`measure_layer`: one layer on fresh copies of its inputs, under each candidate
+   :data:`Choice`, into a :class:`LayerCost` (bytes on the device, bytes on the host, seconds).
+3. :func:`choose`: a multiple-choice knapsack over the layers' costs.
+
+:func:`plan` runs them and returns a :class:`Plan`, which can be read, edited, saved as JSON and
+applied with ``memopt.wrap(model, plan=plan)``.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
+
+from memopt.checkpoint import checkpoint
+from memopt.offload import Offload, default_offload, is_parameter_like
+from memopt.policy import POLICIES, check_offload, check_policy
+from memopt.saved import SavedTensorCounter, storage_key
+from memopt.wrap import LayerSelector, find_layers, is_wrapped, swap_for_fused_block, unwrap, wrap
+
+Choice = tuple[str, bool]
+"""One layer's choice: ``(policy, offload)``, a name from :data:`memopt.policy.POLICIES` and
+whether what it saves goes to host memory."""
+
+CHOICE_STRENGTH: dict[Choice, float] = {
+    ("none", False): 0, ("none", True): 1, ("selective", False): 2, ("selective", True): 2.5,
+    ("full", False): 3, ("full", True): 3.5,
+}  # fmt: skip
+"""How much each choice changes a layer's step (recompute, copies): the planner's tie-break.
+Between plans of equal time it takes the weaker sum (a measured cost of 0 is noise as often as
+it is free), then stronger choices on earlier layers (their activations are freed last in
+backward). Offloading a selective set moves less than offloading everything, hence the halves."""
+
+
+def _strength(choice: Choice) -> float:
+    return CHOICE_STRENGTH[choice]
+
+
+def _check_choice(choice: Any, owner: str) -> Choice:
+    if not (isinstance(choice, tuple) and len(choice) == 2 and isinstance(choice[1], bool)):
+        raise ValueError(f"{owner}: a choice must be a (policy, offload) pair such as ('selective', False), got {choice!r}")
+    return check_policy(choice[0], owner), choice[1]
+
+
+@dataclass
+class LayerCost:
+    """What one layer costs under each measured choice.
+
+    Attributes:
+        device_bytes: bytes saved for backward that stay on the layer's device (counted like
+            :func:`memopt.saved_bytes`: parameters, buffers and inputs that need no gradient left
+            out; with offload, what the engine leaves on the device: tensors under its
+            ``min_bytes`` and storages a small view keeps alive).
+        host_bytes: bytes kept in host memory (0 without offload).
+        seconds: what the choice adds to the layer's forward + backward over ``("none", False)``
+            (measured, never below 0).
+    """
+
+    device_bytes: dict[Choice, int]
+    host_bytes: dict[Choice, int]
+    seconds: dict[Choice, float]
+
+    @property
+    def choices(self) -> list[Choice]:
+        return list(self.device_bytes)
+
+    def to_rows(self) -> list[dict]:
+        return [
+            {"policy": p, "offload": o, "device_bytes": self.device_bytes[(p, o)],
+             "host_bytes": self.host_bytes[(p, o)], "seconds": self.seconds[(p, o)]}
+            for p, o in self.device_bytes
+        ]  # fmt: skip
+
+    @classmethod
+    def from_rows(cls, rows: Iterable[dict]) -> "LayerCost":
+        cost = cls({}, {}, {})
+        for row in rows:
+            choice = _check_choice((row["policy"], row["offload"]), "memopt.LayerCost.from_rows")
+            cost.device_bytes[choice] = int(row["device_bytes"])
+            cost.host_bytes[choice] = int(row["host_bytes"])
+            cost.seconds[choice] = float(row["seconds"])
+        return cost
+
+
+@dataclass
+class Plan:
+    """A (policy, offload) choice per layer and what it is predicted to cost.
+
+    Edit ``choices`` freely (``plan.choices[3] = ("full", False)``, or one axis for every layer:
+    ``plan.policies = [...]``, ``plan.offloads = [...]``) and apply with
+    ``memopt.wrap(model, plan=plan)``; the predictions follow the edit.
+
+    Attributes:
+        layer_names: qualified names of the layers, in forward order.
+        choices: the chosen ``(policy, offload)`` per layer.
+        layer_costs: per layer, a :class:`LayerCost` of every measured choice.
+        other_bytes: bytes the rest of the model (embeddings, head, loss) saves.
+        shared_bytes: bytes of the layers' inputs that need no gradient and are shared between
+            layers (attention masks, rotary tables, position ids). Whether they are saved depends
+            on the choices, so the prediction counts them once, always: ``predicted_bytes`` is
+            an upper bound that is exact up to ``shared_bytes``.
+        budget_bytes: the budget the plan was made for, or None.
+    """
+
+    layer_names: list[str]
+    choices: list[Choice]
+    layer_costs: list[LayerCost]
+    other_bytes: int
+    shared_bytes: int = 0
+    budget_bytes: int | None = None
+
+    @property
+    def policies(self) -> list[str]:
+        """The chosen policy per layer; setting it keeps each layer's offload."""
+        return [policy for policy, _ in self.choices]
+
+    @policies.setter
+    def policies(self, policies: Sequence[str]) -> None:
+        self.choices = [(policy, offload) for policy, (_, offload) in zip(policies, self.choices, strict=True)]
+
+    @property
+    def offloads(self) -> list[bool]:
+        """Whether each layer offloads what it saves; setting it keeps each layer's policy."""
+        return [offload for _, offload in self.choices]
+
+    @offloads.setter
+    def offloads(self, offloads: Sequence[bool]) -> None:
+        self.choices = [(policy, offload) for (policy, _), offload in zip(self.choices, offloads, strict=True)]
+
+    def to_dict(self) -> dict:
+        """The plan as plain data (JSON-ready): save it, edit it, load it with :meth:`from_dict`."""
+        return {
+            "layer_names": list(self.layer_names),
+            "choices": [{"policy": p, "offload": o} for p, o in self.choices],
+            "layer_costs": [cost.to_rows() for cost in self.layer_costs],
+            "other_bytes": self.other_bytes,
+            "shared_bytes": self.shared_bytes,
+            "budget_bytes": self.budget_bytes,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Plan":
+        """A plan from :meth:`to_dict`'s data (e.g. ``json.load``-ed); validated with :meth:`check`."""
+        required = {"layer_names", "choices", "layer_costs", "other_bytes"}
+        missing = required - set(data)
+        if missing:
+            raise ValueError(f"memopt.Plan.from_dict: data lacks {sorted(missing)}")
+        unknown = set(data) - required - {"shared_bytes", "budget_bytes"}
+        if unknown:
+            raise ValueError(f"memopt.Plan.from_dict: unknown keys {sorted(unknown)}")
+        plan = cls(
+            layer_names=list(data["layer_names"]),
+            choices=[(c["policy"], c["offload"]) for c in data["choices"]],
+            layer_costs=[LayerCost.from_rows(rows) for rows in data["layer_costs"]],
+            other_bytes=data["other_bytes"],
+            shared_bytes=data.get("shared_bytes", 0),
+            budget_bytes=data.get("budget_bytes"),
+        )
+        plan.check()
+        return plan
+
+    def check(self) -> None:
+        """Raise ``ValueError`` unless every layer's choice is one the plan measured."""
+        if len(self.choices) != len(self.layer_names):
+            raise ValueError(
+                f"memopt.Plan: {len(self.choices)} choices for {len(self.layer_names)} layers {self.layer_names}"
+            )
+        for name, choice, cost in zip(self.layer_names, self.choices, self.layer_costs):
+            if choice not in cost.device_bytes:
+                raise ValueError(
+                    f"memopt.Plan: choice {choice!r} of layer {name!r} was not measured; "
+                    f"the plan measured {sorted(cost.device_bytes)} (pass choices= to memopt.plan)"
+                )
+
+    @property
+    def predicted_bytes(self) -> int:
+        """Bytes the whole model saves for backward on its device under ``choices``."""
+        self.check()
+        layers = sum(cost.device_bytes[c] for cost, c in zip(self.layer_costs, self.choices))
+        return self.other_bytes + self.shared_bytes + layers
+
+    @property
+    def predicted_host_bytes(self) -> int:
+        """Bytes offloading layers keep in host memory under ``choices``."""
+        self.check()
+        return sum(cost.host_bytes[c] for cost, c in zip(self.layer_costs, self.choices))
+
+    @property
+    def predicted_extra_seconds(self) -> float:
+        """Time ``choices`` add to one training step (forward + backward) over no checkpointing."""
+        self.check()
+        return sum(cost.seconds[c] for cost, c in zip(self.layer_costs, self.choices))
+
+    def __str__(self) -> str:
+        rows = [f"{'layer':<32} {'policy':<10} {'offload':<7} {'saved MiB':>10} {'host MiB':>9} {'extra ms':>9}"]
+        for name, (p, o), cost in zip(self.layer_names, self.choices, self.layer_costs):
+            rows.append(
+                f"{name:<32} {p:<10} {str(o):<7} {cost.device_bytes[(p, o)] / 2**20:>10.2f} "
+                f"{cost.host_bytes[(p, o)] / 2**20:>9.2f} {cost.seconds[(p, o)] * 1e3:>9.2f}"
+            )
+        budget = "none" if self.budget_bytes is None else f"{self.budget_bytes / 2**20:.2f} MiB"
+        rows.append(
+            f"predicted {self.predicted_bytes / 2**20:.2f} MiB saved on the device (other "
+            f"{self.other_bytes / 2**20:.2f} MiB, shared inputs {self.shared_bytes / 2**20:.2f} MiB), "
+            f"{self.predicted_host_bytes / 2**20:.2f} MiB on the host, "
+            f"+{self.predicted_extra_seconds * 1e3:.2f} ms per step, budget {budget}"
+        )
+        return "\n".join(rows)
+
+
+# -- step 1: capture each layer's inputs ----------------------------------------------------
+
+# Marks a captured input that was an activation (not a leaf) in the model.
+_ACTIVATION_MARK = "_memopt_plan_activation"
+
+
+def _fresh_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Tensor]]:
+    """Copies of captured layer inputs, detached from the model's graph, keeping which ones
+    require grad. An input that was an activation in the model comes back as a non-leaf (a clone
+    of a fresh leaf), as the offload engine tells the two apart: it sends activations to the host
+    and leaves leaves that require grad (parameters, a model input) on the device."""
+    no_grad_inputs: list[torch.Tensor] = []
+
+    def fresh(x):
+        if not isinstance(x, torch.Tensor):
+            return x
+        leaf = x.detach().requires_grad_(x.requires_grad)
+        if not leaf.requires_grad:
+            no_grad_inputs.append(leaf)
+            return leaf
+        if getattr(x, _ACTIVATION_MARK, False) or not is_parameter_like(x):
+            leaf = leaf.clone()
+            setattr(leaf, _ACTIVATION_MARK, True)
+        return leaf
+
+    return tree_map(fresh, args), tree_map(fresh, kwargs), no_grad_inputs
+
+
+def _call(model: nn.Module, example_inputs: Any):
+    if isinstance(example_inputs, dict):
+        return model(**example_inputs)
+    if isinstance(example_inputs, (tuple, list)):
+        return model(*example_inputs)
+    return model(example_inputs)
+
+
+@dataclass
+class CapturedInputs:
+    """What :func:`capture_layer_inputs` records.
+
+    Attributes:
+        inputs: per layer name, ``(args, kwargs)`` as the model passed them (fresh copies).
+        shared: the layers' tensor inputs that need no gradient (masks, rotary tables).
+        bytes_with_full_layers: bytes the whole model saved with every layer under ``"full"``,
+            ``shared`` left out.
+    """
+
+    inputs: dict[str, tuple[tuple, dict]]
+    shared: list[torch.Tensor]
+    bytes_with_full_layers: int
+
+
+def capture_layer_inputs(
+    model: nn.Module, example_inputs: Any, found: list[tuple[str, nn.Module]], layers: LayerSelector,
+    param_like: list[torch.Tensor],
+) -> CapturedInputs:  # fmt: skip
+    """One forward of ``model`` with its layers under ``"full"`` (little memory), recording each
+    layer's inputs and the storages the model saves."""
+    captured: dict[str, tuple[tuple, dict]] = {}
+
+    def capturer(name):
+        def capture(module, args, kwargs):
+            captured[name] = _fresh_inputs(args, kwargs)[:2]
+
+        return capture
+
+    handles = [layer.register_forward_pre_hook(capturer(name), with_kwargs=True) for name, layer in found]
+    saved: dict[tuple[int, str], int] = {}
+    # Hooked layers are never swapped for a fused block, so the capture hooks run.
+    wrap(model, layers=layers, policy="full")
+    try:
+        with SavedTensorCounter(exclude=param_like, on_save=lambda t, key, nbytes: saved.__setitem__(key, nbytes)):
+            out = _call(model, example_inputs)
+        del out
+    finally:
+        unwrap(model)
+        for handle in handles:
+            handle.remove()
+    excluded = {storage_key(t) for t in param_like}
+    shared = [
+        t
+        for args, kwargs in captured.values()
+        for t in tree_leaves((args, kwargs))
+        if isinstance(t, torch.Tensor) and not t.requires_grad and storage_key(t) not in excluded
+    ]
+    shared_keys = {storage_key(t) for t in shared}
+    bytes_with_full_layers = sum(n for key, n in saved.items() if key not in shared_keys)
+    return CapturedInputs(captured, shared, bytes_with_full_layers)
+
+
+# -- step 2: measure a layer under each choice ----------------------------------------------
+
+
+def _layer_signature(layer: nn.Module, args: tuple, kwargs: dict) -> tuple:
+    """Layers with equal signatures (class, parameter shapes, input shapes) take equal time."""
+
+    def describe(x):
+        if isinstance(x, torch.Tensor):
+            return ("tensor", tuple(x.shape), x.dtype, str(x.device), x.requires_grad)
+        if x is None or isinstance(x, (bool, int, float, str)):
+            return x
+        return ("object", type(x).__qualname__, id(x))
+
+    leaves, spec = tree_flatten((args, kwargs))
+    params = tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in layer.named_parameters())
+    return (type(layer), layer.training, params, str(spec), tuple(describe(leaf) for leaf in leaves))
+
+
+def _step_seconds(
+    fn: Callable, args: tuple, kwargs: dict, params: list[torch.Tensor], synchronize: Callable[[], None], repeats: int
+) -> float:
+    """Fastest of ``repeats`` forward + backward passes of ``fn`` (after one warm-up), gradients
+    taken with ``torch.autograd.grad`` so that no parameter's ``.grad`` changes."""
+
+    def once() -> float:
+        fresh_args, fresh_kwargs, _ = _fresh_inputs(args, kwargs)
+        wrt = params + [t for t in tree_leaves((fresh_args, fresh_kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+        synchronize()
+        start = time.perf_counter()
+        out = fn(*fresh_args, **fresh_kwargs)
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if outputs and wrt:
+            grad_outputs = [torch.ones_like(t) for t in outputs]
+            torch.autograd.grad(outputs, wrt, grad_outputs, allow_unused=True)
+        synchronize()
+        return time.perf_counter() - start
+
+    once()
+    # The fastest run: one slow run (a busy host, a lazy init) should not decide the plan.
+    return min(once() for _ in range(repeats))
+
+
+def _run_under(layer: nn.Module, choice: Choice, engine: Offload | None) -> Callable:
+    """What ``wrap`` will run for ``layer`` under ``choice``: the fused block it swaps in (sharing
+    the layer's parameters) when it does not offload, else the layer checkpointed, offloading
+    through ``engine``."""
+    policy, offload = choice
+    if offload:
+        return lambda *a, **k: checkpoint(layer, *a, policy=policy, offload=engine, **k)
+    block = swap_for_fused_block(layer, policy)
+    if block is not None:
+        return block
+    return lambda *a, **k: checkpoint(layer, *a, policy=policy, **k)
+
+
+@dataclass
+class _Placement:
+    """Saved storages split by where an offload engine keeps them (all on the device without one)."""
+
+    device: dict[tuple[int, str], int] = field(default_factory=dict)
+    host: dict[tuple[int, str], int] = field(default_factory=dict)
+
+    @property
+    def host_bytes(self) -> int:
+        # A storage one saved view keeps on the device stays there whatever happens to the others.
+        return sum(n for key, n in self.host.items() if key not in self.device)
+
+
+def _placement(fn: Callable, args: tuple, kwargs: dict, param_like: list, engine: Offload | None) -> _Placement:
+    """Run ``fn`` on fresh copies of the inputs and place each storage it saves as ``engine``
+    would (``Offload.should_offload``); offload's own hooks would hide them from a counter."""
+    placement = _Placement()
+
+    def place(t: torch.Tensor, key, nbytes: int) -> None:
+        to_host = engine is not None and engine.should_offload(t)
+        (placement.host if to_host else placement.device)[key] = nbytes
+
+    fresh_args, fresh_kwargs, no_grad_inputs = _fresh_inputs(args, kwargs)
+    with SavedTensorCounter(param_like + no_grad_inputs, on_save=place):
+        out = fn(*fresh_args, **fresh_kwargs)
+    del out
+    return placement
+
+
+def measure_layer(
+    layer: nn.Module, args: tuple, kwargs: dict, choices: Sequence[Choice], engine: Offload | None,
+    param_like: list[torch.Tensor], time_layer: Callable[[Callable], float], timed: dict[tuple, dict[Choice, float]],
+) -> LayerCost:  # fmt: skip
+    """``layer``'s :class:`LayerCost` under each of ``choices`` (``("none", False)`` among them),
+    on fresh copies of its captured inputs.
+
+    ``time_layer(fn)`` gives one forward + backward's seconds; the costs are those minus
+    ``("none", False)``'s. ``timed`` holds the seconds of layers already timed, by signature:
+    a layer equal to one of them (class, parameter and input shapes, bytes under every choice)
+    takes its seconds without being timed again.
+    """
+    cost = LayerCost({}, {}, {})
+    for choice in choices:
+        policy, offload = choice
+        # Offload's hooks would hide what they take from the counter: the tensors the policy
+        # saves are placed the way the engine will place them instead.
+        fn = (lambda *a, **k: checkpoint(layer, *a, policy=policy, **k)) if offload else _run_under(layer, choice, None)
+        placed = _placement(fn, args, kwargs, param_like, engine if offload else None)
+        cost.device_bytes[choice] = sum(placed.device.values())
+        cost.host_bytes[choice] = placed.host_bytes
+    # Layers that save different bytes under some choice behave differently (a layer-specific
+    # branch): they are timed on their own.
+    signature = (_layer_signature(layer, args, kwargs), tuple(sorted(cost.device_bytes.items())))
+    if signature not in timed:
+        seconds = {choice: time_layer(_run_under(layer, choice, engine)) for choice in choices}
+        timed[signature] = {choice: max(seconds[choice] - seconds[("none", False)], 0.0) for choice in choices}
+    cost.seconds = dict(timed[signature])
+    return cost
+
+
+# -- step 3: choose -------------------------------------------------------------------------
+
+_FRONTIER_LIMIT = 4096
+
+
+def choose(costs: Sequence[LayerCost], budget: int) -> list[Choice]:
+    """The per-layer choices with the least total seconds whose device bytes fit ``budget``.
+
+    A multiple-choice knapsack solved by dynamic programming over the layers, keeping the Pareto
+    frontier of partial plans in (bytes, cost), where cost is (seconds, summed
+    :data:`CHOICE_STRENGTH`): exact while the frontier holds at most ``_FRONTIER_LIMIT`` plans; past
+    that, plans are bucketed by bytes (the cheapest per bucket kept), which can cost at most one
+    bucket's width of bytes of optimality. When nothing fits, returns the plan with the fewest
+    bytes.
+    """
+    # A partial plan: (bytes, (seconds, strength), choices).
+    frontier: list[tuple[int, tuple[float, float], tuple[Choice, ...]]] = [(0, (0.0, 0), ())]
+    for cost in costs:
+        extended = [
+            (total + cost.device_bytes[c], (spent[0] + cost.seconds[c], spent[1] + _strength(c)), chosen + (c,))
+            for total, spent, chosen in frontier
+            for c in cost.device_bytes
+        ]
+        within = [plan for plan in extended if plan[0] <= budget]
+        if not within:
+            # Nothing fits: keep only the least-bytes plan, so the caller can report by how much.
+            frontier = [min(extended, key=lambda plan: (plan[0], plan[1]))]
+            continue
+        within.sort(key=lambda plan: (plan[0], plan[1], _earlier_stronger(plan[2])))
+        pareto = []
+        for plan in within:
+            if not pareto or plan[1] < pareto[-1][1]:
+                pareto.append(plan)
+        if len(pareto) > _FRONTIER_LIMIT:
+            width = (pareto[-1][0] - pareto[0][0]) / _FRONTIER_LIMIT + 1
+            buckets: dict[int, tuple[int, tuple[float, float], tuple[Choice, ...]]] = {}
+            for plan in pareto:
+                key = int((plan[0] - pareto[0][0]) // width)
+                if key not in buckets or plan[1] < buckets[key][1]:
+                    buckets[key] = plan
+            pareto = sorted(buckets.values())
+        frontier = pareto
+    fitting = [plan for plan in frontier if plan[0] <= budget]
+    if not fitting:
+        return list(min(frontier)[2])
+    return list(min(fitting, key=lambda plan: (plan[1], _earlier_stronger(plan[2])))[2])
+
+
+def _earlier_stronger(chosen: tuple[Choice, ...]) -> tuple[float, ...]:
+    return tuple(-_strength(c) for c in chosen)
+
+
+# -- the planner ----------------------------------------------------------------------------
+
+
+def _candidate_choices(choices, offload, device: torch.device) -> tuple[tuple[Choice, ...], Offload | None]:
+    """The choices to measure and the engine offloading ones go through."""
+    if offload is not None:
+        check_offload(offload, "memopt.plan")
+    if choices is None:
+        with_offload = offload is True or isinstance(offload, Offload) or (offload is None and device.type == "cuda")
+        choices = [(p, False) for p in POLICIES] + ([("none", True)] if with_offload else [])
+    choices = tuple(dict.fromkeys(_check_choice(c, "memopt.plan") for c in choices))
+    if ("none", False) not in choices:
+        raise ValueError(f"memopt.plan: choices must include ('none', False), got {list(choices)}")
+    offloading = [c for c in choices if c[1]]
+    if not offloading:
+        return choices, None
+    if offload is False:
+        raise ValueError(f"memopt.plan: choices {offloading} offload, but offload=False")
+    return choices, offload if isinstance(offload, Offload) else default_offload()
+
+
+def plan(
+    model: nn.Module,
+    example_inputs: Any,
+    budget_bytes: int,
+    *,
+    layers: LayerSelector = None,
+    choices: Sequence[Choice] | None = None,
+    offload: bool | Offload | None = None,
+    repeats: int = 3,
+) -> Plan:
+    """Choose a ``(policy, offload)`` per layer so that saved activations fit ``budget_bytes``.
+
+    A profiling pass (:func:`capture_layer_inputs`, :func:`measure_layer`, :func:`choose`). One
+    forward of ``model`` on ``example_inputs`` captures each layer's inputs (layers run under
+    ``"full"`` meanwhile, so this needs little memory). Each layer is then measured on its own,
+    on fresh copies of those inputs:
+
+    * bytes it saves for backward under every choice, counted as :func:`memopt.saved_bytes`
+      counts them (for a layer that ``wrap`` swaps for a ``FusedCheckpointBlock``, the block's);
+      with offload, split into what stays on the device and what goes to the host;
+    * time: its forward + backward under each choice (the fastest of ``repeats`` after a
+      warm-up), minus the same under ``("none", False)``: recompute, checkpoint bookkeeping and,
+      with offload, the copies to the host and back, measured rather than modelled. Layers
+      with the same signature (class, parameter shapes, input shapes and dtypes, and the bytes
+      just measured under each choice) are timed once. A layer timed alone cannot overlap its
+      offload copies with other layers' compute, so an offloading choice's time is an upper bound.
+
+    Bytes saved outside the layers (``other_bytes``) are the whole model's count minus the
+    layers'; layer inputs that need no gradient and are shared by the layers (masks, rotary
+    tables) are counted once on their own (``shared_bytes``). The choice is a multiple-choice
+    knapsack solved exactly (:func:`choose`) for the least predicted time within the budget.
+    Parameters' ``.grad`` and the RNG state are left as they were.
+
+    Args:
+        model: the (unwrapped) model, on the device and in the dtype it will train in.
+        example_inputs: a tuple of positional arguments, a dict of keyword arguments, or one
+            tensor for ``model``; use the batch shape you will train with (bytes scale with it).
+        budget_bytes: bytes the whole model may save for backward on its device.
+        layers: which submodules are layers (see :func:`memopt.wrap.find_layers`).
+        choices: the ``(policy, offload)`` pairs to choose among, ``("none", False)`` included.
+            Default: each policy without offload, and ``("none", True)`` when the model is on a
+            CUDA device or ``offload`` is True or an engine (offload moves nothing off a CPU
+            otherwise).
+        offload: the engine offloading choices go through: a ``memopt.Offload`` (pass the same
+            one to ``wrap(model, plan=plan, offload=...)``), True or None for the process default
+            (``memopt.offload.default_offload``), False for no offloading choices.
+        repeats: timed forward + backward passes per layer signature and choice.
+
+    Returns:
+        a :class:`Plan`. Raises ``ValueError`` when even the cheapest choice exceeds the budget.
+    """
+    if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+        raise ValueError(f"memopt.plan: budget_bytes must be a non-negative int, got {budget_bytes!r}")
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"memopt.plan: repeats must be a positive int, got {repeats!r}")
+    if is_wrapped(model):
+        raise RuntimeError("memopt.plan: model is wrapped; call memopt.unwrap(model) first")
+    found = find_layers(model, layers)
+    param_like = list(model.parameters()) + list(model.buffers())
+    device = next(iter(param_like), torch.empty(0)).device
+    choices, engine = _candidate_choices(choices, offload, device)
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        captured = capture_layer_inputs(model, example_inputs, found, layers, param_like)
+        costs, full_layer_bytes = [], []
+        timed: dict[tuple, dict[Choice, float]] = {}
+        for name, layer in found:
+            args, kwargs = captured.inputs[name]
+            params = [p for p in layer.parameters() if p.requires_grad]
+            # The whole-model pass checkpointed the layer under "full": other_bytes subtracts that.
+            full = _placement(_run_under(layer, ("full", False), None), args, kwargs, param_like, None)
+            full_layer_bytes.append(sum(full.device.values()))
+
+            def time_layer(fn, args=args, kwargs=kwargs, params=params):
+                return _step_seconds(fn, args, kwargs, params, synchronize, repeats)
+
+            costs.append(measure_layer(layer, args, kwargs, choices, engine, param_like, time_layer, timed))
+        other_bytes = captured.bytes_with_full_layers - sum(full_layer_bytes)
+
+    shared_bytes = sum({storage_key(t): t.untyped_storage().nbytes() for t in captured.shared}.values())
+    chosen = choose(costs, budget_bytes - other_bytes - shared_bytes)
+    result = Plan([name for name, _ in found], chosen, costs, other_bytes, shared_bytes, budget_bytes)
+    if result.predicted_bytes > budget_bytes:
+        raise ValueError(
+            f"memopt.plan: budget_bytes={budget_bytes} is below the least this model can save with "
+            f"{list(choices)} per layer ({result.predicted_bytes} bytes)"
+        )
+    return result

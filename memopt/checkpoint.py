@@ -22,16 +22,21 @@ path holds the layer's cached tensors on the device until its forward ends.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import weakref
+from collections import defaultdict
 from typing import Any, Callable
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from memopt.offload import Offload, offload_group
-from memopt.policy import check_offload, check_policy, selective_checkpoint_policy
+from memopt.policy import SELECTIVE_SAVED_OPS, check_offload, check_policy, selective_checkpoint_policy
 
 _CHECKPOINT_RESPECTS_HOOKS = (
     "respect_saved_tensors_hooks" in inspect.signature(torch.utils.checkpoint.checkpoint).parameters
@@ -96,11 +101,265 @@ class _PackCachedWithHooks:
         return suppressed
 
 
-def _selective_context_fn(outer_hooks):
-    forward_context, recompute_context = create_selective_checkpoint_contexts(selective_checkpoint_policy)
-    if outer_hooks is None:
-        return forward_context, recompute_context
-    return _PackCachedWithHooks(forward_context, outer_hooks), recompute_context
+# ---------------------------------------------------------------------------------------------
+# Exactness guards.
+#
+# Note: [what a recompute may rely on]
+#
+# A recompute replays ``fn`` and must see exactly what the forward saw. Two things break that
+# silently in PyTorch's own checkpointing, and memopt guards both:
+#
+# 1. Selective checkpointing keeps the outputs of matmuls in a cache and hands them to the
+#    recompute. PyTorch checks the cached tensor's version counter, but ``torch.matmul`` on 3-D
+#    inputs returns ``_unsafe_view(bmm(...))``: a tensor with the cached storage and a version
+#    counter of its own, so ``y = a @ b; y += c`` rewrites the cache unnoticed and the recompute
+#    starts from the updated value. ``_CachedOutputGuard`` watches, during the forward, every op
+#    that writes into a tensor: before one writes into the storage of a cached output, the output
+#    is copied (a snapshot, packed with the saved-tensors hooks around the checkpoint so offload
+#    and the saved-bytes count see it), and ``_CachedOutputRestore`` hands the recompute that copy
+#    instead of the cache's tensor. In-place updates right after a saved matmul (``ReLU(inplace=
+#    True)``, ``scores /= sqrt(d)``) therefore just work. A write into a cached storage *after*
+#    the forward (through any tensor the forward made that aliases it) cannot be undone: the
+#    recompute raises, naming the op.
+# 2. A recompute reruns the module's forward, so a layer that updates its buffers in training
+#    (BatchNorm's running statistics and ``num_batches_tracked``) would update them twice.
+#    ``_BufferGuard`` notes which buffers of the checkpointed module the forward changed
+#    (version counters: free) and puts their values back after each recompute.
+# ---------------------------------------------------------------------------------------------
+
+_WRITTEN_ARGS: dict = {}
+
+
+def _written_arguments(func) -> tuple[tuple[int, str], ...]:
+    """Positions and names of the arguments ``func`` writes into (``Tensor(a!)`` in its schema)."""
+    found = _WRITTEN_ARGS.get(func)
+    if found is None:
+        found = tuple(
+            (i, arg.name)
+            for i, arg in enumerate(func._schema.arguments)
+            if arg.alias_info is not None and arg.alias_info.is_write
+        )
+        _WRITTEN_ARGS[func] = found
+    return found
+
+
+def _written_tensors(func, args, kwargs):
+    for i, name in _written_arguments(func):
+        value = args[i] if i < len(args) else kwargs.get(name)
+        for leaf in value if isinstance(value, (list, tuple)) else (value,):
+            if isinstance(leaf, torch.Tensor):
+                yield leaf
+
+
+def _storage_key(t: torch.Tensor):
+    storage = t.untyped_storage()
+    return (storage.data_ptr(), t.device) if storage.nbytes() else None
+
+
+class _SelectiveGuardState:
+    """What the forward's guard leaves for the recompute's, per cached op call ``(op, n)``."""
+
+    def __init__(self, hooks):
+        self.hooks = hooks  # the saved-tensors hooks around the checkpoint, or None
+        self.snapshots: dict[tuple, dict[int, Any]] = {}  # site -> {output leaf: packed copy}
+        # site -> [(weakref to a tensor aliasing the cached storage, its version at forward end)]
+        self.aliases: dict[tuple, list] = defaultdict(list)
+
+
+class _CachedOutputGuard(TorchDispatchMode):
+    """Forward side of note [what a recompute may rely on], 1."""
+
+    def __init__(self, state: _SelectiveGuardState):
+        super().__init__()
+        self._state = state
+        self._calls: dict = defaultdict(int)
+        self._cached: dict = {}  # storage key -> [(site, leaf index, cached output)]
+        self._alias_of: dict = {}  # storage key -> [sites], kept after the snapshot for alias tracking
+        self._made: list = []  # (site, tensor) for every op output aliasing a cached storage
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._cached and func._schema.is_mutable:
+            for t in _written_tensors(func, args, kwargs):
+                for site, leaf_index, cached in self._cached.pop(_storage_key(t), ()):
+                    # Outside the dispatch modes: selective checkpointing must not see memopt's copy
+                    # as an op of the checkpointed function.
+                    with _disable_current_modes():
+                        copy = cached.clone()
+                        pack = self._state.hooks[0] if self._state.hooks else None
+                        self._state.snapshots.setdefault(site, {})[leaf_index] = pack(copy) if pack else copy
+        out = func(*args, **kwargs)
+        leaves = tree_flatten(out)[0]
+        if func in SELECTIVE_SAVED_OPS:
+            site = (func, self._calls[func])
+            self._calls[func] += 1
+            for leaf_index, leaf in enumerate(leaves):
+                if isinstance(leaf, torch.Tensor) and (key := _storage_key(leaf)) is not None:
+                    self._cached.setdefault(key, []).append((site, leaf_index, leaf.detach()))
+                    self._alias_of.setdefault(key, []).append(site)
+        if self._alias_of:
+            for leaf in leaves:
+                if isinstance(leaf, torch.Tensor) and (key := _storage_key(leaf)) in self._alias_of:
+                    for site in self._alias_of[key]:
+                        self._made.append((site, leaf))
+        return out
+
+    def __exit__(self, *exc):
+        # Versions at the end of the forward; weak references, so nothing here keeps a storage
+        # alive (offload frees what it moved only when nothing else holds it).
+        for site, tensor in self._made:
+            self._state.aliases[site].append((weakref.ref(tensor), tensor._version))
+        self._cached.clear()
+        self._alias_of.clear()
+        self._made.clear()
+        return super().__exit__(*exc)
+
+
+class _CachedOutputRestore(TorchDispatchMode):
+    """Recompute side of note [what a recompute may rely on], 1: hands out the snapshots, and
+    refuses a cache entry that was written into after the forward."""
+
+    def __init__(self, state: _SelectiveGuardState):
+        super().__init__()
+        self._state = state
+        self._calls: dict = defaultdict(int)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func not in SELECTIVE_SAVED_OPS:
+            return out
+        site = (func, self._calls[func])
+        self._calls[func] += 1
+        for ref, version in self._state.aliases.pop(site, ()):
+            tensor = ref()
+            if tensor is not None and tensor._version != version:
+                raise RuntimeError(
+                    f"memopt.checkpoint(policy='selective'): the output of {func} (call {site[1]}) that the "
+                    "recompute starts from was changed in place after the checkpointed forward returned; "
+                    "its value at save time is gone. Clone it before changing it, or use policy='full'"
+                )
+        snapshot = self._state.snapshots.pop(site, None)
+        if snapshot:
+            leaves, spec = tree_flatten(out)
+            unpack = self._state.hooks[1] if self._state.hooks else None
+            with _disable_current_modes():
+                for leaf_index, packed in snapshot.items():
+                    leaves[leaf_index] = unpack(packed) if unpack else packed
+            out = tree_unflatten(leaves, spec)
+        return out
+
+
+def _checkpointed_modules(fn) -> list[nn.Module]:
+    """The modules ``fn`` runs as far as a checkpoint can tell: ``fn`` itself, the object of a
+    bound method, the function and module arguments of a ``functools.partial``."""
+    if isinstance(fn, nn.Module):
+        return [fn]
+    if isinstance(fn, functools.partial):
+        found = _checkpointed_modules(fn.func)
+        return found + [a for a in fn.args if isinstance(a, nn.Module)]
+    owner = getattr(fn, "__self__", None)
+    return [owner] if isinstance(owner, nn.Module) else []
+
+
+class _BufferGuard:
+    """Note [what a recompute may rely on], 2: buffers the forward changed get their values back
+    after every recompute (copied at the start of the recompute, written back at its end).
+
+    "Changed" is read from version counters, except for BatchNorm-style running statistics:
+    ``native_batch_norm`` writes them without declaring it in its schema, so their version stays.
+    """
+
+    def __init__(self, modules: list[nn.Module]):
+        self._buffers = [b for m in modules for b in m.buffers()]
+        self._running_stats = [
+            b
+            for m in modules
+            for sub in m.modules()
+            if isinstance(sub, nn.modules.batchnorm._NormBase) and sub.track_running_stats
+            for b in (sub.running_mean, sub.running_var)
+            if b is not None
+        ]
+        self._changed: list[torch.Tensor] = []
+
+    def __bool__(self) -> bool:
+        return bool(self._buffers)
+
+    @contextlib.contextmanager
+    def forward(self):
+        before = [b._version for b in self._buffers]
+        try:
+            yield
+        finally:
+            changed = {id(b): b for b, v in zip(self._buffers, before) if b._version != v}
+            if changed:  # a norm in training bumped num_batches_tracked: it updated its statistics
+                changed.update((id(b), b) for b in self._running_stats)
+            self._changed = list(changed.values())
+
+    @contextlib.contextmanager
+    def recompute(self):
+        with torch.no_grad():
+            saved = [(b, b.clone()) for b in self._changed]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, value in saved:
+                    buffer.copy_(value)
+
+
+class _Contexts:
+    """Several context managers entered in order and left in reverse, re-enterable (torch enters
+    the recompute context once per recompute)."""
+
+    def __init__(self, *factories: Callable[[], Any]):
+        self._factories = factories
+        self._stacks: list[contextlib.ExitStack] = []
+
+    def __enter__(self):
+        stack = contextlib.ExitStack()
+        for make in self._factories:
+            stack.enter_context(make())
+        self._stacks.append(stack)
+        return self
+
+    def __exit__(self, *exc):
+        return self._stacks.pop().__exit__(*exc)
+
+
+def _context_fn(policy: str, respect_hooks, cache_hooks, guard_hooks, guarded: bool, buffers, user_context_fn):
+    """The ``context_fn`` memopt hands ``torch.utils.checkpoint``: PyTorch's selective contexts
+    (``"selective"``; ``respect_hooks`` is its ``respect_saved_tensors_hooks`` where torch has it,
+    else ``cache_hooks`` pack its cache), the exactness guards of note [what a recompute may rely
+    on] (``guarded``: eager only; ``guard_hooks`` pack their snapshots), and the caller's own
+    ``context_fn`` innermost."""
+    forward, recompute = [], []
+    if buffers:
+        # Outermost: its copies happen outside selective checkpointing's dispatch modes.
+        forward.append(buffers.forward)
+        recompute.append(buffers.recompute)
+    if policy == "selective":
+        # The guards decide about written cache entries (the note above), so the cache allows them.
+        sac_forward, sac_recompute = create_selective_checkpoint_contexts(
+            selective_checkpoint_policy, allow_cache_entry_mutation=guarded
+        )
+        if respect_hooks is not None:
+            # What torch.utils.checkpoint sets on a caching mode it is handed directly.
+            sac_forward.respect_saved_tensors_hooks = respect_hooks
+        if not guarded and not buffers and user_context_fn is None:
+            return sac_forward, sac_recompute  # under torch.compile: PyTorch's own modes, as they are
+        if cache_hooks is not None:
+            sac_forward = _PackCachedWithHooks(sac_forward, cache_hooks)
+        forward.append(lambda: sac_forward)
+        recompute.append(lambda: sac_recompute)
+        if guarded:
+            state = _SelectiveGuardState(guard_hooks)
+            forward.append(lambda: _CachedOutputGuard(state))
+            recompute.append(lambda: _CachedOutputRestore(state))
+    if user_context_fn is not None:
+        user_forward, user_recompute = user_context_fn()
+        forward.append(lambda: user_forward)
+        recompute.append(lambda: user_recompute)
+    return _Contexts(*forward), _Contexts(*recompute)
 
 
 def checkpoint(
@@ -113,6 +372,7 @@ def checkpoint(
     determinism_check: str = "default",
     debug: bool = False,
     context_fn: Callable | None = None,
+    respect_saved_tensors_hooks: bool = True,
     **kwargs,
 ):
     """Run ``fn(*args, **kwargs)``, saving for backward only what ``policy`` says.
@@ -140,16 +400,27 @@ def checkpoint(
         use_reentrant: accepted for drop-in compatibility; only False (or None) is supported.
         determinism_check: as in ``torch.utils.checkpoint`` (``"default"`` or ``"none"``).
         debug: as in ``torch.utils.checkpoint`` (a trace of the recompute when the determinism
-            check fails); with ``policy="full"`` only.
-        context_fn: as in ``torch.utils.checkpoint``; only with ``policy="full"`` (``"selective"``
-            is memopt's own context, ``"none"`` has no recompute).
+            check fails); with ``policy="full"`` only, on a function whose modules have no buffers
+            (torch's debug mode takes no ``context_fn``, and memopt's buffer guard is one).
+            ``torch.utils.checkpoint.set_checkpoint_debug_enabled(True)`` likewise applies to
+            those calls only; memopt's other checkpoints run without it.
+        context_fn: as in ``torch.utils.checkpoint``: ``() -> (forward_context, recompute_context)``,
+            entered inside memopt's own contexts (with ``"selective"``, inside PyTorch's selective
+            checkpointing, so a ``TorchDispatchMode`` there sees the ops it recomputes).
+        respect_saved_tensors_hooks: with ``"selective"``, whether the tensors its cache keeps go
+            through the ``saved_tensors_hooks`` active around the call (``memopt.offload``,
+            ``memopt.SavedTensorCounter``), as PyTorch's argument of that name. memopt's default is
+            True (PyTorch's is still False).
 
     Returns:
         whatever ``fn`` returns.
 
-    With ``"selective"`` each forward supports one backward: a second backward through the
-    same graph (``retain_graph=True``, ``gradcheck``) raises ``RuntimeError``, as PyTorch's
-    selective checkpointing does; ``"full"`` and ``"none"`` allow it.
+    Exactness (note [what a recompute may rely on] in this file): an in-place update of a saved
+    matmul output inside ``fn`` is replayed from a copy taken just before it, and buffers that
+    ``fn``'s modules update in training (BatchNorm's running statistics) are updated once per
+    step, not again by the recompute. With ``"selective"`` each forward supports one backward: a
+    second backward through the same graph (``retain_graph=True``, ``gradcheck``) raises
+    ``RuntimeError``, as PyTorch's selective checkpointing does; ``"full"`` and ``"none"`` allow it.
     """
     if not callable(fn):
         raise TypeError(f"memopt.checkpoint: fn must be callable, got {type(fn).__name__}")
@@ -159,16 +430,16 @@ def checkpoint(
         raise ValueError(
             "memopt.checkpoint: use_reentrant must be False or None; memopt uses non-reentrant checkpointing"
         )
-    if context_fn is not None and policy != "full":
-        raise ValueError(
-            f"memopt.checkpoint: context_fn needs policy='full' (policy={policy!r} "
-            + ("is memopt's own selective context)" if policy == "selective" else "recomputes nothing)")
+    if context_fn is not None and not callable(context_fn):
+        raise TypeError(f"memopt.checkpoint: context_fn must be callable or None, got {type(context_fn).__name__}")
+    if context_fn is not None and policy == "none":
+        raise ValueError("memopt.checkpoint: context_fn has nothing to wrap: policy='none' recomputes nothing")
+    if not isinstance(respect_saved_tensors_hooks, bool):
+        raise TypeError(
+            f"memopt.checkpoint: respect_saved_tensors_hooks must be a bool, got {respect_saved_tensors_hooks!r}"
         )
-    if debug and (policy == "selective" or context_fn is not None):
-        raise ValueError(
-            "memopt.checkpoint: debug=True needs policy='full' without context_fn (torch's debug mode "
-            "does not take a context_fn, and 'selective' is one)"
-        )
+    if not isinstance(debug, bool):
+        raise TypeError(f"memopt.checkpoint: debug must be a bool, got {debug!r}")
     if offload:
         # Inputs that need no gradient (attention masks, rotary tables) are held by the caller,
         # usually for every layer: moving them would free nothing.
@@ -182,26 +453,54 @@ def checkpoint(
                 determinism_check=determinism_check,
                 debug=debug,
                 context_fn=context_fn,
+                respect_saved_tensors_hooks=respect_saved_tensors_hooks,
                 **kwargs,
             )
     if policy == "none":
         return fn(*args, **kwargs)
+    compiling = torch.compiler.is_compiling()
+    # Under torch.compile the contexts must be PyTorch's own dispatch modes (its partitioner
+    # decides what is saved, and functionalization replays in-place updates): no guards there.
+    guarded = not compiling
+    # None under compile: the context_fn's arguments must be constants dynamo can guard on.
+    buffers = _BufferGuard(_checkpointed_modules(fn)) if guarded else None
+    buffers = buffers if buffers else None
+    global_debug = torch.utils.checkpoint._checkpoint_debug_enabled
+    wants_debug = debug or (global_debug is True and policy == "full")
+    if wants_debug and (policy == "selective" or context_fn is not None or buffers):
+        raise ValueError(
+            "memopt.checkpoint: debug=True needs policy='full', no context_fn, and a function whose modules "
+            "have no buffers (torch's debug mode takes no context_fn; 'selective' and memopt's buffer guard "
+            "are one each)"
+        )
     options: dict[str, Any] = {
         "use_reentrant": False,
         "preserve_rng_state": preserve_rng_state,
         "determinism_check": determinism_check,
-        "debug": debug,
+        "debug": wants_debug,
     }
-    if context_fn is not None:
-        options["context_fn"] = context_fn
-    if policy == "selective":
-        compiling = torch.compiler.is_compiling()
-        if _CHECKPOINT_RESPECTS_HOOKS:
-            options["respect_saved_tensors_hooks"] = True
-            outer_hooks = None
-        else:
-            # Under torch.compile the context must be PyTorch's own dispatch modes, and hooks
-            # play no part in tracing.
-            outer_hooks = None if compiling else torch._C._autograd._top_saved_tensors_default_hooks(False)
-        options["context_fn"] = functools.partial(_selective_context_fn, outer_hooks)
-    return torch.utils.checkpoint.checkpoint(fn, *args, **options, **kwargs)
+    if policy == "selective" or buffers or context_fn is not None:
+        outer_hooks = None if compiling else torch._C._autograd._top_saved_tensors_default_hooks(False)
+        respect_hooks = respect_saved_tensors_hooks if _CHECKPOINT_RESPECTS_HOOKS else None
+        if respect_hooks is not None:
+            options["respect_saved_tensors_hooks"] = respect_hooks
+        cache_hooks = outer_hooks if respect_saved_tensors_hooks and not _CHECKPOINT_RESPECTS_HOOKS else None
+        guard_hooks = outer_hooks if respect_saved_tensors_hooks else None
+        if compiling and context_fn is not None and policy == "selective":
+            raise ValueError(
+                "memopt.checkpoint: under torch.compile, policy='selective' cannot take a context_fn "
+                "(torch.compile needs the selective checkpoint's own dispatch modes)"
+            )
+        options["context_fn"] = functools.partial(
+            _context_fn, policy, respect_hooks, cache_hooks, guard_hooks, guarded and policy == "selective",
+            buffers, context_fn,
+        )  # fmt: skip
+    # torch's global debug switch cannot trace a checkpoint with a context_fn (it raises): memopt's
+    # calls that need one run without it (documented above).
+    no_global_debug = (
+        torch.utils.checkpoint.set_checkpoint_debug_enabled(None)
+        if "context_fn" in options and global_debug
+        else contextlib.nullcontext()
+    )
+    with no_global_debug:
+        return torch.utils.checkpoint.checkpoint(fn, *args, **options, **kwargs)

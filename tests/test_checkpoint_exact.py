@@ -1,0 +1,180 @@
+"""memopt.checkpoint is exact where PyTorch's checkpointing is silently wrong or refuses.
+
+Note [what a recompute may rely on] in memopt/checkpoint.py: in-place updates of saved matmul
+outputs (also through ``torch.matmul``'s ``_unsafe_view``, whose version counter is its own), and
+module buffers that a recompute would update a second time (BatchNorm).
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import memopt
+
+POLICIES = ["selective", "full"]
+
+
+def _grads(fn, inputs, policy):
+    if policy == "plain":
+        out = fn(*inputs)
+    else:
+        out = memopt.checkpoint(fn, *inputs, policy=policy)
+    return torch.autograd.grad(out.sum(), inputs)
+
+
+def _assert_exact(fn, shapes, policies=POLICIES):
+    torch.manual_seed(0)
+    inputs = [torch.randn(*s, dtype=torch.float64, requires_grad=True) for s in shapes]
+    expected = _grads(fn, inputs, "plain")
+    for policy in policies:
+        for got, want in zip(_grads(fn, inputs, policy), expected):
+            torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=lambda m: f"{policy}: {m}")
+
+
+def test_matmul_output_updated_in_place_through_unsafe_view():
+    """The issue's minimal case: 3-D torch.matmul returns _unsafe_view(bmm(...)); before, the
+    gradients under "selective" were off by about 10."""
+
+    def fn(a, b, c):
+        y = torch.matmul(a, b)
+        y += torch.matmul(a, c)
+        return y.sin()
+
+    _assert_exact(fn, [(2, 3, 4), (2, 4, 5), (2, 4, 5)])
+
+
+def test_attention_scores_divided_in_place():
+    """Falcon's eager attention: scores /= sqrt(d) right after the matmul."""
+
+    def fn(q, k, v):
+        scores = torch.matmul(q, k.transpose(-1, -2))
+        scores /= q.shape[-1] ** 0.5
+        return torch.matmul(scores.softmax(-1), v)
+
+    _assert_exact(fn, [(2, 2, 5, 4), (2, 2, 5, 4), (2, 2, 5, 4)])
+
+
+@pytest.mark.parametrize("rank", [2, 3])
+def test_linear_followed_by_inplace_relu(rank):
+    """Swin-v2's position-bias MLP: Linear then ReLU(inplace=True). Before: "Tensor cached during
+    selective activation checkpoint has been mutated"."""
+    lead = (3,) if rank == 2 else (2, 3)
+
+    def fn(x, w, b):
+        y = F.linear(x, w, b)
+        F.relu(y, inplace=True)
+        y = y * 3
+        y.add_(1)
+        return (y * 2).cos()
+
+    _assert_exact(fn, [(*lead, 4), (6, 4), (6,)])
+
+
+def test_cached_output_changed_after_the_forward_raises():
+    x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+
+    def fn(x, w):
+        y = torch.matmul(x.unsqueeze(0), w.unsqueeze(0))  # _unsafe_view of a cached bmm
+        return y, y.sin()
+
+    y, z = memopt.checkpoint(fn, x, w, policy="selective")
+    with torch.no_grad():
+        y.mul_(2)  # after the forward: the recompute can no longer start from the saved value
+    with pytest.raises(RuntimeError, match="changed in place after the checkpointed forward"):
+        z.sum().backward()
+
+
+class _ConvBN(nn.Module):
+    def __init__(self, channels_in: int):
+        super().__init__()
+        self.conv = nn.Conv2d(channels_in, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x):
+        return self.drop(F.relu(self.bn(self.conv(x))))
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("how", ["module", "wrap"])
+def test_batchnorm_statistics_updated_once_per_step(policy, how):
+    """Before: the recompute ran BatchNorm again, num_batches_tracked doubled and the running
+    statistics drifted (ResNet, RegNet, MobileNetV2 under wrap)."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(_ConvBN(3), _ConvBN(4)).double()
+    wrapped = copy.deepcopy(plain)
+    if how == "wrap":
+        memopt.wrap(wrapped, layers=_ConvBN, policy=policy)
+    x = torch.randn(2, 3, 6, 6, dtype=torch.float64)
+    for step in range(2):
+        torch.manual_seed(step)
+        plain(x).square().sum().backward()
+        torch.manual_seed(step)
+        if how == "wrap":
+            out = wrapped(x)
+        else:
+            out = x
+            for layer in wrapped:
+                out = memopt.checkpoint(layer, out, policy=policy)
+        out.square().sum().backward()
+    for (name, a), b in zip(plain.named_buffers(), wrapped.buffers()):
+        torch.testing.assert_close(b, a, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
+    for (name, a), b in zip(plain.named_parameters(), wrapped.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
+    plain.eval(), wrapped.eval()
+    torch.testing.assert_close(wrapped(x), plain(x), rtol=1e-12, atol=1e-12)
+
+
+def test_respect_saved_tensors_hooks_is_accepted():
+    """Before: "got multiple values for keyword argument 'respect_saved_tensors_hooks'"."""
+    x = torch.randn(4, 5, requires_grad=True)
+    w = torch.randn(5, 3, requires_grad=True)
+    for respect in (True, False):
+        packed = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append(t) or t, lambda t: t):
+            out = memopt.checkpoint(lambda x, w: (x @ w).sin(), x, w, policy="selective", respect_saved_tensors_hooks=respect)
+        (gx,) = torch.autograd.grad(out.sum(), x)
+        torch.testing.assert_close(gx, ((x @ w).cos() @ w.t()).detach())
+        assert any(t.shape == (4, 3) for t in packed) == respect
+    with pytest.raises(TypeError, match="respect_saved_tensors_hooks"):
+        memopt.checkpoint(torch.sin, x, respect_saved_tensors_hooks="yes")
+
+
+def test_caller_context_fn_composes_with_selective():
+    """Before: context_fn was refused under "selective". The caller's contexts run inside memopt's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = {"forward": [], "recompute": []}
+
+    class Record(TorchDispatchMode):
+        def __init__(self, where):
+            super().__init__()
+            self.where = where
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen[self.where].append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(4, 5, requires_grad=True)
+    w = torch.randn(5, 3, requires_grad=True)
+    out = memopt.checkpoint(
+        lambda x, w: (x @ w).sin(), x, w, policy="selective", context_fn=lambda: (Record("forward"), Record("recompute"))
+    )
+    (gx,) = torch.autograd.grad(out.sum(), x)
+    torch.testing.assert_close(gx, ((x @ w).cos() @ w.t()).detach())
+    assert "mm.default" in seen["forward"] and "sin.default" in seen["forward"]
+    assert "mm.default" in seen["recompute"]  # the recompute stops once sin's input is rebuilt
+
+
+def test_global_checkpoint_debug_does_not_break_selective():
+    """Before: torch.utils.checkpoint.set_checkpoint_debug_enabled(True) made every selective call raise."""
+    x = torch.randn(4, 5, requires_grad=True)
+    w = torch.randn(5, 3, requires_grad=True)
+    with torch.utils.checkpoint.set_checkpoint_debug_enabled(True):
+        out = memopt.checkpoint(lambda x, w: (x @ w).sin(), x, w, policy="selective")
+        (gx,) = torch.autograd.grad(out.sum(), x)
+    torch.testing.assert_close(gx, ((x @ w).cos() @ w.t()).detach())

@@ -33,10 +33,12 @@ Backends (``backend=`` of :func:`attention` and of both ops):
 
 ``"auto"`` (the default) picks, by :func:`resolve_backend`:
   * CPU: ``"aten_flash"`` when ``dropout_p == 0``, else ``"native"`` (``cpu_backend`` can force
-    ``"native"`` or ``"triton"``). Measured with ``python -m bench.attention --preset cpu`` (this
-    2-core machine, float32, b2 h8 d64, ms forward+backward, seq 256 / 512):
-    aten_flash 4.3 / 15.9 against native 8.6 / 31.1 without dropout; with dropout 0.1 native
-    9.6 / 36.6 against SDPA's own (math path) 12.4 / 49.4.
+    ``"native"`` or ``"triton"``). Measured forward+backward on this shared 2-core machine (float32,
+    q/k/v views of one fused projection, b2 h8 d64 causal, seq 256 / 512, one thread, min of 7
+    under heavy load from other jobs, so ratios only): without dropout aten_flash 56 / 169 ms,
+    native 94 / 187, SDPA 50 / 198; with dropout 0.1 native 106 / 316 against SDPA's math path
+    96 / 388 (the native path before this layout: 131 / 496 and 162 / 793).
+    ``python -m bench.attention --preset cpu`` times every backend side by side.
   * CUDA: with dropout, grouped-query heads or a non-square causal mask, ``"triton"``; otherwise
     the first of ``"cudnn"`` (compute capability 9.0 and above only), ``"aten_flash"``,
     ``"efficient"`` that ``torch.backends.cuda.can_use_*`` accepts, else ``"triton"``. The H200 run

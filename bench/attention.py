@@ -1,13 +1,17 @@
-"""Attention kernel benchmark: memopt.attention against F.scaled_dot_product_attention and eager.
+"""Attention kernel benchmark: every memopt backend against F.scaled_dot_product_attention and eager.
 
-Times the forward and forward+backward of three providers (``memopt``, ``sdpa``: the flash backend
-on GPU, ``eager``: matmul + softmax + matmul), reports achieved TFLOP/s (forward counts
+Times the forward and forward+backward of each provider: ``memopt:<backend>`` for ``"auto"`` and
+every backend of ``memopt.ops.attention`` that runs the case on this device (``"triton"`` only on
+CUDA: the interpreter would time Triton's Python emulation), ``sdpa`` (PyTorch's own choice) and on
+CUDA ``sdpa:flash``, ``sdpa:cudnn``, ``sdpa:efficient`` (one SDPA backend forced), and ``eager``
+(matmul + softmax + dropout + matmul). Reports achieved TFLOP/s (forward counts
 ``4 * B * H * Sq * Sk * D`` flops, backward 2.5 times that, both halved when causal), bytes saved
 for backward, and on GPU the peak memory of one forward+backward. Rows (name, provider, mode,
 metric, unit, x = sequence length, median, p20, p80, device, torch, triton, commit, date) go to
-JSON under ``bench/results/``; a markdown table is printed.
+JSON under ``bench/results/``; a markdown table is printed, each time also as a multiple of
+``sdpa``'s. q, k, v are views of one fused projection, as a transformer block passes them.
 
-    python -m bench.attention --preset cpu     # seconds, plain PyTorch path on the CPU
+    python -m bench.attention --preset cpu     # the block's head shape on the CPU, dropout 0 and 0.1
     python -m bench.attention --preset h200    # bfloat16, seq 1k..16k, head_dim 64 and 128
 """
 
@@ -27,8 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import memopt
-
-PROVIDERS = ("memopt", "sdpa", "eager")
+from memopt.ops import attention as attention_ops
 
 
 @dataclass(frozen=True)
@@ -38,25 +41,28 @@ class Case:
     head_dim: int
     causal: bool
     seqs: tuple[int, ...]
+    dropout: float = 0.0
 
     @property
     def name(self) -> str:
-        return f"attention b{self.batch} h{self.heads} d{self.head_dim} {'causal' if self.causal else 'full'}"
+        mask = "causal" if self.causal else "full"
+        return f"attention b{self.batch} h{self.heads} d{self.head_dim} {mask} p{self.dropout:g}"
 
 
 PRESETS = {
-    # Tiny shapes on the CPU: the native path, float32, wall-clock timing.
+    # The head shape of the CPU block benchmark (d_model 512, 8 heads, batch 2), float32.
     "cpu": {
         "device": "cpu",
         "dtype": torch.float32,
-        "cases": [Case(1, 2, 64, causal, (64, 128)) for causal in (False, True)],
+        "cases": [Case(2, 8, 64, True, (256, 512), dropout) for dropout in (0.0, 0.1)],
     },
     # 16k tokens-per-head sweep; heads x head_dim = 2048 (a 2k-wide model).
     "h200": {
         "device": "cuda",
         "dtype": torch.bfloat16,
         "cases": [
-            Case(1, 2048 // d, d, causal, (1024, 2048, 4096, 8192, 16384)) for d in (64, 128) for causal in (False, True)
+            Case(1, 2048 // d, d, causal, (1024, 2048, 4096, 8192, 16384), dropout)
+            for d in (64, 128) for causal in (False, True) for dropout in (0.0, 0.1)
         ],
     },
 }
@@ -69,29 +75,52 @@ def attention_flops(case: Case, seq: int, mode: str) -> float:
     return forward * (3.5 if mode == "fwd_bwd" else 1.0)
 
 
-def eager_attention(q, k, v, causal: bool):
+def eager_attention(q, k, v, causal: bool, dropout: float = 0.0):
     scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
     if causal:
         seq_q, seq_k = q.shape[-2], k.shape[-2]
         visible = torch.ones(seq_q, seq_k, dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), v)
+    probs = torch.softmax(scores, dim=-1)
+    if dropout > 0.0:
+        probs = F.dropout(probs, dropout)
+    return torch.matmul(probs, v)
 
 
-def _provider_fn(provider: str, causal: bool, device: str):
-    if provider == "memopt":
-        return lambda q, k, v: memopt.attention(q, k, v, causal=causal)
-    if provider == "eager":
-        return lambda q, k, v: eager_attention(q, k, v, causal)
+_SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "efficient": "EFFICIENT_ATTENTION"}
+
+
+def providers(case: Case, device: str, q, k, v) -> dict:
+    """``{provider name: attention function (q, k, v) -> out}`` of those that run ``case`` here."""
+    found = {}
+    memopt_backends = ["auto", *(attention_ops.CUDA_BACKENDS if device == "cuda" else ("native", "aten_flash"))]
+    for backend in memopt_backends:
+        try:
+            attention_ops.resolve_backend(backend, q, k, v, case.causal, case.dropout)
+        except (ValueError, RuntimeError):
+            continue
+        found[f"memopt:{backend}"] = (
+            lambda q, k, v, b=backend: memopt.attention(q, k, v, causal=case.causal, dropout_p=case.dropout, backend=b)
+        )
+    found["sdpa"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=case.dropout, is_causal=case.causal)
     if device == "cuda":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        def flash(q, k, v):
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        for name, member in _SDPA_BACKENDS.items():
+            if not hasattr(SDPBackend, member):
+                continue
 
-        return flash
-    return lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            def forced(q, k, v, backend=getattr(SDPBackend, member)):
+                with sdpa_kernel(backend):
+                    return F.scaled_dot_product_attention(q, k, v, dropout_p=case.dropout, is_causal=case.causal)
+
+            try:
+                forced(q, k, v)
+            except RuntimeError:  # the forced backend does not take these inputs
+                continue
+            found[f"sdpa:{name}"] = forced
+    found["eager"] = lambda q, k, v: eager_attention(q, k, v, case.causal, case.dropout)
+    return found
 
 
 def _quantiles(samples: list[float]) -> tuple[float, float, float]:
@@ -155,11 +184,11 @@ def run(preset: str) -> list[dict]:
 
     for case in config["cases"]:
         for seq in case.seqs:
-            shape = (case.batch, case.heads, seq, case.head_dim)
-            q, k, v = (torch.randn(shape, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
-            grad = torch.randn(shape, device=device, dtype=dtype)
-            for provider in PROVIDERS:
-                attn = _provider_fn(provider, case.causal, device)
+            # q, k, v are views of one (B, S, 3, H, D) projection, as in a transformer block.
+            qkv = torch.randn(case.batch, seq, 3, case.heads, case.head_dim, device=device, dtype=dtype, requires_grad=True)
+            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+            grad = torch.randn(case.batch, case.heads, seq, case.head_dim, device=device, dtype=dtype)
+            for provider, attn in providers(case, device, q, k, v).items():
                 try:
                     for mode in ("fwd", "fwd_bwd"):
                         if mode == "fwd":
@@ -169,13 +198,13 @@ def run(preset: str) -> list[dict]:
                         else:
                             def step():
                                 attn(q, k, v).backward(grad)
-                        median, p20, p80 = _time_ms(step, device, [q, k, v])
+                        median, p20, p80 = _time_ms(step, device, [qkv])
                         add(case, provider, mode, "time", "ms", seq, median, p20, p80)
                         flops = attention_flops(case, seq, mode)
                         # The slower quantile gives the lower throughput.
                         add(case, provider, mode, "throughput", "TFLOP/s", seq,
                             flops / median / 1e9, flops / p80 / 1e9, flops / p20 / 1e9)
-                    with memopt.SavedTensorCounter(exclude=(q, k, v)) as counter:
+                    with memopt.SavedTensorCounter(exclude=(qkv,)) as counter:
                         out = attn(q, k, v)
                     del out
                     add(case, provider, "fwd_bwd", "saved_bytes", "bytes", seq, *(counter.total_bytes,) * 3)
@@ -190,32 +219,35 @@ def run(preset: str) -> list[dict]:
                 except torch.OutOfMemoryError:
                     add(case, provider, "fwd_bwd", "oom", "bool", seq, 1, 1, 1)
                 finally:
-                    q.grad = k.grad = v.grad = None
+                    qkv.grad = None
                     if device == "cuda":
                         torch.cuda.empty_cache()
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    """One line per (case, seq, mode): each provider's median time and throughput, saved bytes."""
+    """One line per (case, seq, mode, provider): median time, throughput, time / sdpa's, saved bytes."""
     cell = {(r["name"], r["x"], r["mode"], r["provider"], r["metric"]): r["median"] for r in rows}
-    keys = sorted({(r["name"], r["x"], r["mode"]) for r in rows if r["metric"] == "time"})
+    keys = []
+    for r in rows:
+        key = (r["name"], r["x"], r["mode"], r["provider"])
+        if r["metric"] in ("time", "oom") and key not in keys:
+            keys.append(key)
     lines = [
-        "| case | seq | mode | " + " | ".join(f"{p} ms (TFLOP/s)" for p in PROVIDERS) + " | "
-        + " | ".join(f"{p} saved MiB" for p in PROVIDERS) + " |",
-        "|---|---:|---|" + "---:|" * (2 * len(PROVIDERS)),
+        "| case | seq | mode | provider | ms | TFLOP/s | x sdpa | saved MiB |",
+        "|---|---:|---|---|---:|---:|---:|---:|",
     ]
-    for name, seq, mode in keys:
-        timing = []
-        for p in PROVIDERS:
-            t = cell.get((name, seq, mode, p, "time"))
-            tf = cell.get((name, seq, mode, p, "throughput"))
-            timing.append("OOM" if t is None else f"{t:.3f} ({tf:.1f})")
-        saved = []
-        for p in PROVIDERS:
-            b = cell.get((name, seq, "fwd_bwd", p, "saved_bytes"))
-            saved.append("" if b is None or mode == "fwd" else f"{b / 2**20:.2f}")
-        lines.append(f"| {name} | {seq} | {mode} | " + " | ".join(timing) + " | " + " | ".join(saved) + " |")
+    for name, seq, mode, provider in keys:
+        t = cell.get((name, seq, mode, provider, "time"))
+        if t is None:
+            lines.append(f"| {name} | {seq} | {mode} | {provider} | OOM | | | |")
+            continue
+        tf = cell[(name, seq, mode, provider, "throughput")]
+        base = cell.get((name, seq, mode, "sdpa", "time"))
+        ratio = f"{t / base:.2f}" if base else ""
+        saved = cell.get((name, seq, "fwd_bwd", provider, "saved_bytes"))
+        saved_text = "" if saved is None or mode == "fwd" else f"{saved / 2**20:.2f}"
+        lines.append(f"| {name} | {seq} | {mode} | {provider} | {t:.3f} | {tf:.2f} | {ratio} | {saved_text} |")
     return "\n".join(lines)
 
 

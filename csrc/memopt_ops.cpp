@@ -42,6 +42,11 @@ TORCH_LIBRARY(memopt, m) {
   // keep[...] = the dropout keep bit (philox.h) of element index[...] under rng_key, for any int64
   // index tensor (>= 0): the mask of a slice of a larger tensor without building the whole mask.
   m.def("philox_keep_mask(Tensor index, float p, Tensor rng_key) -> Tensor keep");
+  // scale[i_0, .., i_n] = 1 / (1 - p) if element index_offset + sum_d i_d * index_strides[d] is kept
+  // under rng_key, else 0 (CPU, float32/float64): the dropout factor of a strided window of a larger
+  // tensor, e.g. one key chunk of the attention probabilities, without an index tensor.
+  m.def("philox_dropout_scale(int[] size, int[] index_strides, int index_offset, float p, Tensor rng_key,"
+        " ScalarType dtype) -> Tensor scale");
 }
 
 namespace {

@@ -722,7 +722,7 @@ def saved_bytes_per_token(
     """Bytes one :class:`FusedCheckpointBlock` saves for backward per token, input excluded.
 
     For a block whose parameters and input are ``dtype`` (no autocast). Norm statistics are
-    float32 (float64 for float64), the attention log-sum-exp float32. The RNG key (16 bytes per block
+    float32 (float64 for float64), the attention log-sum-exp too. The RNG key (16 bytes per block
     call when dropout is active) is not per token: see :func:`saved_bytes_per_layer`.
     """
     check_policy(policy, "saved_bytes_per_token")
@@ -741,7 +741,7 @@ def saved_bytes_per_token(
     total = 0
     for name in saved_names(policy, norm_first, norm):
         if name == "lse":
-            total += n_heads * 4  # float32 for every input dtype
+            total += n_heads * stat  # the attention log-sum-exp, in the statistics' dtype
         elif name.startswith("norm"):
             total += stat
         else:

@@ -12,22 +12,32 @@ import memopt
 from memopt.ops import attention as attention_ops
 from memopt.ops._philox import dropout_keep_mask
 from memopt.ops._rng import rng_key
-from memopt.ops.attention import SUPPORTED_HEAD_DIMS, AttentionFunction, attention_ref, attention_triton, cpu_backend
+from memopt.ops.attention import (
+    SUPPORTED_HEAD_DIMS,
+    AttentionFunction,
+    attention_ref,
+    attention_triton,
+    cpu_backend,
+    resolve_backend,
+)
 
 from helpers import gpu, needs_triton_interpreter as needs_interpreter
 
 needs_triton = pytest.mark.skipif(attention_triton is None, reason="triton is not installed (CPU-only torch wheels lack it)")
-BACKENDS = [
+# The CPU backends that replay memopt's dropout mask, and those that run without dropout only.
+DROPOUT_BACKENDS = [
     pytest.param("triton", marks=needs_interpreter),
     pytest.param("native"),
 ]
+BACKENDS = [*DROPOUT_BACKENDS, pytest.param("aten_flash")]
+FLOAT64_BACKENDS = ["native", "aten_flash"]
 
 # (atol, rtol) of attention outputs and gradients against the float64 reference. float32: the
-# kernels accumulate over seq_k and head_dim in float32, a few ulps per step. float64 (native
-# path): the saved log-sum-exp is float32 by contract, so recomputed probabilities carry its
-# rounding (about 1e-7 relative) into the gradients.
+# kernels accumulate over seq_k and head_dim in float32, a few ulps per step. float64: the saved
+# log-sum-exp is float64 too, so gradients are float64-accurate (a float32 lse, as memopt kept
+# before, is off by about 1e-7 and fails this).
 ATTENTION_TOLERANCES = {
-    torch.float64: (2e-6, 2e-6),
+    torch.float64: (1e-12, 1e-12),
     torch.float32: (3e-5, 3e-5),
 }
 
@@ -56,12 +66,12 @@ def _inputs(shape, dtype=torch.float32, device="cpu"):
     return q, k, v
 
 
-def _run_and_reference(q, k, v, causal, dropout_p, key):
-    out = memopt.attention(q, k, v, causal=causal, dropout_p=dropout_p, rng_key=key)
+def _run_and_reference(q, k, v, causal, dropout_p, key, backend="auto", scale=None):
+    out = memopt.attention(q, k, v, causal=causal, dropout_p=dropout_p, rng_key=key, backend=backend, scale=scale)
     grad = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), grad)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = attention_ref(q64, k64, v64, causal, dropout_p, None, key)
+    ref = attention_ref(q64, k64, v64, causal, dropout_p, scale, key)
     ref_grads = torch.autograd.grad(ref, (q64, k64, v64), grad.double())
     return (out, *grads), (ref, *ref_grads)
 
@@ -77,19 +87,20 @@ def _assert_close(actual, expected, dtype):
 @pytest.mark.parametrize("shape", SHAPES, ids=_shape_id)
 def test_forward_and_gradients_match_reference(backend, causal, shape):
     q, k, v = _inputs(shape)
-    with cpu_backend(backend):
-        actual, expected = _run_and_reference(q, k, v, causal, 0.0, None)
+    actual, expected = _run_and_reference(q, k, v, causal, 0.0, None, backend=backend)
     _assert_close(actual, expected, torch.float32)
+    # The gradients keep the output layout: (B, H, S, D) views of (B, S, H, D) buffers.
+    for grad in actual:
+        assert grad.transpose(1, 2).is_contiguous()
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", DROPOUT_BACKENDS)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("shape", [(1, 2, 2, 19, 19, 32), (1, 4, 2, 40, 24, 64)], ids=_shape_id)
+@pytest.mark.parametrize("shape", [(1, 2, 2, 19, 19, 32), (1, 4, 2, 40, 24, 64), (2, 4, 1, 150, 270, 16)], ids=_shape_id)
 def test_dropout_matches_reference_with_regenerated_mask(backend, causal, shape):
     q, k, v = _inputs(shape)
     key = rng_key(2024, 12)
-    with cpu_backend(backend):
-        actual, expected = _run_and_reference(q, k, v, causal, 0.25, key)
+    actual, expected = _run_and_reference(q, k, v, causal, 0.25, key, backend=backend)
     _assert_close(actual, expected, torch.float32)
 
 
@@ -119,14 +130,23 @@ def test_triton_masks_diagonal_and_edge_blocks_for_any_tiles(monkeypatch, tiles,
     _assert_close(actual, expected, torch.float32)
 
 
-def test_native_float64_matches_reference_tightly():
-    q, k, v = _inputs((1, 4, 2, 37, 29, 32), dtype=torch.float64)
-    with cpu_backend("native"):
-        actual, expected = _run_and_reference(q, k, v, True, 0.1, rng_key(5))
-    _assert_close(actual, expected, torch.float64)
+@pytest.mark.parametrize("backend", FLOAT64_BACKENDS)
+@pytest.mark.parametrize("scale", [None, 2.0], ids=["scale-default", "scale-2"])
+@pytest.mark.parametrize("shape", [(1, 4, 2, 37, 29, 32), (1, 2, 2, 300, 300, 64)], ids=_shape_id)
+def test_float64_matches_reference_to_float64_precision(backend, scale, shape):
+    # Large scales make the softmax sharp, which is where a low-precision lse shows most.
+    q, k, v = _inputs(shape, dtype=torch.float64)
+    for causal in (False, True):
+        actual, expected = _run_and_reference(q, k, v, causal, 0.0, None, backend=backend, scale=scale)
+        _assert_close(actual, expected, torch.float64)
+    if backend == "native":
+        actual, expected = _run_and_reference(q, k, v, True, 0.1, rng_key(5), backend=backend, scale=scale)
+        _assert_close(actual, expected, torch.float64)
+    lse = torch.ops.memopt.attention_fwd(q, k, v, False, 0.0, 0.125, rng_key(0), backend)[1]
+    assert lse.dtype == torch.float64
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", DROPOUT_BACKENDS)
 @pytest.mark.parametrize("p", [0.1, 0.5])
 @pytest.mark.parametrize("seq_k", [32, 30], ids=["seqk-mult4", "seqk-odd"])
 def test_dropout_mask_is_the_documented_philox_mask(backend, p, seq_k):
@@ -138,8 +158,7 @@ def test_dropout_mask_is_the_documented_philox_mask(backend, p, seq_k):
     k = torch.randn(batch, heads, seq_k, head_dim)
     v = torch.eye(seq_k, head_dim).expand(batch, heads, seq_k, head_dim).contiguous()
     key = rng_key(77, 1000)
-    with cpu_backend(backend):
-        out = memopt.attention(q, k, v, dropout_p=p, rng_key=key)
+    out = memopt.attention(q, k, v, dropout_p=p, rng_key=key, backend=backend)
     assert torch.all(out[..., seq_k:] == 0)
     mask = out[..., :seq_k] * (seq_k * (1 - p))
     expected = dropout_keep_mask((batch, heads, seq_q, seq_k), p, 77, 1000)
@@ -149,7 +168,7 @@ def test_dropout_mask_is_the_documented_philox_mask(backend, p, seq_k):
     assert abs(rate - (1 - p)) < 5 * math.sqrt(p * (1 - p) / n)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", DROPOUT_BACKENDS)
 def test_same_key_is_bit_identical_and_seed_controls_it(backend):
     q, k, v = _inputs((1, 2, 1, 21, 21, 32))
     grad = torch.randn(1, 2, 21, 32)
@@ -192,8 +211,7 @@ def test_strided_views_of_fused_qkv_and_output_layout(backend):
     qkv = torch.randn(batch, seq, 3, heads, head_dim, requires_grad=True)
     q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)  # each (B, H, S, D), strided, no copy
     assert not q.is_contiguous() and q.stride(-1) == 1
-    with cpu_backend(backend):
-        out = memopt.attention(q, k, v, causal=True)
+    out = memopt.attention(q, k, v, causal=True, backend=backend)
     # out is a (B, H, S, D) view of a (B, S, H, D) buffer.
     assert out.transpose(1, 2).is_contiguous()
     grad = torch.randn_like(out)
@@ -204,17 +222,25 @@ def test_strided_views_of_fused_qkv_and_output_layout(backend):
     _assert_close((out, dqkv), (ref, ref_dqkv), torch.float32)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dropout_p", [0.0, 0.1])
-def test_saves_only_qkv_out_lse_and_key(backend, dropout_p):
+@pytest.mark.parametrize(
+    "backend,dropout_p,dtype",
+    [
+        pytest.param("triton", 0.0, torch.float32, marks=needs_interpreter),
+        pytest.param("triton", 0.1, torch.float32, marks=needs_interpreter),
+        ("native", 0.0, torch.float32), ("native", 0.1, torch.float32), ("native", 0.1, torch.float64),
+        ("aten_flash", 0.0, torch.float32), ("aten_flash", 0.0, torch.float64), ("auto", 0.1, torch.float32),
+    ],
+)
+def test_saves_only_qkv_out_lse_and_key(backend, dropout_p, dtype):
     batch, heads, seq, head_dim = 1, 2, 64, 32
-    q, k, v = _inputs((batch, heads, heads, seq, seq, head_dim))
+    q, k, v = _inputs((batch, heads, heads, seq, seq, head_dim), dtype=dtype)
     key = rng_key(1)
-    with cpu_backend(backend), memopt.SavedTensorCounter() as counter:
-        memopt.attention(q, k, v, causal=True, dropout_p=dropout_p, rng_key=key)
-    tensor_bytes = batch * heads * seq * head_dim * 4
-    # q, k, v, out (float32), lse (one float32 per row) and the 16-byte key: O(seq), no Sq x Sk.
-    assert counter.total_bytes == 4 * tensor_bytes + batch * heads * seq * 4 + 16
+    with memopt.SavedTensorCounter() as counter:
+        memopt.attention(q, k, v, causal=True, dropout_p=dropout_p, rng_key=key, backend=backend)
+    elem = dtype.itemsize
+    tensor_bytes = batch * heads * seq * head_dim * elem
+    # q, k, v, out, lse (one per row, float64 for float64) and the 16-byte key: O(seq), no Sq x Sk.
+    assert counter.total_bytes == 4 * tensor_bytes + batch * heads * seq * elem + 16
     qe, ke, ve = (t.detach().requires_grad_() for t in (q, k, v))
     eager = memopt.saved_bytes(
         lambda a, b, c: torch.softmax(a @ b.transpose(-1, -2), -1) @ c, qe, ke, ve
@@ -222,47 +248,67 @@ def test_saves_only_qkv_out_lse_and_key(backend, dropout_p):
     assert eager >= batch * heads * seq * seq * 4
 
 
-def test_gradcheck_native_float64():
+# Tolerances tight enough to see a float32 log-sum-exp (memopt kept one before: every case below
+# failed with it): central differences in float64 with eps 1e-6 are good to about 1e-10 here.
+GRADCHECK_TOLERANCES = {"eps": 1e-6, "atol": 1e-9, "rtol": 1e-8}
+
+
+@pytest.mark.parametrize(
+    "backend,dropout_p", [("native", 0.2), ("native", 0.0), ("aten_flash", 0.0)], ids=lambda x: str(x)
+)
+@pytest.mark.parametrize("scale", [0.3, 2.0])
+def test_gradcheck_float64(backend, dropout_p, scale):
     q, k, v = _inputs((1, 2, 1, 7, 9, 16), dtype=torch.float64)
     key = rng_key(8)
-    with cpu_backend("native"):
-        assert torch.autograd.gradcheck(
-            lambda a, b, c: AttentionFunction.apply(a, b, c, True, 0.2, 0.3, key), (q, k, v)
-        )
+    assert torch.autograd.gradcheck(
+        lambda a, b, c: AttentionFunction.apply(a, b, c, True, dropout_p, scale, key, backend),
+        (q, k, v), **GRADCHECK_TOLERANCES,
+    )  # fmt: skip
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("causal,dropout_p", [(False, 0.0), (True, 0.2)])
-def test_opcheck(backend, causal, dropout_p):
-    q = torch.randn(1, 2, 9, 16)
-    k = torch.randn(1, 1, 11, 16)
-    v = torch.randn(1, 1, 11, 16)
+@pytest.mark.parametrize(
+    "backend,causal,dropout_p",
+    [
+        pytest.param("triton", False, 0.0, marks=needs_interpreter),
+        pytest.param("triton", True, 0.2, marks=needs_interpreter),
+        ("native", False, 0.0), ("native", True, 0.2), ("aten_flash", False, 0.0), ("aten_flash", True, 0.0),
+        ("auto", True, 0.0),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_opcheck(backend, causal, dropout_p, dtype):
+    if backend == "triton" and dtype == torch.float64:
+        pytest.skip("the interpreter path takes float32")
+    q = torch.randn(1, 2, 9, 16, dtype=dtype)
+    k = torch.randn(1, 1, 11, 16, dtype=dtype)
+    v = torch.randn(1, 1, 11, 16, dtype=dtype)
     key = rng_key(3)
-    with cpu_backend(backend):
-        torch.library.opcheck(torch.ops.memopt.attention_fwd.default, (q, k, v, causal, dropout_p, 0.25, key))
-        out, lse = torch.ops.memopt.attention_fwd(q, k, v, causal, dropout_p, 0.25, key)
-        grad_out = torch.randn_like(out)
-        torch.library.opcheck(
-            torch.ops.memopt.attention_bwd.default, (grad_out, q, k, v, out, lse, causal, dropout_p, 0.25, key)
-        )
+    torch.library.opcheck(torch.ops.memopt.attention_fwd.default, (q, k, v, causal, dropout_p, 0.25, key, backend))
+    out, lse = torch.ops.memopt.attention_fwd(q, k, v, causal, dropout_p, 0.25, key, backend)
+    grad_out = torch.randn_like(out)
+    torch.library.opcheck(
+        torch.ops.memopt.attention_bwd.default, (grad_out, q, k, v, out, lse, causal, dropout_p, 0.25, key, backend)
+    )
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_compile_fullgraph(backend, compile_cache):
+@pytest.mark.parametrize(
+    "backend,dropout_p",
+    [pytest.param("triton", 0.1, marks=needs_interpreter), ("native", 0.1), ("aten_flash", 0.0), ("auto", 0.0)],
+)
+def test_compile_fullgraph(backend, dropout_p, compile_cache):
     q, k, v = _inputs((1, 2, 2, 20, 20, 32))
     key = rng_key(11)
 
     def fn(a, b, c):
-        return memopt.attention(a, b, c, causal=True, dropout_p=0.1, rng_key=key)
+        return memopt.attention(a, b, c, causal=True, dropout_p=dropout_p, rng_key=key, backend=backend)
 
-    with cpu_backend(backend):
-        compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
-        out = compiled(q, k, v)
-        torch.testing.assert_close(out, fn(q, k, v))
-        out.sum().backward()
-        dq = q.grad.clone()
-        q.grad = None
-        fn(q, k, v).sum().backward()
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    out = compiled(q, k, v)
+    torch.testing.assert_close(out, fn(q, k, v))
+    out.sum().backward()
+    dq = q.grad.clone()
+    q.grad = None
+    fn(q, k, v).sum().backward()
     torch.testing.assert_close(dq, q.grad)
 
 
@@ -317,6 +363,26 @@ def _t(*shape, dtype=torch.float32):
             "one device",
         ),
         (lambda: memopt.attention(_t(1, 2, 0, 32), _t(1, 2, 8, 32), _t(1, 2, 8, 32)), "sequence lengths"),
+        (lambda: memopt.attention(None, _t(1, 2, 8, 32), _t(1, 2, 8, 32)), "q must be a tensor, got NoneType"),
+        (lambda: memopt.attention(_t(1, 2, 8, 32), [[0.0]], _t(1, 2, 8, 32)), "k must be a tensor, got list"),
+        (lambda: memopt.attention(_t(1, 2, 8, 32), _t(1, 2, 8, 32), None), "v must be a tensor, got NoneType"),
+        (lambda: memopt.attention(*(_t(1, 2, 8, 32) for _ in range(3)), scale="abc"), "scale must be a finite real"),
+        (lambda: memopt.attention(*(_t(1, 2, 8, 32) for _ in range(3)), scale=float("nan")), "scale must be a finite"),
+        (lambda: memopt.attention(*(_t(1, 2, 8, 32) for _ in range(3)), dropout_p="0.1"), "dropout_p must be"),
+        (lambda: memopt.attention(*(_t(1, 2, 8, 32) for _ in range(3)), causal="yes"), "causal must be a bool"),
+        (lambda: memopt.attention(*(_t(1, 2, 8, 32) for _ in range(3)), rng_key=[1, 2]), "rng_key must be"),
+        (lambda: memopt.attention(*(_t(1, 2, 8, 32) for _ in range(3)), backend="flash2"), "backend must be one of"),
+        (lambda: memopt.attention(*(_t(1, 2, 8, 32) for _ in range(3)), backend=None), "backend must be one of"),
+        (lambda: memopt.attention(*(_t(1, 2, 8, 32) for _ in range(3)), backend="cudnn"), "does not run on CPU"),
+        (
+            lambda: memopt.attention(*(_t(1, 2, 8, 32) for _ in range(3)), dropout_p=0.1, backend="aten_flash"),
+            "cannot replay memopt's dropout mask",
+        ),
+        (
+            lambda: torch.ops.memopt.attention_bwd(*(_t(1, 2, 8, 32, dtype=torch.float64) for _ in range(5)),
+                                                   _t(1, 2, 8), False, 0.0, 0.1, rng_key(0), "native"),
+            "lse must be torch.float64",
+        ),
     ],
 )
 def test_bad_input_raises_clear_error(call, match):
@@ -409,3 +475,162 @@ def test_gpu_saved_bytes_are_linear_in_seq():
     with memopt.SavedTensorCounter() as counter:
         memopt.attention(q, k, v, causal=True, dropout_p=0.1, rng_key=rng_key(0))
     assert counter.total_bytes == 4 * batch * heads * seq * head_dim * 2 + batch * heads * seq * 4 + 16
+
+
+# ---------------------------------------------------------------------------------------------
+# Backends: the "auto" rule, and the ATen ops the CUDA branches call.
+# ---------------------------------------------------------------------------------------------
+
+
+def test_auto_rule_on_cpu():
+    q = _t(1, 2, 8, 32)
+    assert resolve_backend("auto", q, q, q, True, 0.0) == "aten_flash"
+    assert resolve_backend("auto", q, q, q, True, 0.1) == "native"
+    with cpu_backend("native"):
+        assert resolve_backend("auto", q, q, q, False, 0.0) == "native"
+    assert resolve_backend("native", q, q, q, False, 0.0) == "native"
+
+
+def test_every_cpu_backend_gives_the_same_result_to_rounding():
+    q, k, v = _inputs((2, 4, 2, 70, 90, 64))
+    grad = torch.randn(2, 4, 70, 64)
+    results = {}
+    for backend in ["native", "aten_flash", "auto"] + (["triton"] if attention_triton is not None and attention_triton.INTERPRETED else []):
+        out = memopt.attention(q, k, v, causal=True, backend=backend)
+        results[backend] = (out, *torch.autograd.grad(out, (q, k, v), grad))
+    for backend, result in results.items():
+        for a, b in zip(result, results["native"]):
+            torch.testing.assert_close(a, b, atol=3e-5, rtol=3e-5, msg=lambda m, n=backend: f"{n}: {m}")
+
+
+class _CudaStandIn:
+    """Shape and device of a CUDA tensor, for the auto rule on a machine without a GPU."""
+
+    def __init__(self, *shape):
+        self.shape = torch.Size(shape)
+        self.device = torch.device("cuda", 0)
+        self.dtype = torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    "q_shape,kv_shape,causal,dropout_p,capability,accepts,expected",
+    [
+        ((1, 8, 512, 64), (1, 8, 512, 64), True, 0.0, (9, 0), {"cudnn", "aten_flash", "efficient"}, "cudnn"),
+        ((1, 8, 512, 64), (1, 8, 512, 64), True, 0.0, (8, 0), {"cudnn", "aten_flash", "efficient"}, "aten_flash"),
+        ((1, 8, 512, 64), (1, 8, 512, 64), False, 0.0, (9, 0), {"aten_flash", "efficient"}, "aten_flash"),
+        ((1, 8, 512, 64), (1, 8, 512, 64), False, 0.0, (9, 0), {"efficient"}, "efficient"),
+        ((1, 8, 512, 64), (1, 8, 512, 64), False, 0.0, (9, 0), set(), "triton"),
+        ((1, 8, 512, 64), (1, 8, 512, 64), True, 0.1, (9, 0), {"cudnn", "aten_flash", "efficient"}, "triton"),
+        ((1, 8, 512, 64), (1, 2, 512, 64), True, 0.0, (9, 0), {"cudnn", "aten_flash", "efficient"}, "triton"),
+        ((1, 8, 100, 64), (1, 8, 512, 64), True, 0.0, (9, 0), {"cudnn", "aten_flash", "efficient"}, "triton"),
+        ((1, 8, 100, 64), (1, 8, 512, 64), False, 0.0, (9, 0), {"cudnn", "aten_flash", "efficient"}, "cudnn"),
+    ],
+)
+def test_auto_rule_on_cuda(monkeypatch, q_shape, kv_shape, causal, dropout_p, capability, accepts, expected):
+    monkeypatch.setattr(attention_ops, "_compute_capability", lambda index: capability)
+    monkeypatch.setattr(attention_ops, "_aten_cuda_accepts", lambda backend, *args: backend in accepts)
+    q, kv = _CudaStandIn(*q_shape), _CudaStandIn(*kv_shape)
+    assert resolve_backend("auto", q, kv, kv, causal, dropout_p) == expected
+
+
+def test_named_cuda_backends_refuse_what_breaks_the_contract(monkeypatch):
+    monkeypatch.setattr(attention_ops, "_aten_cuda_accepts", lambda backend, *args: backend != "efficient")
+    q, short = _CudaStandIn(1, 8, 512, 64), _CudaStandIn(1, 8, 100, 64)
+    with pytest.raises(ValueError, match="cannot replay"):
+        resolve_backend("cudnn", q, q, q, False, 0.1)
+    with pytest.raises(ValueError, match="does not align a causal mask"):
+        resolve_backend("aten_flash", short, q, q, True, 0.0)
+    with pytest.raises(ValueError, match="torch cannot run backend 'efficient'"):
+        resolve_backend("efficient", q, q, q, False, 0.0)
+    with pytest.raises(ValueError, match="does not run on CUDA"):
+        resolve_backend("native", q, q, q, False, 0.0)
+    assert resolve_backend("cudnn", q, q, q, True, 0.0) == "cudnn"
+
+
+# The argument names the CUDA and CPU branches pass by keyword, and the positional order of the
+# backward ops, in this torch's schemas (checked on every torch CI runs, 2.11 to 2.14).
+ATEN_SCHEMAS = {
+    "_scaled_dot_product_flash_attention_for_cpu": ["query", "key", "value", "dropout_p", "is_causal", "attn_mask", "scale"],
+    "_scaled_dot_product_flash_attention_for_cpu_backward": [
+        "grad_out", "query", "key", "value", "out", "logsumexp", "dropout_p", "is_causal", "attn_mask", "scale"],
+    "_scaled_dot_product_flash_attention": [
+        "query", "key", "value", "dropout_p", "is_causal", "return_debug_mask", "scale"],
+    "_scaled_dot_product_flash_attention_backward": [
+        "grad_out", "query", "key", "value", "out", "logsumexp", "cum_seq_q", "cum_seq_k", "max_q", "max_k",
+        "dropout_p", "is_causal", "philox_seed", "philox_offset", "scale"],
+    "_scaled_dot_product_cudnn_attention": [
+        "query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal", "return_debug_mask",
+        "scale"],
+    "_scaled_dot_product_cudnn_attention_backward": [
+        "grad_out", "query", "key", "value", "out", "logsumexp", "philox_seed", "philox_offset", "attn_bias",
+        "cum_seq_q", "cum_seq_k", "max_q", "max_k", "dropout_p", "is_causal", "scale"],
+    "_scaled_dot_product_efficient_attention": [
+        "query", "key", "value", "attn_bias", "compute_log_sumexp", "dropout_p", "is_causal", "scale"],
+    "_scaled_dot_product_efficient_attention_backward": [
+        "grad_out_", "query", "key", "value", "attn_bias", "out", "logsumexp", "philox_seed", "philox_offset",
+        "dropout_p", "grad_input_mask", "is_causal", "scale"],
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("op", sorted(ATEN_SCHEMAS))
+def test_aten_op_schemas_match_the_calls(op):
+    schema = getattr(torch.ops.aten, op).default._schema
+    assert [a.name for a in schema.arguments] == ATEN_SCHEMAS[op], str(schema)
+
+
+@pytest.mark.parametrize("backend", ["aten_flash", "cudnn", "efficient"])
+def test_aten_cuda_lse_layout_is_read_from_the_meta_kernels(backend):
+    rank, rows = attention_ops._aten_lse_layout(backend)
+    # 33 query rows: flash returns (B, H, Sq); cuDNN (B, H, Sq, 1) from torch 2.14 on (Sq before);
+    # the memory-efficient kernel pads Sq to a multiple of 32.
+    assert (rank, rows) in {"aten_flash": [(3, 33)], "cudnn": [(3, 33), (4, 33)], "efficient": [(3, 64)]}[backend]
+
+
+@gpu
+@pytest.mark.parametrize("backend", ["triton", "aten_flash", "cudnn", "efficient", "auto"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "shape", [(2, 4, 4, 1024, 1024, 64), (1, 8, 2, 777, 777, 128), (1, 4, 4, 300, 1100, 32)], ids=_shape_id
+)
+def test_gpu_every_backend_matches_reference(backend, dtype, causal, shape):
+    q, k, v = _inputs(shape, dtype=dtype, device="cuda")
+    try:
+        resolved = resolve_backend(backend, q, k, v, causal, 0.0)
+    except ValueError as err:
+        pytest.skip(str(err))
+    out = memopt.attention(q, k, v, causal=causal, backend=backend)
+    assert out.transpose(1, 2).is_contiguous()
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    lse = torch.ops.memopt.attention_fwd(q, k, v, causal, 0.0, 1 / math.sqrt(shape[-1]), rng_key(0), resolved)[1]
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = attention_ref(q64, k64, v64, causal)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), grad.double())
+    group = shape[1] // shape[2]
+    scores = q64 @ k64.repeat_interleave(group, 1).transpose(-1, -2) / math.sqrt(shape[-1])
+    if causal:
+        scores = scores.masked_fill(attention_ops._causal_hidden(0, shape[4], 0, shape[3], "cuda"), -math.inf)
+    assert lse.shape == shape[:2] + (shape[3],) and lse.dtype == torch.float32
+    torch.testing.assert_close(lse.double(), scores.logsumexp(-1), atol=2e-2, rtol=0)
+    kx, vx = (t.repeat_interleave(group, 1) for t in (k, v))
+    sdpa = F.scaled_dot_product_attention(q, kx, vx, is_causal=causal)
+    sdpa_grads = torch.autograd.grad(sdpa, (q, k, v), grad)
+    for name, a, s_, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (sdpa, *sdpa_grads), (ref, *ref_grads)):
+        ours, theirs = _max_error(a, r), _max_error(s_, r)
+        assert ours <= 2 * theirs + 1e-3 * r.abs().max().item(), f"{resolved} {name}: {ours:.3e}, sdpa {theirs:.3e}"
+
+
+@gpu
+def test_gpu_backends_share_one_lse_and_dropout_goes_to_triton():
+    q, k, v = _inputs((1, 8, 8, 512, 512, 64), dtype=torch.bfloat16, device="cuda")
+    assert resolve_backend("auto", q, k, v, True, 0.1) == "triton"
+    lses = {}
+    for backend in ("triton", "aten_flash", "cudnn", "efficient"):
+        try:
+            resolve_backend(backend, q, k, v, True, 0.0)
+        except ValueError:
+            continue
+        lses[backend] = torch.ops.memopt.attention_fwd(q, k, v, True, 0.0, 0.125, rng_key(0), backend)[1]
+    for backend, lse in lses.items():
+        torch.testing.assert_close(lse, lses["triton"], atol=1e-2, rtol=0, msg=lambda m, n=backend: f"{n}: {m}")

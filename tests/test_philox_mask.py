@@ -1,11 +1,12 @@
-"""philox_keep_mask: bit-exact against the plain PyTorch Philox reference, opcheck, errors, CUDA == CPU."""
+"""philox_keep_mask and philox_dropout_scale: bit-exact against the plain PyTorch Philox reference, opcheck,
+errors, CUDA == CPU."""
 
 import pytest
 import torch
 
 from memopt.ops._philox import dropout_keep_mask
 from memopt.ops._rng import rng_key
-from memopt.ops.philox_mask import philox_keep_mask, philox_keep_mask_ref
+from memopt.ops.philox_mask import philox_dropout_scale, philox_keep_mask, philox_keep_mask_ref
 
 from helpers import gpu
 
@@ -115,3 +116,57 @@ def test_cuda_matches_cpu(seed, offset):
     assert cuda.device.type == "cuda" and cuda.dtype == torch.bool
     assert torch.equal(cuda.cpu(), cpu)
     assert torch.equal(cpu, philox_keep_mask_ref(index, 0.3, key))
+
+
+# ---------------------------------------------------------------------------------------------
+# philox_dropout_scale: the factor 1 / (1 - p) or 0 of a strided window, no index tensor.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed,offset", KEYS)
+@pytest.mark.parametrize(
+    "full,window",
+    [
+        ((2, 3, 48, 300), (slice(None), slice(None), slice(5, None), slice(7, 207))),  # lanes, head and tail
+        ((1, 2, 33, 30), (slice(None), slice(None), slice(None), slice(None))),  # the whole tensor
+        ((2, 2, 20, 129), (slice(None), slice(1, 2), slice(19, None), slice(128, 129))),  # one element per row
+        ((3, 1000), (slice(1, 3), slice(3, 1000))),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_dropout_scale_of_a_window_matches_reference(seed, offset, full, window, dtype):
+    p = 0.3
+    strides = [1] * len(full)
+    for d in range(len(full) - 2, -1, -1):
+        strides[d] = strides[d + 1] * full[d + 1]
+    starts = [w.start or 0 for w in window]
+    size = [len(range(*w.indices(n))) for w, n in zip(window, full)]
+    first = sum(s * st for s, st in zip(starts, strides))
+    scale = philox_dropout_scale(size, strides, first, p, rng_key(seed, offset), dtype)
+    keep = dropout_keep_mask(full, p, seed, offset)[window]
+    assert scale.dtype == dtype and scale.shape == keep.shape and scale.is_contiguous()
+    expected = torch.where(keep, torch.tensor(1.0 / (1.0 - p), dtype=dtype), torch.tensor(0.0, dtype=dtype))
+    assert torch.equal(scale, expected)
+
+
+def test_dropout_scale_opcheck_and_compile(compile_cache):
+    key = rng_key(4, 9)
+    args = ([2, 5, 70], [700, 70, 1], 3, 0.25, key, torch.float32)
+    torch.library.opcheck(torch.ops.memopt.philox_dropout_scale.default, args)
+    fn = torch.compile(lambda k: philox_dropout_scale([2, 5, 70], [700, 70, 1], 3, 0.25, k), backend="aot_eager", fullgraph=True)
+    assert torch.equal(fn(key), philox_dropout_scale(*args))
+
+
+@pytest.mark.parametrize(
+    "args,match",
+    [
+        (([2, 3], [3, 2], 0, 0.1), "last index stride must be 1"),
+        (([2, 3], [3], 0, 0.1), "one entry per dim"),
+        (([2, 3], [3, 1], -1, 0.1), "index_offset must be >= 0"),
+        (([2, 3], [3, 1], 0, 1.0), r"p must be in \[0, 1\)"),
+        (([2, -3], [3, 1], 0, 0.1), "must be >= 0"),
+    ],
+)
+def test_dropout_scale_rejects_bad_windows(args, match):
+    with pytest.raises(RuntimeError, match=match):
+        philox_dropout_scale(*args, rng_key(1))

@@ -1,30 +1,62 @@
 """attention: scaled dot-product attention that stores no probability matrix.
 
-Layers: Triton kernels in ``memopt/ops/attention_triton.py``; the ops
-``torch.ops.memopt.attention_fwd`` / ``attention_bwd`` (``torch.library.custom_op``, with fake
-impls so ``torch.compile`` traces them); ``AttentionFunction`` saves q, k, v, the output, one
-float32 log-sum-exp per row and the 16-byte RNG key, O(seq) bytes where eager attention keeps the
-(B, H, Sq, Sk) probabilities and dropout mask; the backward recomputes the probabilities block by
-block. ``attention_ref`` is the plain PyTorch reference.
+Layers: the ops ``torch.ops.memopt.attention_fwd`` / ``attention_bwd`` (``torch.library.custom_op``,
+with fake impls so ``torch.compile`` traces them); ``AttentionFunction`` saves q, k, v, the output,
+one log-sum-exp per row (float32, float64 for float64 inputs) and the 16-byte RNG key, O(seq) bytes
+where eager attention keeps the (B, H, Sq, Sk) probabilities and dropout mask; the backward
+recomputes the probabilities block by block. ``attention_ref`` is the plain PyTorch reference.
 
-Which code runs where:
-  * CUDA tensors: the Triton kernels on the GPU (float16, bfloat16).
-  * CPU tensors, ``TRITON_INTERPRET=1`` set before memopt was imported: the same Triton kernels in
-    Triton's interpreter (float32), which is how CI tests them.
-  * CPU tensors otherwise: a native PyTorch path (float32, float64) with the same contract: an
-    online softmax over key chunks forward, chunk-by-chunk recomputation backward. This is also the
-    only CPU path when triton is not installed (CPU-only torch wheels do not pull it in).
-``cpu_backend("native" | "triton")`` switches the CPU path explicitly (tests run both).
+The contract every backend keeps (so the block, the policies and the tests do not care which one
+ran): ``out`` (B, H, Sq, D) is a view of a (B, Sq, H, D) buffer, ``lse`` (B, H, Sq) is contiguous in
+the accumulation dtype and is the natural-log log-sum-exp of each row of scaled scores (the same
+number whichever kernel computed it, so any backward can consume any forward's lse), the gradients
+are (B, H, S, D) views of (B, S, H, D) buffers, and a dropout mask is the Philox mask of
+``attention_triton``'s docstring, regenerated from the RNG key in every backward and recompute.
+
+Backends (``backend=`` of :func:`attention` and of both ops):
+  * ``"triton"``: memopt's Triton kernels (``attention_triton``): CUDA float16/bfloat16; on CPU in
+    Triton's interpreter (float32, ``TRITON_INTERPRET=1`` before memopt is imported), how CI
+    tests them. Any dropout, grouped-query heads without copies.
+  * ``"native"``: memopt's chunked PyTorch path on CPU (float32, float64): an online softmax over
+    key chunks forward, chunk-by-chunk recomputation backward, dropout factors from the C++ Philox
+    kernel ``memopt::philox_dropout_scale``. Also the CPU path when triton is not installed.
+  * ``"aten_flash"``: ATen's fused flash kernels through their ops, no dropout: on CPU
+    ``aten._scaled_dot_product_flash_attention_for_cpu`` (float32, float64; grouped-query heads
+    natively), on CUDA ``aten._scaled_dot_product_flash_attention``.
+  * ``"cudnn"``, ``"efficient"`` (CUDA, no dropout): ``aten._scaled_dot_product_cudnn_attention`` and
+    ``aten._scaled_dot_product_efficient_attention``.
+  ATen's kernels draw their dropout masks from torch's own generator, which memopt cannot replay
+  under its key, so they are used with ``dropout_p == 0`` only; on CUDA also only where the causal
+  mask is square (ATen's CUDA kernels refuse or bottom-right-align a non-square causal mask, memopt
+  aligns it top-left like ``F.scaled_dot_product_attention``), and ``torch.backends.cuda.can_use_*``
+  must accept the inputs. Grouped-query heads are expanded (a copy) for ATen's CUDA kernels.
+
+``"auto"`` (the default) picks, by :func:`resolve_backend`:
+  * CPU: ``"aten_flash"`` when ``dropout_p == 0``, else ``"native"`` (``cpu_backend`` can force
+    ``"native"`` or ``"triton"``). Measured forward+backward on this shared 2-core machine (float32,
+    q/k/v views of one fused projection, b2 h8 d64 causal, seq 256 / 512, one thread, min of 7
+    under heavy load from other jobs, so ratios only): without dropout aten_flash 56 / 169 ms,
+    native 94 / 187, SDPA 50 / 198; with dropout 0.1 native 106 / 316 against SDPA's math path
+    96 / 388 (the native path before this layout: 131 / 496 and 162 / 793).
+    ``python -m bench.attention --preset cpu`` times every backend side by side.
+  * CUDA: with dropout, grouped-query heads or a non-square causal mask, ``"triton"``; otherwise
+    the first of ``"cudnn"`` (compute capability 9.0 and above only), ``"aten_flash"``,
+    ``"efficient"`` that ``torch.backends.cuda.can_use_*`` accepts, else ``"triton"``. The H200 run
+    of ``bench/results/h200-20261130`` measured SDPA's flash backend ahead of memopt's Triton
+    kernels in 14 of 16 cases (218-318 against 205-303 TFLOP/s forward+backward, bf16, seq 4k-16k);
+    cuDNN ahead of flash on Hopper is the issue's figure (about 580-630 TFLOP/s at head_dim 128),
+    not yet measured here: ``python -m bench.attention --preset h200`` times every backend.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
 
-from memopt.ops.philox_mask import philox_keep_mask
+from memopt.ops import philox_mask as _philox_mask  # noqa: F401  (registers the fake of philox_dropout_scale)
 from memopt.ops._philox import dropout_keep_mask
 from memopt.ops._rng import new_rng_key
 
@@ -44,54 +76,151 @@ GPU_DTYPES = (torch.float16, torch.bfloat16)
 INTERPRETER_DTYPES = (torch.float32,)
 NATIVE_DTYPES = (torch.float32, torch.float64)
 
+BACKENDS = ("auto", "triton", "native", "aten_flash", "cudnn", "efficient")
+CPU_BACKENDS = ("triton", "native", "aten_flash")
+CUDA_BACKENDS = ("triton", "aten_flash", "cudnn", "efficient")
+ATEN_CUDA_BACKENDS = ("cudnn", "aten_flash", "efficient")
+
 # Keys per chunk of the native CPU path: its temporaries are (B, H, Sq, chunk).
 NATIVE_CHUNK = 128
 
-_cpu_backend = "triton" if attention_triton is not None and attention_triton.INTERPRETED else "native"
+# What "auto" resolves to on CPU: None for the rule in the module docstring, or a forced backend.
+_cpu_backend: str | None = None
 
 
 def get_cpu_backend() -> str:
-    """``"triton"`` (kernels in Triton's interpreter) or ``"native"`` (plain PyTorch)."""
-    return _cpu_backend
+    """``"auto"`` (the rule of the module docstring), ``"triton"`` or ``"native"``: what ``"auto"``
+    runs on CPU."""
+    return _cpu_backend or "auto"
 
 
 @contextlib.contextmanager
 def cpu_backend(name: str):
-    """Run CPU attention on ``name`` (``"triton"`` or ``"native"``) inside the block.
+    """Make ``"auto"`` run ``name`` (``"auto"``, ``"triton"`` or ``"native"``) on CPU inside the block,
+    also where the ops are called without a ``backend`` (``FusedCheckpointBlock``).
 
     ``"triton"`` needs ``TRITON_INTERPRET=1`` set before memopt was imported.
     """
     global _cpu_backend
-    if name not in ("triton", "native"):
-        raise ValueError(f"memopt.attention: cpu backend must be 'triton' or 'native', got {name!r}")
-    if name == "triton" and attention_triton is None:
-        raise RuntimeError(
-            "memopt.attention: the 'triton' CPU backend runs the kernels in Triton's interpreter, but triton "
-            "is not installed (CPU-only torch wheels do not pull it in: pip install triton)"
-        )
-    if name == "triton" and not attention_triton.INTERPRETED:
-        raise RuntimeError(
-            "memopt.attention: the 'triton' CPU backend runs the kernels in Triton's interpreter, which "
-            "needs TRITON_INTERPRET=1 in the environment before memopt is imported"
-        )
-    previous, _cpu_backend = _cpu_backend, name
+    if name not in ("auto", "triton", "native"):
+        raise ValueError(f"memopt.attention: cpu backend must be 'auto', 'triton' or 'native', got {name!r}")
+    if name == "triton":
+        _require_interpreter()
+    previous, _cpu_backend = _cpu_backend, (None if name == "auto" else name)
     try:
         yield
     finally:
         _cpu_backend = previous
 
 
-def _backend_for(device: torch.device) -> str:
-    return "cuda" if device.type == "cuda" else _cpu_backend
+def _require_interpreter() -> None:
+    if attention_triton is None:
+        raise RuntimeError(
+            "memopt.attention: the 'triton' CPU backend runs the kernels in Triton's interpreter, but triton "
+            "is not installed (CPU-only torch wheels do not pull it in: pip install triton)"
+        )
+    if not attention_triton.INTERPRETED:
+        raise RuntimeError(
+            "memopt.attention: the 'triton' CPU backend runs the kernels in Triton's interpreter, which "
+            "needs TRITON_INTERPRET=1 in the environment before memopt is imported"
+        )
 
 
 def supported_dtypes(device: torch.device | str) -> tuple[torch.dtype, ...]:
-    """The q/k/v dtypes attention takes on ``device`` (on CPU: with the current ``cpu_backend``)."""
-    return {"cuda": GPU_DTYPES, "triton": INTERPRETER_DTYPES, "native": NATIVE_DTYPES}[_backend_for(torch.device(device))]
+    """The q/k/v dtypes ``"auto"`` takes on ``device`` (on CPU: with the current ``cpu_backend``)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return GPU_DTYPES
+    return INTERPRETER_DTYPES if _cpu_backend == "triton" else NATIVE_DTYPES
 
 
-def _check_inputs(q, k, v, dropout_p, rng_key) -> None:
-    """Validate once, at the op boundary, with messages naming the argument."""
+def lse_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the saved log-sum-exp: the accumulation dtype (float64 for float64 inputs)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_backend_name(backend) -> None:
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"memopt.attention: backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def _causal_square(q, k, causal: bool) -> bool:
+    return not causal or q.shape[2] == k.shape[2]
+
+
+@functools.lru_cache(maxsize=None)
+def _compute_capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _aten_cuda_accepts(backend: str, q, k, v, causal: bool) -> bool:
+    """Whether torch's own checks (``torch.backends.cuda.can_use_*``) let ``backend`` run these
+    inputs, planned for backward (requires_grad) whatever the grad mode."""
+    params = torch.backends.cuda.SDPAParams(
+        *(t.detach().requires_grad_() for t in (q, k, v)), None, 0.0, causal, False
+    )
+    check = {
+        "cudnn": torch.backends.cuda.can_use_cudnn_attention,
+        "aten_flash": torch.backends.cuda.can_use_flash_attention,
+        "efficient": torch.backends.cuda.can_use_efficient_attention,
+    }[backend]
+    return bool(check(params))
+
+
+def resolve_backend(backend: str, q, k, v, causal: bool, dropout_p: float) -> str:
+    """The backend ``backend`` runs for these inputs: itself when given by name (refused with a
+    ValueError where it cannot keep the contract), else the rule of the module docstring."""
+    _check_backend_name(backend)
+    device = q.device.type
+    if device == "cuda":
+        if backend == "auto":
+            if dropout_p > 0.0 or k.shape[1] != q.shape[1] or not _causal_square(q, k, causal):
+                return "triton"
+            candidates = ATEN_CUDA_BACKENDS if _compute_capability(q.device.index or 0) >= (9, 0) else ATEN_CUDA_BACKENDS[1:]
+            for name in candidates:
+                if _aten_cuda_accepts(name, q, k, v, causal):
+                    return name
+            return "triton"
+        if backend not in CUDA_BACKENDS:
+            raise ValueError(f"memopt.attention: backend {backend!r} does not run on CUDA; CUDA backends are {CUDA_BACKENDS}")
+        if backend in ATEN_CUDA_BACKENDS:
+            _check_aten_keeps_contract(backend, q, k, causal, dropout_p)
+            if not _aten_cuda_accepts(backend, q, k, v, causal):
+                raise ValueError(
+                    f"memopt.attention: torch cannot run backend {backend!r} on these inputs (shapes {tuple(q.shape)}, "
+                    f"{tuple(k.shape)}, dtype {q.dtype}); torch.backends.cuda.can_use_"
+                    f"{'flash' if backend == 'aten_flash' else backend}_attention(..., debug=True) says why"
+                )
+        return backend
+    if backend == "auto":
+        if _cpu_backend is not None:
+            return _cpu_backend
+        return "aten_flash" if dropout_p == 0.0 else "native"
+    if backend not in CPU_BACKENDS:
+        raise ValueError(f"memopt.attention: backend {backend!r} does not run on CPU; CPU backends are {CPU_BACKENDS}")
+    if backend == "triton":
+        _require_interpreter()
+    if backend == "aten_flash":
+        _check_aten_keeps_contract(backend, q, k, causal, dropout_p)
+    return backend
+
+
+def _check_aten_keeps_contract(backend: str, q, k, causal: bool, dropout_p: float) -> None:
+    if dropout_p > 0.0:
+        raise ValueError(
+            f"memopt.attention: backend {backend!r} cannot replay memopt's dropout mask (ATen draws its own); "
+            "use backend='auto', 'triton' or 'native' with dropout_p > 0"
+        )
+    if q.device.type == "cuda" and not _causal_square(q, k, causal):
+        raise ValueError(
+            f"memopt.attention: backend {backend!r} does not align a causal mask with seq_q != seq_k "
+            f"(got {q.shape[2]} and {k.shape[2]}) top-left; use backend='auto' or 'triton'"
+        )
+
+
+def _check_inputs(q, k, v, causal, dropout_p, rng_key, backend="auto") -> str:
+    """Validate once, at the op boundary, with messages naming the argument; returns the
+    backend that runs (:func:`resolve_backend`)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"memopt.attention: {name} must be a tensor, got {type(t).__name__}")
@@ -118,81 +247,123 @@ def _check_inputs(q, k, v, dropout_p, rng_key) -> None:
         raise ValueError(f"memopt.attention: q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
     if not (q.dtype == k.dtype == v.dtype):
         raise ValueError(f"memopt.attention: q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    backend = _backend_for(q.device)
-    if backend == "cuda" and attention_triton is None:
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"memopt.attention: dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if not isinstance(rng_key, torch.Tensor) or rng_key.dtype != torch.int64 or rng_key.shape != (2,) or rng_key.device.type != "cpu":
+        got = f"{rng_key.dtype} {tuple(rng_key.shape)} on {rng_key.device}" if isinstance(rng_key, torch.Tensor) else type(rng_key).__name__
+        raise ValueError(f"memopt.attention: rng_key must be an int64 CPU tensor (seed, offset) of shape [2], got {got}")
+    if q.device.type == "cuda" and attention_triton is None and backend in ("auto", "triton"):
         raise RuntimeError(
             "memopt.attention: CUDA tensors run memopt's Triton kernels, but triton is not installed "
             f"(torch {torch.__version__} came without it): pip install triton"
         )
-    allowed = supported_dtypes(q.device)
+    resolved = resolve_backend(backend, q, k, v, causal, dropout_p)
+    if q.device.type == "cuda":
+        allowed, where = GPU_DTYPES, "on CUDA"
+    elif resolved == "triton":
+        allowed, where = INTERPRETER_DTYPES, "in the Triton interpreter"
+    else:
+        allowed, where = NATIVE_DTYPES, "on CPU"
     if q.dtype not in allowed:
-        where = {"cuda": "on CUDA", "triton": "in the Triton interpreter", "native": "on the native CPU path"}[backend]
         raise ValueError(f"memopt.attention: q, k, v dtype must be one of {allowed} {where}, got {q.dtype}")
-    if backend != "native":
+    if resolved == "triton":
         for name, t in (("q", q), ("k", k), ("v", v)):
             if t.stride(-1) != 1:
                 raise ValueError(f"memopt.attention: {name} must have a unit stride in its last dim, got strides {t.stride()}")
-    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
-        raise ValueError(f"memopt.attention: dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    if rng_key.dtype != torch.int64 or rng_key.shape != (2,) or rng_key.device.type != "cpu":
-        raise ValueError(
-            "memopt.attention: rng_key must be an int64 CPU tensor (seed, offset) of shape [2], got "
-            f"{rng_key.dtype} {tuple(rng_key.shape)} on {rng_key.device}"
-        )
+    return resolved
 
 
 # ---------------------------------------------------------------------------------------------
-# Native CPU path: key chunks, online softmax, recompute in backward.
+# Layout helpers shared by the backends.
 # ---------------------------------------------------------------------------------------------
 
 
-def _keep_mask_chunk(shape_bhqk, n0: int, n1: int, dropout_p: float, rng_key: torch.Tensor) -> torch.Tensor:
-    """Keep-mask of columns ``n0:n1`` of the (B, H, Sq, Sk) probabilities (module docstring of
-    attention_triton: word ``idx % 4`` of Philox at counter ``offset + idx // 4``), drawn by the
-    C++ kernel of ``memopt::philox_keep_mask`` for the chunk's flat indices."""
-    batch, heads, seq_q, seq_k = shape_bhqk
-    rows = torch.arange(0, batch * heads * seq_q * seq_k, seq_k, dtype=torch.int64).view(batch, heads, seq_q, 1)
-    index = rows + torch.arange(n0, n1, dtype=torch.int64)
-    return philox_keep_mask(index, dropout_p, rng_key)
+def _bshd_empty(batch, heads, seq, head_dim, like: torch.Tensor) -> torch.Tensor:
+    """An uninitialised (B, H, S, D) view of a (B, S, H, D) buffer: the layout of every output."""
+    return torch.empty((batch, seq, heads, head_dim), dtype=like.dtype, device=like.device).transpose(1, 2)
 
 
-def _causal_visible(seq_q: int, n0: int, n1: int, device) -> torch.Tensor:
-    """(Sq, n1 - n0) bool: query i sees key j iff j <= i (top-left aligned)."""
-    return torch.arange(n0, n1, device=device)[None, :] <= torch.arange(seq_q, device=device)[:, None]
+def _as_bshd(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (B, H, S, D) in the output layout: itself when it has it, else a copy."""
+    if t.transpose(1, 2).is_contiguous():
+        return t
+    out = _bshd_empty(t.shape[0], t.shape[1], t.shape[2], t.shape[3], t)
+    out.copy_(t)
+    return out
 
 
 def _expand_kv(t: torch.Tensor, group: int) -> torch.Tensor:
     return t if group == 1 else t.repeat_interleave(group, dim=1)
 
 
+def _sum_groups(t: torch.Tensor, group: int) -> torch.Tensor:
+    """(B, H, S, D) gradient of expanded k or v -> (B, H / group, S, D), in the output layout."""
+    if group == 1:
+        return _as_bshd(t)
+    batch, heads, seq, head_dim = t.shape
+    out = _bshd_empty(batch, heads // group, seq, head_dim, t)
+    torch.sum(t.view(batch, heads // group, group, seq, head_dim), dim=2, out=out)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Native CPU path: key chunks, online softmax, recompute in backward.
+#
+# Under the top-left causal mask query i sees key j iff j <= i, so key chunk [n0, n1) is seen only
+# by queries i >= n0: each chunk computes on those query rows alone (about half the work), and only
+# its part left of the diagonal (rows n0 .. n1 - 2) needs the mask. q is scaled once up front, so
+# the scores come out of one matmul and the dk matmul carries the scale.
+# ---------------------------------------------------------------------------------------------
+
+
+def _causal_hidden(n0: int, n1: int, row0: int, rows: int, device) -> torch.Tensor:
+    """(rows, n1 - n0) bool: True where query ``row0 + r`` must not see key ``n0 + c`` (c > r + row0 - n0)."""
+    return torch.arange(n0, n1, device=device)[None, :] > torch.arange(row0, row0 + rows, device=device)[:, None]
+
+
+def _dropout_scale(batch, heads, seq_q, seq_k, row0, n0, n1, dropout_p, rng_key, dtype) -> torch.Tensor:
+    """(B, H, Sq - row0, n1 - n0) factors ``keep / (1 - p)`` of the window [row0:, n0:n1] of the
+    (B, H, Sq, Sk) probabilities, drawn by the C++ Philox kernel (no index tensor)."""
+    return torch.ops.memopt.philox_dropout_scale(
+        [batch, heads, seq_q - row0, n1 - n0], [heads * seq_q * seq_k, seq_q * seq_k, seq_k, 1],
+        row0 * seq_k + n0, dropout_p, rng_key, dtype,
+    )  # fmt: skip
+
+
 def _attention_fwd_native(q, k, v, causal, dropout_p, scale, rng_key):
     batch, heads, seq_q, head_dim = q.shape
-    seq_k = k.shape[2]
-    group = heads // k.shape[1]
-    row_max = torch.full((batch, heads, seq_q, 1), -math.inf, dtype=q.dtype)
-    row_sum = torch.zeros((batch, heads, seq_q, 1), dtype=q.dtype)
-    acc = torch.zeros((batch, heads, seq_q, head_dim), dtype=q.dtype)
+    kv_heads, seq_k = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    # (B, Hkv, group, Sq, D): the query heads of one kv head share its k and v chunks (broadcast).
+    q_scaled = (q * scale).view(batch, kv_heads, group, seq_q, head_dim)
+    row_max = torch.full((batch, kv_heads, group, seq_q, 1), -math.inf, dtype=q.dtype)
+    row_sum = torch.zeros((batch, kv_heads, group, seq_q, 1), dtype=q.dtype)
+    acc = torch.zeros((batch, kv_heads, group, seq_q, head_dim), dtype=q.dtype)
     for n0 in range(0, seq_k, NATIVE_CHUNK):
         n1 = min(seq_k, n0 + NATIVE_CHUNK)
-        k_chunk = _expand_kv(k[:, :, n0:n1], group)
-        v_chunk = _expand_kv(v[:, :, n0:n1], group)
-        scores = torch.matmul(q, k_chunk.transpose(-1, -2)) * scale
-        if causal:
-            scores = scores.masked_fill(~_causal_visible(seq_q, n0, n1, q.device), -math.inf)
-        new_max = torch.maximum(row_max, scores.amax(-1, keepdim=True))
-        # A row can see nothing of a chunk under the causal mask; its max stays -inf only until
-        # the first chunk, which always holds key 0.
-        alpha = torch.exp(row_max - new_max)
-        probs = torch.exp(scores - new_max)
-        row_sum = row_sum * alpha + probs.sum(-1, keepdim=True)
+        row0 = min(n0, seq_q) if causal else 0
+        if row0 == seq_q:
+            break
+        rows = slice(row0, seq_q)
+        k_chunk = k[:, :, None, n0:n1]
+        v_chunk = v[:, :, None, n0:n1]
+        probs = torch.matmul(q_scaled[:, :, :, rows], k_chunk.transpose(-1, -2))
+        if causal and n1 - 1 > row0:
+            probs.masked_fill_(_causal_hidden(n0, n1, row0, seq_q - row0, q.device), -math.inf)
+        # Row row0 sees key n0 (row0 >= n0 under the causal mask), so every max is finite.
+        new_max = torch.maximum(row_max[:, :, :, rows], probs.amax(-1, keepdim=True))
+        alpha = torch.exp(row_max[:, :, :, rows] - new_max)
+        probs.sub_(new_max).exp_()
+        row_sum[:, :, :, rows] = row_sum[:, :, :, rows] * alpha + probs.sum(-1, keepdim=True)
         if dropout_p > 0.0:
-            keep = _keep_mask_chunk((batch, heads, seq_q, seq_k), n0, n1, dropout_p, rng_key)
-            probs = torch.where(keep, probs / (1.0 - dropout_p), torch.zeros_like(probs))
-        acc = acc * alpha + torch.matmul(probs, v_chunk)
-        row_max = new_max
-    out = torch.empty((batch, seq_q, heads, head_dim), dtype=q.dtype).transpose(1, 2)
-    out.copy_(acc / row_sum)
-    lse = (row_max + torch.log(row_sum)).squeeze(-1).to(torch.float32)
+            factor = _dropout_scale(batch, heads, seq_q, seq_k, row0, n0, n1, dropout_p, rng_key, q.dtype)
+            probs.mul_(factor.view(probs.shape))
+        acc_rows = acc[:, :, :, rows]
+        acc_rows.mul_(alpha).add_(torch.matmul(probs, v_chunk))
+        row_max[:, :, :, rows] = new_max
+    out = _bshd_empty(batch, heads, seq_q, head_dim, q)
+    torch.div(acc.view(batch, heads, seq_q, head_dim), row_sum.view(batch, heads, seq_q, 1), out=out)
+    lse = (row_max + torch.log(row_sum)).view(batch, heads, seq_q)
     return out, lse
 
 
@@ -200,33 +371,135 @@ def _attention_bwd_native(grad_out, q, k, v, out, lse, causal, dropout_p, scale,
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     group = heads // kv_heads
+    shape5 = (batch, kv_heads, group, seq_q)
     grad_out = grad_out.to(q.dtype)
-    delta = (grad_out * out).sum(-1, keepdim=True)
-    lse = lse.to(q.dtype).unsqueeze(-1)
-    dq = torch.zeros_like(q, memory_format=torch.contiguous_format)
-    dk = torch.empty((batch, kv_heads, seq_k, head_dim), dtype=k.dtype)
-    dv = torch.empty((batch, kv_heads, seq_k, head_dim), dtype=v.dtype)
+    q_scaled = (q * scale).view(*shape5, head_dim)
+    grad_out5 = grad_out.reshape(*shape5, head_dim)
+    delta = (grad_out * out).sum(-1).view(*shape5, 1)
+    lse = lse.to(q.dtype).view(*shape5, 1)
+    dq = torch.zeros((*shape5, head_dim), dtype=q.dtype)
+    dk = _bshd_empty(batch, kv_heads, seq_k, head_dim, k)
+    dv = _bshd_empty(batch, kv_heads, seq_k, head_dim, v)
     for n0 in range(0, seq_k, NATIVE_CHUNK):
         n1 = min(seq_k, n0 + NATIVE_CHUNK)
-        k_chunk = _expand_kv(k[:, :, n0:n1], group)
-        v_chunk = _expand_kv(v[:, :, n0:n1], group)
-        probs = torch.exp(torch.matmul(q, k_chunk.transpose(-1, -2)) * scale - lse)
-        if causal:
-            probs = probs.masked_fill(~_causal_visible(seq_q, n0, n1, q.device), 0.0)
-        grad_probs = torch.matmul(grad_out, v_chunk.transpose(-1, -2))
+        row0 = min(n0, seq_q) if causal else 0
+        if row0 == seq_q:
+            # No query sees these keys: their gradients are zero.
+            dk[:, :, n0:].zero_()
+            dv[:, :, n0:].zero_()
+            break
+        rows = slice(row0, seq_q)
+        k_chunk = k[:, :, None, n0:n1]
+        v_chunk = v[:, :, None, n0:n1]
+        probs = torch.matmul(q_scaled[:, :, :, rows], k_chunk.transpose(-1, -2)).sub_(lse[:, :, :, rows]).exp_()
+        if causal and n1 - 1 > row0:
+            probs.masked_fill_(_causal_hidden(n0, n1, row0, seq_q - row0, q.device), 0.0)
+        grad_probs = torch.matmul(grad_out5[:, :, :, rows], v_chunk.transpose(-1, -2))
         if dropout_p > 0.0:
-            keep = _keep_mask_chunk((batch, heads, seq_q, seq_k), n0, n1, dropout_p, rng_key)
-            dropped = torch.where(keep, probs / (1.0 - dropout_p), torch.zeros_like(probs))
-            grad_probs = torch.where(keep, grad_probs / (1.0 - dropout_p), torch.zeros_like(grad_probs))
+            factor = _dropout_scale(batch, heads, seq_q, seq_k, row0, n0, n1, dropout_p, rng_key, q.dtype)
+            factor = factor.view(probs.shape)
+            grad_probs.mul_(factor)
+            dropped = probs * factor
         else:
             dropped = probs
-        grad_scores = probs * (grad_probs - delta)
-        dq += torch.matmul(grad_scores, k_chunk) * scale
-        dk_chunk = torch.matmul(grad_scores.transpose(-1, -2), q) * scale
-        dv_chunk = torch.matmul(dropped.transpose(-1, -2), grad_out)
-        dk[:, :, n0:n1] = dk_chunk.view(batch, kv_heads, group, n1 - n0, head_dim).sum(2)
-        dv[:, :, n0:n1] = dv_chunk.view(batch, kv_heads, group, n1 - n0, head_dim).sum(2)
-    return dq, dk, dv
+        dv_chunk = torch.matmul(dropped.transpose(-1, -2), grad_out5[:, :, :, rows])
+        del dropped
+        grad_scores = grad_probs.sub_(delta[:, :, :, rows]).mul_(probs)  # softmax backward, in place
+        dq[:, :, :, rows] += torch.matmul(grad_scores, k_chunk)
+        dk_chunk = torch.matmul(grad_scores.transpose(-1, -2), q_scaled[:, :, :, rows])
+        torch.sum(dk_chunk, dim=2, out=dk[:, :, n0:n1])
+        torch.sum(dv_chunk, dim=2, out=dv[:, :, n0:n1])
+    grad_q = _bshd_empty(batch, heads, seq_q, head_dim, q)
+    torch.mul(dq.view(batch, heads, seq_q, head_dim), scale, out=grad_q)
+    return grad_q, dk, dv
+
+
+# ---------------------------------------------------------------------------------------------
+# ATen's kernels through their ops (no dropout; see the module docstring for when they run).
+# ---------------------------------------------------------------------------------------------
+
+
+def _attention_fwd_aten_cpu(q, k, v, causal, scale):
+    # Grouped-query heads run natively; out comes in q's dim order, lse as a (B, Sq, H) buffer.
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, dropout_p=0.0, is_causal=causal, scale=scale
+    )
+    return _as_bshd(out), lse.contiguous()
+
+
+def _attention_bwd_aten_cpu(grad_out, q, k, v, out, lse, causal, scale):
+    grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out.to(q.dtype), q, k, v, out, lse, dropout_p=0.0, is_causal=causal, scale=scale
+    )
+    return _as_bshd(grad_q), _as_bshd(grad_k), _as_bshd(grad_v)
+
+
+@functools.lru_cache(maxsize=None)
+def _aten_lse_layout(backend: str) -> tuple[int, int]:
+    """(rank, row alignment) of the log-sum-exp that ATen's CUDA ``backend`` returns and its
+    backward takes, read from torch's meta kernel (it differs across torch versions: cuDNN's is
+    (B, H, Sq, 1) in torch 2.14, the memory-efficient kernel pads Sq to a multiple of 32)."""
+    q = torch.empty(1, 1, 33, 64, dtype=torch.float16, device="meta")
+    lse = _aten_cuda_fwd_call(backend, q, q, q, False, 0.125)[1]
+    return lse.dim(), lse.shape[2]
+
+
+def _aten_cuda_fwd_call(backend, q, k, v, causal, scale):
+    """(out, lse) of ATen's CUDA op for ``backend``, as the op returns them."""
+    if backend == "aten_flash":
+        result = torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, dropout_p=0.0, is_causal=causal, return_debug_mask=False, scale=scale
+        )
+    elif backend == "cudnn":
+        result = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, attn_bias=None, compute_log_sumexp=True, dropout_p=0.0, is_causal=causal,
+            return_debug_mask=False, scale=scale,
+        )  # fmt: skip
+    else:
+        result = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, k, v, attn_bias=None, compute_log_sumexp=True, dropout_p=0.0, is_causal=causal, scale=scale
+        )
+    return result[0], result[1]
+
+
+def _attention_fwd_aten_cuda(backend, q, k, v, causal, scale):
+    batch, heads, seq_q, _ = q.shape
+    group = heads // k.shape[1]
+    out, lse = _aten_cuda_fwd_call(backend, q, _expand_kv(k, group), _expand_kv(v, group), causal, scale)
+    lse = lse.reshape(batch, heads, -1)[:, :, :seq_q].contiguous()
+    return _as_bshd(out), lse
+
+
+def _attention_bwd_aten_cuda(backend, grad_out, q, k, v, out, lse, causal, scale):
+    batch, heads, seq_q, _ = q.shape
+    seq_k = k.shape[2]
+    group = heads // k.shape[1]
+    k_full, v_full = _expand_kv(k, group), _expand_kv(v, group)
+    grad_out = grad_out.to(q.dtype)
+    rank, rows = _aten_lse_layout(backend)
+    if rows != 33:  # padded rows (the memory-efficient kernel): zeros past seq_q
+        padded = -(-seq_q // 32) * 32
+        lse = torch.nn.functional.pad(lse, (0, padded - seq_q))
+    if rank == 4:
+        lse = lse.unsqueeze(-1)
+    # Without dropout the Philox seed and offset are not read: empty placeholders.
+    unused = torch.empty(0, dtype=torch.int64, device=q.device)
+    if backend == "aten_flash":
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+            grad_out, q, k_full, v_full, out, lse, None, None, seq_q, seq_k, 0.0, causal, unused, unused, scale=scale
+        )
+    elif backend == "cudnn":
+        grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            grad_out, q, k_full, v_full, out, lse, unused, unused, None, None, None, seq_q, seq_k, 0.0, causal,
+            scale=scale,
+        )  # fmt: skip
+    else:
+        grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            grad_out, q, k_full, v_full, None, out, lse, unused, unused, 0.0, [True, True, True, False], causal,
+            scale=scale,
+        )  # fmt: skip
+    grad_q, grad_k, grad_v = grads[:3]
+    return _as_bshd(grad_q), _sum_groups(grad_k, group), _sum_groups(grad_v, group)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -243,20 +516,26 @@ def attention_fwd(
     dropout_p: float,
     scale: float,
     rng_key: torch.Tensor,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward. Returns ``out`` (B, H, Sq, D), stored in (B, Sq, H, D) memory order,
-    and ``lse`` (B, H, Sq) float32: the natural-log log-sum-exp of each row of scaled scores."""
-    _check_inputs(q, k, v, dropout_p, rng_key)
-    if _backend_for(q.device) == "native":
+    and ``lse`` (B, H, Sq), contiguous, in ``lse_dtype(q.dtype)``: the natural-log log-sum-exp of
+    each row of scaled scores."""
+    backend = _check_inputs(q, k, v, causal, dropout_p, rng_key, backend)
+    if backend == "native":
         return _attention_fwd_native(q, k, v, causal, dropout_p, scale, rng_key)
+    if backend == "aten_flash" and q.device.type == "cpu":
+        return _attention_fwd_aten_cpu(q, k, v, causal, scale)
+    if backend in ATEN_CUDA_BACKENDS:
+        return _attention_fwd_aten_cuda(backend, q, k, v, causal, scale)
     return attention_triton.attention_fwd_triton(q, k, v, causal, dropout_p, scale, rng_key)
 
 
 @attention_fwd.register_fake
-def _attention_fwd_fake(q, k, v, causal, dropout_p, scale, rng_key):
+def _attention_fwd_fake(q, k, v, causal, dropout_p, scale, rng_key, backend="auto"):
     batch, heads, seq_q, head_dim = q.shape
     out = q.new_empty((batch, seq_q, heads, head_dim)).transpose(1, 2)
-    lse = q.new_empty((batch, heads, seq_q), dtype=torch.float32)
+    lse = q.new_empty((batch, heads, seq_q), dtype=lse_dtype(q.dtype))
     return out, lse
 
 
@@ -272,18 +551,27 @@ def attention_bwd(
     dropout_p: float,
     scale: float,
     rng_key: torch.Tensor,
+    backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Attention backward from the saved ``out`` and ``lse``; recomputes the probabilities.
-    Returns contiguous ``grad_q`` (B, H, Sq, D) and ``grad_k``, ``grad_v`` (B, Hkv, Sk, D)."""
-    _check_inputs(q, k, v, dropout_p, rng_key)
+    Returns ``grad_q`` (B, H, Sq, D) and ``grad_k``, ``grad_v`` (B, Hkv, Sk, D), each a view of a
+    (B, S, H, D) buffer."""
+    backend = _check_inputs(q, k, v, causal, dropout_p, rng_key, backend)
     expected = (q.shape[0], q.shape[1], q.shape[2])
     for name, t in (("grad_out", grad_out), ("out", out)):
-        if t.shape != q.shape or t.device != q.device:
-            raise ValueError(f"memopt.attention_bwd: {name} must have q's shape {tuple(q.shape)} on {q.device}, got {tuple(t.shape)} on {t.device}")
-    if lse.shape != expected or lse.dtype != torch.float32 or lse.device != q.device:
-        raise ValueError(f"memopt.attention_bwd: lse must be float32 of shape {expected} on {q.device}, got {lse.dtype} {tuple(lse.shape)} on {lse.device}")
-    if _backend_for(q.device) == "native":
+        if not isinstance(t, torch.Tensor) or t.shape != q.shape or t.device != q.device:
+            got = f"{tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"memopt.attention_bwd: {name} must have q's shape {tuple(q.shape)} on {q.device}, got {got}")
+    want = lse_dtype(q.dtype)
+    if not isinstance(lse, torch.Tensor) or lse.shape != expected or lse.dtype != want or lse.device != q.device:
+        got = f"{lse.dtype} {tuple(lse.shape)} on {lse.device}" if isinstance(lse, torch.Tensor) else type(lse).__name__
+        raise ValueError(f"memopt.attention_bwd: lse must be {want} of shape {expected} on {q.device}, got {got}")
+    if backend == "native":
         return _attention_bwd_native(grad_out, q, k, v, out, lse, causal, dropout_p, scale, rng_key)
+    if backend == "aten_flash" and q.device.type == "cpu":
+        return _attention_bwd_aten_cpu(grad_out, q, k, v, out, lse, causal, scale)
+    if backend in ATEN_CUDA_BACKENDS:
+        return _attention_bwd_aten_cuda(backend, grad_out, q, k, v, out, lse, causal, scale)
     if grad_out.dtype != q.dtype:
         grad_out = grad_out.to(q.dtype)
     if grad_out.stride(-1) != 1:
@@ -294,11 +582,12 @@ def attention_bwd(
 
 
 @attention_bwd.register_fake
-def _attention_bwd_fake(grad_out, q, k, v, out, lse, causal, dropout_p, scale, rng_key):
-    grad_q = torch.empty_like(q, memory_format=torch.contiguous_format)
-    grad_k = torch.empty_like(k, memory_format=torch.contiguous_format)
-    grad_v = torch.empty_like(v, memory_format=torch.contiguous_format)
-    return grad_q, grad_k, grad_v
+def _attention_bwd_fake(grad_out, q, k, v, out, lse, causal, dropout_p, scale, rng_key, backend="auto"):
+    grads = []
+    for t in (q, k, v):
+        batch, heads, seq, head_dim = t.shape
+        grads.append(t.new_empty((batch, seq, heads, head_dim)).transpose(1, 2))
+    return tuple(grads)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -307,12 +596,16 @@ def _attention_bwd_fake(grad_out, q, k, v, out, lse, causal, dropout_p, scale, r
 
 
 class AttentionFunction(torch.autograd.Function):
-    """Saves q, k, v, out, lse and the RNG key; the backward recomputes the probabilities."""
+    """Saves q, k, v, out, lse and the RNG key; the backward recomputes the probabilities.
+
+    ``apply(q, k, v, causal, dropout_p, scale, rng_key, backend="auto")``; the backward runs the
+    backend the forward resolved to."""
 
     @staticmethod
-    def forward(ctx, q, k, v, causal, dropout_p, scale, rng_key):
-        out, lse = torch.ops.memopt.attention_fwd(q, k, v, causal, dropout_p, scale, rng_key)
-        ctx.causal, ctx.dropout_p, ctx.scale = causal, dropout_p, scale
+    def forward(ctx, q, k, v, causal, dropout_p, scale, rng_key, backend="auto"):
+        backend = _check_inputs(q, k, v, causal, dropout_p, rng_key, backend)
+        out, lse = torch.ops.memopt.attention_fwd(q, k, v, causal, dropout_p, scale, rng_key, backend)
+        ctx.causal, ctx.dropout_p, ctx.scale, ctx.backend = causal, dropout_p, scale, backend
         ctx.save_for_backward(q, k, v, out, lse, rng_key)
         return out
 
@@ -320,9 +613,9 @@ class AttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, out, lse, rng_key = ctx.saved_tensors
         grad_q, grad_k, grad_v = torch.ops.memopt.attention_bwd(
-            grad_out, q, k, v, out, lse, ctx.causal, ctx.dropout_p, ctx.scale, rng_key
+            grad_out, q, k, v, out, lse, ctx.causal, ctx.dropout_p, ctx.scale, rng_key, ctx.backend
         )
-        return grad_q, grad_k, grad_v, None, None, None, None
+        return grad_q, grad_k, grad_v, None, None, None, None, None
 
 
 def attention(
@@ -334,6 +627,7 @@ def attention(
     dropout_p: float = 0.0,
     scale: float | None = None,
     rng_key: torch.Tensor | None = None,
+    backend: str = "auto",
 ) -> torch.Tensor:
     """Scaled dot-product attention that keeps O(seq) bytes for backward, not O(seq^2).
 
@@ -348,21 +642,35 @@ def attention(
         causal: mask future keys, top-left aligned like ``F.scaled_dot_product_attention``'s
             ``is_causal``: query ``i`` sees keys ``j <= i`` also when ``seq_q != seq_k``.
         dropout_p: drop probability on the attention probabilities, in ``[0, 1)``.
-        scale: softmax scale; ``1 / sqrt(head_dim)`` when None.
+        scale: softmax scale (a real number); ``1 / sqrt(head_dim)`` when None.
         rng_key: int64 CPU tensor ``(seed, offset)`` for the dropout mask; drawn from torch's
             default generator when None, so ``torch.manual_seed`` fixes it. The mask is never
             stored: the backward regenerates it (convention in ``attention_triton``'s docstring).
+        backend: ``"auto"`` or one of ``"triton"``, ``"native"``, ``"aten_flash"``, ``"cudnn"``,
+            ``"efficient"`` (module docstring: what each is, what ``"auto"`` picks). Every backend
+            saves the same tensors and gives the same result to rounding; a named backend that
+            cannot keep the contract for these inputs (ATen's with dropout) raises ValueError.
 
     head_dim must be one of 16, 32, 64, 128, 256. dtypes: float16/bfloat16 on CUDA, float32 in the
-    Triton interpreter, float32/float64 on the native CPU path.
+    Triton interpreter, float32/float64 on the other CPU backends.
 
     Returns:
         ``(batch, heads, seq_q, head_dim)``, a transposed view of a ``(batch, seq_q, heads,
         head_dim)`` buffer, so ``out.transpose(1, 2).reshape(batch, seq_q, -1)`` is free.
     """
-    if not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"memopt.attention: {name} must be a tensor, got {type(t).__name__}")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"memopt.attention: dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    devices = [t.device for t in (q, k, v) if isinstance(t, torch.Tensor)]
+    if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)):
+        raise TypeError(f"memopt.attention: scale must be a finite real number or None, got {scale!r}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"memopt.attention: causal must be a bool, got {causal!r}")
+    if rng_key is not None and not isinstance(rng_key, torch.Tensor):
+        raise TypeError(f"memopt.attention: rng_key must be an int64 CPU tensor (seed, offset) or None, got {type(rng_key).__name__}")
+    _check_backend_name(backend)
+    devices = [t.device for t in (q, k, v)]
     if len(set(devices)) > 1:
         # Checked here too: a meta tensor among the inputs would route the op to its fake impl.
         raise ValueError(f"memopt.attention: q, k and v must be on one device, got {', '.join(map(str, devices))}")
@@ -370,7 +678,7 @@ def attention(
         scale = 1.0 / math.sqrt(q.shape[-1])
     if rng_key is None:
         rng_key = new_rng_key() if dropout_p > 0.0 else torch.zeros(2, dtype=torch.int64)
-    return AttentionFunction.apply(q, k, v, bool(causal), float(dropout_p), float(scale), rng_key)
+    return AttentionFunction.apply(q, k, v, causal, float(dropout_p), float(scale), rng_key, backend)
 
 
 def attention_ref(
@@ -396,7 +704,7 @@ def attention_ref(
         scale = 1.0 / math.sqrt(head_dim)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale
     if causal:
-        scores = scores.masked_fill(~_causal_visible(seq_q, 0, seq_k, q.device), -math.inf)
+        scores = scores.masked_fill(_causal_hidden(0, seq_k, 0, seq_q, q.device), -math.inf)
     probs = torch.softmax(scores, dim=-1)
     if dropout_p > 0.0:
         seed, offset = (int(x) for x in rng_key.tolist())

@@ -10,8 +10,8 @@ and walks the key blocks. Each output element is written by exactly one program 
 gradients are bit-for-bit deterministic; grouped-query heads are summed inside the dkdv program.
 
 Layouts. ``q``: (B, H, Sq, D); ``k``, ``v``: (B, Hkv, Sk, D), any strides with the last one 1.
-``out`` is written in (B, Sq, H, D) memory order; ``lse``: (B, H, Sq) float32, natural log;
-``dq``: (B, H, Sq, D), ``dk``, ``dv``: (B, Hkv, Sk, D), contiguous.
+``out``, ``dq`` (B, H, Sq, D), ``dk``, ``dv`` (B, Hkv, Sk, D) are written in (B, S, H, D) memory
+order; ``lse``: (B, H, Sq) float32, natural log.
 
 Causal masking is top-left aligned, as ``F.scaled_dot_product_attention(is_causal=True)``: query
 ``i`` sees keys ``j <= i``, whatever ``Sq`` and ``Sk`` are, so no row is ever empty.
@@ -311,6 +311,7 @@ def _attn_bwd_dkdv_kernel(
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom,
+    stride_dkb, stride_dkh, stride_dkn,  # dk and dv (one layout)
     num_heads, num_kv_heads, group_size,
     seq_q, seq_k,
     qk_scale,        # softmax scale * log2(e)
@@ -385,8 +386,8 @@ def _attn_bwd_dkdv_kernel(
             dk += tl.dot(ds_t.to(q.dtype), q)
 
     dk = dk * sm_scale
-    # dk and dv are contiguous (B, Hkv, Sk, D).
-    out_offsets = (pid_bkv.to(tl.int64) * seq_k + offs_n[:, None].to(tl.int64)) * HEAD_DIM + offs_d[None, :]
+    out_offsets = (batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
+                   + offs_n[:, None].to(tl.int64) * stride_dkn + offs_d[None, :])
     tl.store(DK + out_offsets, dk.to(DK.dtype.element_ty), mask=key_valid[:, None])
     tl.store(DV + out_offsets, dv.to(DV.dtype.element_ty), mask=key_valid[:, None])
 
@@ -398,6 +399,7 @@ def _attn_bwd_dq_kernel(
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom,
+    stride_dqb, stride_dqh, stride_dqm,
     num_heads, group_size,
     seq_q, seq_k,
     qk_scale, sm_scale,
@@ -458,7 +460,8 @@ def _attn_bwd_dq_kernel(
         dq += tl.dot(ds.to(k.dtype), k)
 
     dq = dq * sm_scale
-    tl.store(DQ + (pid_bh.to(tl.int64) * seq_q + offs_m[:, None].to(tl.int64)) * HEAD_DIM + offs_d[None, :],
+    dq_base = DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh
+    tl.store(dq_base + offs_m[:, None].to(tl.int64) * stride_dqm + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=query_valid[:, None])
 
 
@@ -498,15 +501,17 @@ def attention_fwd_triton(q, k, v, causal: bool, dropout_p: float, scale: float, 
 
 
 def attention_bwd_triton(grad_out, q, k, v, out, lse, causal: bool, dropout_p: float, scale: float, rng_key):
-    """Launch the three backward kernels. Returns contiguous ``dq`` (B, H, Sq, D) and ``dk``,
-    ``dv`` (B, Hkv, Sk, D)."""
+    """Launch the three backward kernels. Returns ``dq`` (B, H, Sq, D) and ``dk``, ``dv``
+    (B, Hkv, Sk, D), each a view of a (B, S, H, D) buffer."""
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     group = heads // kv_heads
     delta = torch.empty((batch, heads, seq_q), device=q.device, dtype=torch.float32)
-    dq = torch.empty((batch, heads, seq_q, head_dim), device=q.device, dtype=q.dtype)
-    dk = torch.empty((batch, kv_heads, seq_k, head_dim), device=q.device, dtype=k.dtype)
-    dv = torch.empty((batch, kv_heads, seq_k, head_dim), device=q.device, dtype=v.dtype)
+    # Gradients as (B, H, S, D) views of (B, S, H, D) buffers, the layout of out (and of q, k, v
+    # when they are views of a fused qkv projection).
+    dq = torch.empty((batch, seq_q, heads, head_dim), device=q.device, dtype=q.dtype).transpose(1, 2)
+    dk = torch.empty((batch, seq_k, kv_heads, head_dim), device=q.device, dtype=k.dtype).transpose(1, 2)
+    dv = torch.empty((batch, seq_k, kv_heads, head_dim), device=q.device, dtype=v.dtype).transpose(1, 2)
     seed, offset, threshold, keep_scale = _dropout_args(dropout_p, rng_key)
     dropout = dropout_p > 0.0
 
@@ -528,6 +533,7 @@ def attention_bwd_triton(grad_out, q, k, v, out, lse, causal: bool, dropout_p: f
     _attn_bwd_dkdv_kernel[(triton.cdiv(seq_k, block_n), batch * kv_heads)](
         q, k, v, grad_out, lse, delta, dk, dv,
         *strides,
+        dk.stride(0), dk.stride(1), dk.stride(2),
         heads, kv_heads, group, seq_q, seq_k,
         scale * LOG2E, scale, seed, offset, threshold, keep_scale,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -538,6 +544,7 @@ def attention_bwd_triton(grad_out, q, k, v, out, lse, causal: bool, dropout_p: f
     _attn_bwd_dq_kernel[(triton.cdiv(seq_q, block_m), batch * heads)](
         q, k, v, grad_out, lse, delta, dq,
         *strides,
+        dq.stride(0), dq.stride(1), dq.stride(2),
         heads, group, seq_q, seq_k,
         scale * LOG2E, scale, seed, offset, threshold, keep_scale,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,

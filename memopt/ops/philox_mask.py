@@ -1,12 +1,13 @@
-"""philox_keep_mask: the dropout keep-mask of any set of element indices.
+"""philox_keep_mask, philox_dropout_scale: dropout masks of parts of a larger tensor.
 
-Layers: kernels in ``csrc/philox_mask.cpp`` (CPU) and ``csrc/philox_mask_cuda.cu`` (CUDA),
-registered as ``torch.ops.memopt.philox_keep_mask``; the fake impl below lets ``torch.compile``
-trace it. ``philox_keep_mask_ref`` is the plain PyTorch reference built on ``memopt.ops._philox``.
+Layers: kernels in ``csrc/philox_mask.cpp`` (CPU) and ``csrc/philox_mask_cuda.cu`` (CUDA,
+philox_keep_mask only), registered as ``torch.ops.memopt.philox_keep_mask`` and
+``torch.ops.memopt.philox_dropout_scale``; the fake impls below let ``torch.compile`` trace them.
+``philox_keep_mask_ref`` is the plain PyTorch reference built on ``memopt.ops._philox``.
 
-Used where a kernel is not fused with its dropout (the native CPU attention path): the mask of a
-chunk of the (B, H, Sq, Sk) probabilities is ``philox_keep_mask(flat indices of the chunk, p,
-rng_key)``, the same bits the fused kernels draw for those elements (``csrc/philox.h``).
+Used where a kernel is not fused with its dropout: the native CPU attention path multiplies each key
+chunk of the (B, H, Sq, Sk) probabilities by ``philox_dropout_scale`` of that window, the same bits
+the fused kernels draw for those elements (``csrc/philox.h``), without building an index tensor.
 """
 
 from __future__ import annotations
@@ -46,3 +47,25 @@ def philox_keep_mask_ref(index: torch.Tensor, p: float, rng_key: torch.Tensor) -
     index = index.cpu().to(torch.int64)
     words = philox4x32_10(offset + index // 4, seed).gather(-1, (index % 4).unsqueeze(-1)).squeeze(-1)
     return words >= dropout_threshold(p)
+
+
+@torch.library.register_fake("memopt::philox_dropout_scale")
+def _philox_dropout_scale_fake(size, index_strides, index_offset, p, rng_key, dtype):
+    return torch.empty(size, dtype=dtype)
+
+
+def philox_dropout_scale(
+    size, index_strides, index_offset: int, p: float, rng_key: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """Dropout factors of a strided window of element indices, as a CPU tensor of ``size``.
+
+    Entry ``(i_0, .., i_n)`` stands for the element ``index_offset + sum_d i_d * index_strides[d]``
+    of a tensor dropped out with ``p`` under ``rng_key``: ``1 / (1 - p)`` where that element is kept
+    (:func:`philox_keep_mask`'s bits), ``0`` where it is dropped. The last index stride must be 1.
+    E.g. rows ``r0:`` and columns ``c0:c1`` of a ``(B, H, Sq, Sk)`` tensor: ``size=(B, H, Sq - r0,
+    c1 - c0)``, ``index_strides=(H * Sq * Sk, Sq * Sk, Sk, 1)``, ``index_offset=r0 * Sk + c0``.
+
+    Returns:
+        float32 or float64 (``dtype``) contiguous CPU tensor of ``size``.
+    """
+    return torch.ops.memopt.philox_dropout_scale(list(size), list(index_strides), int(index_offset), float(p), rng_key, dtype)

@@ -115,6 +115,14 @@ def test_gradcheck_float64():
     assert torch.autograd.gradcheck(fn, (hidden, weight, bias))
 
 
+def test_second_derivatives_are_refused_not_wrong():
+    hidden, weight, bias, target = _inputs(tokens=5, dim=3, vocab=7)
+    loss = memopt.linear_cross_entropy(hidden, weight, target, bias=bias)
+    (grad_hidden,) = torch.autograd.grad(loss, hidden, create_graph=True)
+    with pytest.raises(RuntimeError, match="linear_cross_entropy_bwd"):
+        grad_hidden.sum().backward()
+
+
 # --- low precision and autocast -------------------------------------------------------------
 
 
@@ -383,8 +391,8 @@ def test_benchmark_runs_on_tiny_shapes(tmp_path):
 
 @gpu
 @pytest.mark.parametrize("dtype,autocast_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, None), (torch.float32, None)])
-def test_cuda_within_twice_eager_error(dtype, autocast_dtype):
-    torch.backends.cuda.matmul.allow_tf32 = False
+def test_cuda_within_twice_eager_error(dtype, autocast_dtype, monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # float32 means float32 on both sides
     _low_precision_check("cuda", dtype, autocast_dtype, tokens=1031, dim=256, vocab=32003, chunk=256)
 
 

@@ -8,6 +8,7 @@ from memopt._extension import build_info
 from memopt.block import EagerTransformerBlock, FusedCheckpointBlock, FusedCheckpointStack
 from memopt.ops.activation import act_linear, bias_act, swiglu
 from memopt.ops.attention import attention
+from memopt.ops.cross_entropy import linear_cross_entropy
 from memopt.ops.dropout import dropout_add
 from memopt.offload import Offload, OffloadEngine, offload, offload_module_groups
 from memopt.ops.norm import layer_norm, norm_linear, rms_norm
@@ -44,6 +45,7 @@ __all__ = [
     "estimate",
     "estimate_presets",
     "layer_norm",
+    "linear_cross_entropy",
     "max_micro_batch",
     "max_seq_len",
     "memory_report",

@@ -1,0 +1,459 @@
+"""linear_cross_entropy: ``F.cross_entropy(F.linear(hidden, weight, bias), target)`` without the logits.
+
+A language model's last layer and loss make a ``(tokens, vocab)`` logits tensor (and its float32
+upcast, and its gradient): at a 128k vocabulary about 1.3 MB per token, more than the rest of the
+model's activations past a few thousand tokens. Here the tokens go through in chunks of
+``chunk_tokens``: each chunk's logits exist only while its log-sum-exp (and, for the loss, the
+target logit and the logit sum) are taken, then they are dropped.
+
+The trade chosen: the logits are *rebuilt in the backward*. The forward saves the inputs
+(``hidden``, ``weight``, ``bias``, ``target``, all of which exist anyway) and one log-sum-exp per
+token, i.e. O(tokens) elements beyond the inputs; the backward recomputes each chunk's logits
+with one more matmul and turns them into ``grad_hidden`` and ``grad_weight`` chunk by chunk. That
+costs a fourth ``tokens x vocab x d`` matmul (eager PyTorch does three). Liger Kernel's other
+choice, computing the gradients in the forward, needs no recompute but keeps ``grad_hidden``
+(tokens x d) and a weight-sized ``grad_weight`` alive from the forward to the backward, and cannot
+serve ``reduction="none"`` with an arbitrary upstream gradient; it is not offered.
+
+Working set per chunk: the chunk's logits in the compute dtype and one float32 (float64)
+``chunk x vocab`` buffer (two in a softcapped backward, which keeps ``tanh`` for its
+derivative), plus a compute-dtype copy of ``weight`` when autocast casts it; the
+backward adds the ``vocab x d`` weight-gradient accumulator (the gradient itself) and, when the
+compute dtype differs from the weight's (autocast with float32 weights), one compute-dtype
+``vocab x d`` product per chunk.
+
+Layers: one chunked PyTorch implementation shared by every device (matmuls through the device's
+BLAS, cuBLAS on CUDA; the elementwise part in place on the chunk), registered as
+``torch.ops.memopt.linear_cross_entropy_fwd`` / ``linear_cross_entropy_bwd`` with fake impls;
+``LinearCrossEntropyFunction`` decides what is saved; ``linear_cross_entropy`` validates and
+reduces; ``linear_cross_entropy_ref`` is the plain PyTorch reference.
+"""
+
+from __future__ import annotations
+
+import math
+from numbers import Real
+
+import torch
+import torch.nn.functional as F
+
+_REDUCTIONS = ("mean", "sum", "none")
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+# Default chunk: about 2^24 logits (64 MiB in float32) per chunk, a multiple of 16 tokens so the
+# chunk's matmul keeps tensor-core-friendly shapes.
+_CHUNK_ELEMENTS = 1 << 24
+
+
+def default_chunk_tokens(vocab: int) -> int:
+    """Tokens per chunk so that ``chunk x vocab`` is about 2^24 elements (64 MiB of float32)."""
+    tokens = max(1, _CHUNK_ELEMENTS // max(vocab, 1))
+    return tokens - tokens % 16 if tokens >= 16 else tokens
+
+
+def _accumulate_dtype(compute_dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; every other compute dtype accumulates the loss and lse in float32."""
+    return torch.float64 if compute_dtype == torch.float64 else torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# The chunked implementation (every device).
+# ---------------------------------------------------------------------------------------------
+
+
+def _chunk_logits(hidden_chunk, weight_c, bias_c, accumulate_dtype, softcap, keep_tanh):
+    """``(logits, tanh_part)`` of one chunk in the accumulate dtype.
+
+    ``logits`` is ``softcap * tanh(u / softcap)`` (or ``u``) for ``u = hidden_chunk @ weight_c^T
+    + bias_c`` computed in the compute dtype and then upcast, as eager PyTorch does under
+    autocast. With ``keep_tanh`` and a softcap, ``tanh_part = tanh(u / softcap)`` is returned in
+    a second buffer for the derivative ``1 - tanh^2``; otherwise it is None and the chunk costs
+    one ``chunk x vocab`` buffer in the accumulate dtype.
+    """
+    if bias_c is None:
+        u = torch.mm(hidden_chunk, weight_c.t())
+    else:
+        u = torch.addmm(bias_c, hidden_chunk, weight_c.t())
+    logits = u.to(accumulate_dtype)
+    if softcap is None:
+        return logits, None
+    logits.div_(softcap).tanh_()
+    if keep_tanh:
+        return logits * softcap, logits
+    return logits.mul_(softcap), None
+
+
+def _logsumexp_(logits: torch.Tensor) -> torch.Tensor:
+    """Row-wise log-sum-exp that overwrites ``logits`` instead of allocating a second buffer."""
+    row_max = logits.amax(1, keepdim=True)
+    row_max = torch.where(row_max.isinf(), 0.0, row_max)  # as torch.logsumexp: no inf - inf
+    return logits.sub_(row_max).exp_().sum(1).log_().add_(row_max.squeeze(1))
+
+
+def _check_target_values(target: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Every target is a class in ``[0, vocab)`` or ``ignore_index`` (as torch requires)."""
+    bad = ((target < 0) | (target >= vocab)) & (target != ignore_index)
+    if target.device.type == "cpu":
+        if bool(bad.any()):
+            value = int(target[bad][0])
+            raise ValueError(
+                f"memopt.linear_cross_entropy: target must hold class indices in [0, {vocab}) or "
+                f"ignore_index ({ignore_index}), got {value}"
+            )
+    else:
+        torch._assert_async(~bad.any(), "memopt.linear_cross_entropy: target out of [0, vocab) and not ignore_index")
+
+
+def _forward_chunks(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    logit_softcap: float | None,
+    chunk_tokens: int,
+    compute_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token loss and log-sum-exp, chunk by chunk over the tokens.
+
+    Args: ``hidden (N, d)``, ``weight (V, d)``, ``bias (V,)`` or None, ``target (N,)`` int64; the
+    matmul runs in ``compute_dtype``. Returns ``loss (N,)`` (0 where ``target == ignore_index``)
+    and ``lse (N,)`` of the (capped) logits, both float64 for a float64 compute dtype, float32
+    otherwise. ``loss = lse - (1 - eps) * z_target - eps / V * sum(z)`` with ``eps`` the label
+    smoothing: torch's ``(1 - eps) * nll + eps / V * sum(-log_softmax)``.
+    """
+    tokens, vocab = hidden.shape[0], weight.shape[0]
+    _check_target_values(target, vocab, ignore_index)
+    accumulate_dtype = _accumulate_dtype(compute_dtype)
+    loss = hidden.new_empty(tokens, dtype=accumulate_dtype)
+    lse = hidden.new_empty(tokens, dtype=accumulate_dtype)
+    with torch.autocast(hidden.device.type, enabled=False):
+        weight_c = weight.to(compute_dtype)
+        bias_c = None if bias is None else bias.to(compute_dtype)
+        for start in range(0, tokens, chunk_tokens):
+            stop = min(start + chunk_tokens, tokens)
+            target_chunk = target[start:stop]
+            valid = target_chunk != ignore_index
+            logits, _ = _chunk_logits(
+                hidden[start:stop].to(compute_dtype), weight_c, bias_c, accumulate_dtype, logit_softcap, keep_tanh=False
+            )
+            target_logit = logits.gather(1, torch.where(valid, target_chunk, 0).unsqueeze(1)).squeeze(1)
+            logit_sum = logits.sum(1) if label_smoothing > 0.0 else None
+            lse_chunk = _logsumexp_(logits)  # the logits are gone after this
+            chunk_loss = lse_chunk - target_logit
+            if logit_sum is not None:
+                smooth = vocab * lse_chunk - logit_sum
+                chunk_loss = (1.0 - label_smoothing) * chunk_loss + (label_smoothing / vocab) * smooth
+            loss[start:stop] = torch.where(valid, chunk_loss, 0.0)
+            lse[start:stop] = lse_chunk
+            del logits  # before the next chunk's matmul, so two chunks never coexist
+    return loss, lse
+
+
+linear_cross_entropy_fwd = torch.library.custom_op(
+    "memopt::linear_cross_entropy_fwd", _forward_chunks, mutates_args=()
+)
+
+
+@linear_cross_entropy_fwd.register_fake
+def _linear_cross_entropy_fwd_fake(
+    hidden, weight, bias, target, ignore_index, label_smoothing, logit_softcap, chunk_tokens, compute_dtype
+):
+    accumulate_dtype = _accumulate_dtype(compute_dtype)
+    tokens = hidden.shape[0]
+    return hidden.new_empty(tokens, dtype=accumulate_dtype), hidden.new_empty(tokens, dtype=accumulate_dtype)
+
+
+def _backward_chunks(
+    grad_loss: torch.Tensor,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    target: torch.Tensor,
+    lse: torch.Tensor,
+    ignore_index: int,
+    label_smoothing: float,
+    logit_softcap: float | None,
+    chunk_tokens: int,
+    compute_dtype: torch.dtype,
+    need_grad_hidden: bool,
+    need_grad_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients from the saved lse, rebuilding each chunk's logits.
+
+    ``grad_loss (N,)`` is the gradient of the per-token loss. For token i and class c,
+    ``d loss_i / d z_ic = softmax(z_i)_c - (1 - eps) [c == target_i] - eps / V``, times
+    ``1 - tanh^2`` under a softcap, zero for ignored tokens. Returns ``grad_hidden (N, d)`` in
+    hidden's dtype, ``grad_weight (V, d)`` in weight's dtype and ``grad_bias (V,)`` in bias's
+    dtype; a gradient not asked for (``need_grad_*`` False, or no bias) is an empty tensor.
+    """
+    tokens, vocab = hidden.shape[0], weight.shape[0]
+    accumulate_dtype = _accumulate_dtype(compute_dtype)
+    grad_hidden = hidden.new_empty((tokens, hidden.shape[1]) if need_grad_hidden else (0,))
+    # The weight gradient accumulates over chunks in its own dtype when the matmul runs in it
+    # (one rounding per chunk, as an addmm with beta=1); under autocast with float32 weights each
+    # chunk's compute-dtype product is added to the float32 gradient.
+    grad_weight = weight.new_zeros(weight.shape if need_grad_weight else (0,))
+    grad_bias_acc = hidden.new_zeros(vocab if bias is not None else 0, dtype=accumulate_dtype)
+    with torch.autocast(hidden.device.type, enabled=False):
+        weight_c = weight.to(compute_dtype)
+        bias_c = None if bias is None else bias.to(compute_dtype)
+        for start in range(0, tokens, chunk_tokens):
+            stop = min(start + chunk_tokens, tokens)
+            target_chunk = target[start:stop]
+            valid = target_chunk != ignore_index
+            # where, not a product: an all-ignored mean sends grad_loss = 1/0 = inf, and the
+            # ignored tokens' gradient must stay 0 as in torch.
+            coefficient = torch.where(valid, grad_loss[start:stop].to(accumulate_dtype), 0.0)
+            hidden_chunk = hidden[start:stop].to(compute_dtype)
+            logits, tanh_part = _chunk_logits(
+                hidden_chunk, weight_c, bias_c, accumulate_dtype, logit_softcap, keep_tanh=True
+            )
+            grad_logits = logits.sub_(lse[start:stop].unsqueeze(1)).exp_()
+            if label_smoothing > 0.0:
+                grad_logits.sub_(label_smoothing / vocab)
+            rows = torch.arange(stop - start, device=hidden.device)
+            grad_logits[rows, torch.where(valid, target_chunk, 0)] -= 1.0 - label_smoothing
+            if tanh_part is not None:
+                grad_logits.mul_(tanh_part.square_().neg_().add_(1.0))
+            grad_logits.mul_(coefficient.unsqueeze(1))
+            if bias is not None:
+                grad_bias_acc += grad_logits.sum(0)
+            grad_logits_c = grad_logits.to(compute_dtype)
+            if need_grad_hidden:
+                grad_hidden[start:stop] = torch.mm(grad_logits_c, weight_c)
+            if need_grad_weight:
+                if grad_weight.dtype == compute_dtype:
+                    grad_weight.addmm_(grad_logits_c.t(), hidden_chunk)
+                else:
+                    grad_weight += torch.mm(grad_logits_c.t(), hidden_chunk)
+            del logits, tanh_part, grad_logits, grad_logits_c  # before the next chunk's matmul
+    grad_bias = grad_bias_acc if bias is None else grad_bias_acc.to(bias.dtype)
+    return grad_hidden, grad_weight, grad_bias
+
+
+linear_cross_entropy_bwd = torch.library.custom_op(
+    "memopt::linear_cross_entropy_bwd", _backward_chunks, mutates_args=()
+)
+
+
+@linear_cross_entropy_bwd.register_fake
+def _linear_cross_entropy_bwd_fake(
+    grad_loss, hidden, weight, bias, target, lse, ignore_index, label_smoothing, logit_softcap,
+    chunk_tokens, compute_dtype, need_grad_hidden, need_grad_weight,
+):
+    grad_hidden = hidden.new_empty((hidden.shape[0], hidden.shape[1]) if need_grad_hidden else (0,))
+    grad_weight = weight.new_empty(weight.shape if need_grad_weight else (0,))
+    if bias is None:
+        grad_bias = hidden.new_empty(0, dtype=_accumulate_dtype(compute_dtype))
+    else:
+        grad_bias = bias.new_empty(bias.shape)
+    return grad_hidden, grad_weight, grad_bias
+
+
+# The Python bodies of the registered ops, by op name: a TorchDispatchMode sees only a custom
+# op's outputs, so the tests and bench.cross_entropy run these under their mode to see every
+# intermediate of the chunk loop.
+IMPLEMENTATIONS = {
+    "linear_cross_entropy_fwd": _forward_chunks,
+    "linear_cross_entropy_bwd": _backward_chunks,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd and the public function.
+# ---------------------------------------------------------------------------------------------
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    """Per-token loss ``(N,)``; saves hidden, weight, bias, target and the lse, never the logits.
+
+    ``apply(hidden (N, d), weight (V, d), bias (V,) or None, target (N,) int64, ignore_index,
+    label_smoothing, logit_softcap, chunk_tokens, compute_dtype)``.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, target, ignore_index, label_smoothing, logit_softcap, chunk_tokens, compute_dtype):
+        loss, lse = torch.ops.memopt.linear_cross_entropy_fwd(
+            hidden, weight, bias, target, ignore_index, label_smoothing, logit_softcap, chunk_tokens, compute_dtype
+        )
+        ctx.options = (ignore_index, label_smoothing, logit_softcap, chunk_tokens, compute_dtype)
+        ctx.save_for_backward(hidden, weight, bias, target, lse)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        hidden, weight, bias, target, lse = ctx.saved_tensors
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden, grad_weight, grad_bias = torch.ops.memopt.linear_cross_entropy_bwd(
+            grad_loss.contiguous(), hidden, weight, bias, target, lse, *ctx.options, need_hidden, need_weight
+        )
+        return (
+            grad_hidden if need_hidden else None,
+            grad_weight if need_weight else None,
+            grad_bias if need_bias else None,
+            None, None, None, None, None, None,
+        )
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, Real) and not isinstance(value, bool)
+
+
+def _check_arguments(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, logit_softcap, chunk_tokens):
+    name = "memopt.linear_cross_entropy"
+    for arg, value in (("hidden", hidden), ("weight", weight), ("target", target)):
+        if not isinstance(value, torch.Tensor):
+            raise TypeError(f"{name}: {arg} must be a tensor, got {type(value).__name__}")
+    if bias is not None and not isinstance(bias, torch.Tensor):
+        raise TypeError(f"{name}: bias must be a tensor or None, got {type(bias).__name__}")
+    if hidden.dim() < 1:
+        raise ValueError(f"{name}: hidden must have shape (..., d), got a 0-dim tensor")
+    d = hidden.shape[-1]
+    if weight.dim() != 2 or weight.shape[1] != d:
+        raise ValueError(f"{name}: weight must have shape (vocab, {d}) (hidden.shape[-1] = {d}), got {tuple(weight.shape)}")
+    vocab = weight.shape[0]
+    if vocab == 0:
+        raise ValueError(f"{name}: weight must have at least one row (class), got shape {tuple(weight.shape)}")
+    if bias is not None and tuple(bias.shape) != (vocab,):
+        raise ValueError(f"{name}: bias must have shape ({vocab},) (weight.shape[0]), got {tuple(bias.shape)}")
+    if tuple(target.shape) != tuple(hidden.shape[:-1]):
+        raise ValueError(f"{name}: target must have shape {tuple(hidden.shape[:-1])} (hidden.shape[:-1]), got {tuple(target.shape)}")
+    for arg, value in (("hidden", hidden), ("weight", weight), ("bias", bias)):
+        if value is not None and value.dtype not in _FLOAT_DTYPES:
+            raise TypeError(f"{name}: {arg} must be float16, bfloat16, float32 or float64, got {value.dtype}")
+    if target.dtype == torch.bool or target.is_floating_point() or target.is_complex():
+        raise TypeError(f"{name}: target must be an integer tensor of class indices, got {target.dtype}")
+    for arg, value in (("weight", weight), ("target", target), ("bias", bias)):
+        if value is not None and value.device != hidden.device:
+            raise ValueError(f"{name}: {arg} must be on hidden's device ({hidden.device}), got {value.device}")
+    if not _is_int(ignore_index):
+        raise TypeError(f"{name}: ignore_index must be an int, got {ignore_index!r}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{name}: reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if not _is_real(label_smoothing) or not 0.0 <= float(label_smoothing) <= 1.0:
+        raise ValueError(f"{name}: label_smoothing must be a float in [0, 1], got {label_smoothing!r}")
+    if logit_softcap is not None and (
+        not _is_real(logit_softcap) or not math.isfinite(float(logit_softcap)) or float(logit_softcap) <= 0.0
+    ):
+        raise ValueError(f"{name}: logit_softcap must be None or a finite float > 0, got {logit_softcap!r}")
+    if chunk_tokens is not None and (not _is_int(chunk_tokens) or chunk_tokens <= 0):
+        raise ValueError(f"{name}: chunk_tokens must be None or a positive int, got {chunk_tokens!r}")
+
+
+def _compute_dtype(hidden, weight, bias) -> tuple[torch.dtype, bool]:
+    """(dtype of the matmul, whether autocast chose it), as ``F.linear`` would decide."""
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type) and hidden.dtype != torch.float64:
+        return torch.get_autocast_dtype(device_type), True
+    for arg, value in (("weight", weight), ("bias", bias)):
+        if value is not None and value.dtype != hidden.dtype:
+            raise TypeError(
+                f"memopt.linear_cross_entropy: {arg} must have hidden's dtype ({hidden.dtype}) outside "
+                f"autocast, as F.linear requires, got {value.dtype}"
+            )
+    return hidden.dtype, False
+
+
+def linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    logit_softcap: float | None = None,
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
+    """``F.cross_entropy(F.linear(hidden, weight, bias), target, ...)`` without the logits.
+
+    The tokens go through in chunks of ``chunk_tokens``; one log-sum-exp per token is kept, and
+    the backward rebuilds each chunk's logits (see the module docstring for the trade). Saved for
+    backward besides the inputs: ``lse``, one float32 (float64) per token.
+
+    Args:
+        hidden: ``(..., d)`` float16/bfloat16/float32/float64.
+        weight: ``(vocab, d)``, hidden's dtype outside autocast.
+        target: ``hidden.shape[:-1]``, integer class indices in ``[0, vocab)`` or ``ignore_index``.
+        bias: ``(vocab,)`` or None.
+        ignore_index: targets equal to it add no loss and no gradient, and do not count in the mean.
+        reduction: ``"mean"`` (over the non-ignored tokens; NaN when all are ignored, as torch),
+            ``"sum"`` or ``"none"`` (per-token, 0 at ignored tokens).
+        label_smoothing: in ``[0, 1]``, torch's definition: ``(1 - eps) * nll + eps / vocab *
+            sum_c(-log p_c)``.
+        logit_softcap: Gemma-2's cap ``logits = cap * tanh(logits / cap)`` before the loss, or None.
+        chunk_tokens: tokens per chunk; None picks about 2^24 logits per chunk (64 MiB in float32).
+
+    Under ``torch.autocast`` the matmul runs in the autocast dtype and the loss and lse in
+    float32 (as eager autocast would run ``F.linear`` then ``F.cross_entropy``); float64 inputs
+    compute in float64.
+
+    Returns:
+        The loss: a scalar, or ``target.shape`` for ``reduction="none"``; float32 under autocast,
+        otherwise the dtype of the logits ``F.linear`` would make.
+    """
+    _check_arguments(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, logit_softcap, chunk_tokens)
+    compute_dtype, autocast_on = _compute_dtype(hidden, weight, bias)
+    out_dtype = torch.float32 if autocast_on else compute_dtype
+    vocab = weight.shape[0]
+    if chunk_tokens is None:
+        chunk_tokens = default_chunk_tokens(vocab)
+    target_flat = target.reshape(-1).to(torch.int64)
+    loss = LinearCrossEntropyFunction.apply(
+        hidden.reshape(-1, hidden.shape[-1]),
+        weight,
+        bias,
+        target_flat,
+        int(ignore_index),
+        float(label_smoothing),
+        None if logit_softcap is None else float(logit_softcap),
+        int(chunk_tokens),
+        compute_dtype,
+    )
+    if reduction == "none":
+        return loss.reshape(target.shape).to(out_dtype)
+    total = loss.sum()
+    if reduction == "mean":
+        total = total / (target_flat != ignore_index).sum()
+    return total.to(out_dtype)
+
+
+def linear_cross_entropy_ref(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    bias: torch.Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    logit_softcap: float | None = None,
+    upcast: bool = False,
+) -> torch.Tensor:
+    """Plain PyTorch reference: materialises the ``(..., vocab)`` logits.
+
+    ``F.linear``, the softcap, then ``F.cross_entropy`` on the logits flattened to ``(N, vocab)``.
+    With ``upcast`` every input is cast to float64 first and the result is float64. Differentiable,
+    so its gradients are the reference gradients.
+    """
+    if upcast:
+        hidden, weight = hidden.double(), weight.double()
+        bias = None if bias is None else bias.double()
+    logits = F.linear(hidden, weight, bias)
+    if logit_softcap is not None:
+        logits = logit_softcap * torch.tanh(logits / logit_softcap)
+    loss = F.cross_entropy(
+        logits.reshape(-1, weight.shape[0]),
+        target.reshape(-1).long(),
+        ignore_index=ignore_index,
+        reduction=reduction,
+        label_smoothing=label_smoothing,
+    )
+    return loss.reshape(target.shape) if reduction == "none" else loss

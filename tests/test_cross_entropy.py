@@ -1,0 +1,407 @@
+"""linear_cross_entropy: float64 reference at 1e-12 over ignore_index x reduction x label smoothing
+x softcap x bias, low precision and autocast against twice the eager error, O(tokens) saved
+tensors (counted), a chunk-bounded working set, gradcheck, opcheck, torch.compile, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+import memopt
+from memopt.ops.cross_entropy import (
+    IMPLEMENTATIONS,
+    LinearCrossEntropyFunction,
+    default_chunk_tokens,
+    linear_cross_entropy_ref,
+)
+from tests.helpers import gpu
+
+TOKENS, DIM, VOCAB, CHUNK = 97, 16, 1003, 32  # 97 = 3 chunks of 32 + 1; 1003 is no multiple of anything here
+REDUCTIONS = ("mean", "sum", "none")
+IGNORED = ("none", "some", "all")
+
+
+def _inputs(tokens=TOKENS, dim=DIM, vocab=VOCAB, dtype=torch.float64, ignored="some", with_bias=True, device="cpu"):
+    hidden = torch.randn(tokens, dim, dtype=dtype, device=device).requires_grad_()
+    weight = (torch.randn(vocab, dim, dtype=dtype, device=device) / dim**0.5).requires_grad_()
+    bias = (0.1 * torch.randn(vocab, dtype=dtype, device=device)).requires_grad_() if with_bias else None
+    target = torch.randint(0, vocab, (tokens,), device=device)
+    if ignored == "some":
+        target[::3] = -100
+    elif ignored == "all":
+        target[:] = -100
+    return hidden, weight, bias, target
+
+
+def _leaves(hidden, weight, bias):
+    return [t for t in (hidden, weight, bias) if t is not None]
+
+
+def _loss_and_grads(fn, hidden, weight, bias, target, upstream_seed=1, **kwargs):
+    loss = fn(hidden, weight, target, bias=bias, **kwargs)
+    upstream = torch.randn(loss.shape, generator=torch.Generator().manual_seed(upstream_seed), dtype=torch.float64)
+    grads = torch.autograd.grad(loss, _leaves(hidden, weight, bias), upstream.to(loss.dtype).to(loss.device))
+    return loss, grads
+
+
+def _assert_close_relative(actual, expected, rtol, what):
+    """Elementwise |actual - expected| <= rtol * max|expected| (NaN where expected is NaN)."""
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    assert actual.shape == expected.shape, f"{what}: shape {actual.shape} != {expected.shape}"
+    scale = expected.abs().nan_to_num(0.0).max().item() if expected.numel() else 0.0
+    torch.testing.assert_close(actual, expected, rtol=rtol, atol=rtol * scale, equal_nan=True, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("logit_softcap", [None, 4.0])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("ignored", IGNORED)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_float64_equals_reference(reduction, ignored, label_smoothing, logit_softcap):
+    hidden, weight, bias, target = _inputs(ignored=ignored)
+    options = dict(reduction=reduction, label_smoothing=label_smoothing, logit_softcap=logit_softcap)
+    loss, grads = _loss_and_grads(memopt.linear_cross_entropy, hidden, weight, bias, target, chunk_tokens=CHUNK, **options)
+    ref_loss, ref_grads = _loss_and_grads(linear_cross_entropy_ref, hidden, weight, bias, target, **options)
+    if ignored == "all" and reduction == "mean":
+        assert ref_loss.isnan() and loss.isnan()  # torch's 0/0, kept
+    _assert_close_relative(loss, ref_loss, 1e-12, "loss")
+    for name, grad, ref in zip(("hidden", "weight", "bias"), grads, ref_grads):
+        _assert_close_relative(grad, ref, 1e-12, f"grad_{name}")
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("chunk_tokens", [1, 7, None, 1000])
+def test_float64_any_chunking_and_bias(chunk_tokens, with_bias):
+    hidden, weight, bias, target = _inputs(with_bias=with_bias)
+    options = dict(label_smoothing=0.2, logit_softcap=2.5)
+    loss, grads = _loss_and_grads(memopt.linear_cross_entropy, hidden, weight, bias, target, chunk_tokens=chunk_tokens, **options)
+    ref_loss, ref_grads = _loss_and_grads(linear_cross_entropy_ref, hidden, weight, bias, target, **options)
+    _assert_close_relative(loss, ref_loss, 1e-12, "loss")
+    for grad, ref in zip(grads, ref_grads):
+        _assert_close_relative(grad, ref, 1e-12, "grad")
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("lead_shape", [(), (3, 33), (2, 1, 5)])
+def test_leading_dimensions_and_integer_targets(lead_shape, reduction):
+    hidden = torch.randn(*lead_shape, DIM, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(VOCAB, DIM, dtype=torch.float64, requires_grad=True)
+    target = torch.randint(0, VOCAB, lead_shape, dtype=torch.int32)
+    loss = memopt.linear_cross_entropy(hidden, weight, target, reduction=reduction, ignore_index=5, chunk_tokens=8)
+    ref = linear_cross_entropy_ref(hidden, weight, target, reduction=reduction, ignore_index=5)
+    _assert_close_relative(loss, ref, 1e-12, "loss")
+    upstream = torch.randn_like(ref)
+    for grad, ref_grad in zip(torch.autograd.grad(loss, (hidden, weight), upstream), torch.autograd.grad(ref, (hidden, weight), upstream)):
+        _assert_close_relative(grad, ref_grad, 1e-12, "grad")
+
+
+def test_no_tokens_gives_what_torch_gives():
+    hidden, weight, bias, target = _inputs(tokens=0)
+    for reduction in REDUCTIONS:
+        loss = memopt.linear_cross_entropy(hidden, weight, target, bias=bias, reduction=reduction)
+        ref = linear_cross_entropy_ref(hidden, weight, target, bias=bias, reduction=reduction)
+        torch.testing.assert_close(loss, ref, equal_nan=True)
+
+
+def test_gradcheck_float64():
+    hidden, weight, bias, target = _inputs(tokens=5, dim=3, vocab=7, ignored="none")
+    target[1] = -100
+
+    def fn(h, w, b):
+        return LinearCrossEntropyFunction.apply(h, w, b, target, -100, 0.15, 1.5, 2, torch.float64)
+
+    assert torch.autograd.gradcheck(fn, (hidden, weight, bias))
+
+
+def test_second_derivatives_are_refused_not_wrong():
+    hidden, weight, bias, target = _inputs(tokens=5, dim=3, vocab=7)
+    loss = memopt.linear_cross_entropy(hidden, weight, target, bias=bias)
+    (grad_hidden,) = torch.autograd.grad(loss, hidden, create_graph=True)
+    with pytest.raises(RuntimeError, match="linear_cross_entropy_bwd"):
+        grad_hidden.sum().backward()
+
+
+# --- low precision and autocast -------------------------------------------------------------
+
+
+def _max_errors(loss, grads, ref_loss, ref_grads):
+    return [(a.double() - r).abs().nan_to_num(0.0).max().item() for a, r in zip((loss, *grads), (ref_loss, *ref_grads))]
+
+
+LOW_PRECISION = [
+    # (parameter dtype, autocast dtype or None)
+    pytest.param(torch.float32, None, id="float32"),
+    pytest.param(torch.bfloat16, None, id="bfloat16"),
+    pytest.param(torch.float32, torch.bfloat16, id="autocast-bfloat16"),
+    pytest.param(torch.float32, torch.float16, id="autocast-float16"),
+]
+
+
+def _low_precision_check(device, dtype, autocast_dtype, tokens=TOKENS, dim=64, vocab=VOCAB, chunk=CHUNK):
+    hidden, weight, bias, target = _inputs(tokens, dim, vocab, dtype=torch.float64, device=device)
+    options = dict(label_smoothing=0.1, logit_softcap=8.0)
+    ref_loss, ref_grads = _loss_and_grads(linear_cross_entropy_ref, hidden, weight, bias, target, **options)
+    low = [t.detach().to(dtype).requires_grad_() for t in (hidden, weight, bias)]
+    with torch.autocast(device, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
+        loss, grads = _loss_and_grads(memopt.linear_cross_entropy, *low, target, chunk_tokens=chunk, **options)
+        eager_loss, eager_grads = _loss_and_grads(linear_cross_entropy_ref, *low, target, **options)
+    expected_dtype = torch.float32 if autocast_dtype is not None else dtype
+    assert loss.dtype == eager_loss.dtype == expected_dtype
+    assert [g.dtype for g in grads] == [t.dtype for t in low]
+    ours = _max_errors(loss, grads, ref_loss, ref_grads)
+    eager = _max_errors(eager_loss, eager_grads, ref_loss, ref_grads)
+    eps = torch.finfo(autocast_dtype or dtype).eps
+    for name, mine, theirs, ref in zip(("loss", "grad_hidden", "grad_weight", "grad_bias"), ours, eager, (ref_loss, *ref_grads)):
+        # Twice plain PyTorch's error in the same precision, with a floor of a few ulps of the
+        # value's scale for the cases where eager happens to be almost exact.
+        bound = 2 * theirs + 4 * eps * ref.abs().max().item()
+        assert mine <= bound, f"{name}: error {mine:.3g} > bound {bound:.3g} (eager error {theirs:.3g})"
+
+
+@pytest.mark.parametrize("dtype,autocast_dtype", LOW_PRECISION)
+def test_low_precision_within_twice_eager_error(dtype, autocast_dtype):
+    _low_precision_check("cpu", dtype, autocast_dtype)
+
+
+def test_autocast_keeps_float64_in_float64():
+    hidden, weight, bias, target = _inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, grads = _loss_and_grads(memopt.linear_cross_entropy, hidden, weight, bias, target, chunk_tokens=CHUNK)
+    ref_loss, ref_grads = _loss_and_grads(linear_cross_entropy_ref, hidden, weight, bias, target)
+    _assert_close_relative(loss, ref_loss, 1e-12, "loss")
+    for grad, ref in zip(grads, ref_grads):
+        _assert_close_relative(grad, ref, 1e-12, "grad")
+
+
+# --- memory ---------------------------------------------------------------------------------
+
+
+def test_saved_tensors_are_o_tokens():
+    hidden, weight, bias, target = _inputs(dtype=torch.float32)
+    inputs = [hidden, weight, bias, target]
+    with memopt.SavedTensorCounter(exclude=inputs) as counter:
+        memopt.linear_cross_entropy(hidden, weight, target, bias=bias, chunk_tokens=CHUNK, label_smoothing=0.1, logit_softcap=3.0)
+    assert counter.total_bytes == TOKENS * 4 + 8  # the float32 lse, and the mean's int64 token count
+    with memopt.SavedTensorCounter(exclude=inputs) as eager:
+        linear_cross_entropy_ref(hidden, weight, target, bias=bias, label_smoothing=0.1, logit_softcap=3.0)
+    assert eager.total_bytes >= TOKENS * VOCAB * 4  # the counter sees the logits when they are saved
+
+
+def test_saved_bytes_under_autocast_and_int32_targets():
+    hidden, weight, bias, target = _inputs(dtype=torch.float32)
+    target32 = target.int()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        saved = memopt.saved_bytes(
+            lambda h, w, b, t: memopt.linear_cross_entropy(h, w, t, bias=b, chunk_tokens=CHUNK), hidden, weight, bias, target32
+        )
+    assert saved == TOKENS * (4 + 8) + 8  # lse, the int64 copy of the targets, the count: no bf16 casts kept
+
+
+class _LargestIntermediate(TorchDispatchMode):
+    """The largest numel of any tensor an aten op returns while active, inside memopt's
+    cross-entropy ops too (their Python bodies run under the mode)."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+        self.ops_entered = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        body = IMPLEMENTATIONS.get(func._opname) if func.namespace == "memopt" else None
+        if body is not None:
+            self.ops_entered += 1
+            with self:
+                out = body(*args, **(kwargs or {}))
+        else:
+            out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_no_intermediate_exceeds_a_chunk_of_logits(autocast):
+    chunk, dim = 16, 8  # dim < chunk: the vocab x dim weight-sized buffers are below chunk x vocab
+    hidden, weight, bias, target = _inputs(dim=dim, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with _LargestIntermediate() as ours:
+            loss = memopt.linear_cross_entropy(hidden, weight, target, bias=bias, chunk_tokens=chunk, label_smoothing=0.1, logit_softcap=3.0)
+            loss.backward()
+        with _LargestIntermediate() as eager:
+            linear_cross_entropy_ref(hidden, weight, target, bias=bias, label_smoothing=0.1, logit_softcap=3.0).backward()
+    assert ours.ops_entered == 2  # forward and backward op bodies were looked into
+    assert chunk * VOCAB // 2 < ours.largest <= chunk * VOCAB
+    assert eager.largest >= TOKENS * VOCAB  # the check sees full logits when they exist
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("logit_softcap", [None, 3.0])
+def test_peak_live_bytes_hold_one_chunk_of_logits(logit_softcap, autocast):
+    """Tracked peak of forward + backward: one float32 chunk x vocab buffer (two in a softcapped
+    backward), the weight gradient and O(tokens x d); a second chunk alive at once would not fit."""
+    from bench.cross_entropy import ChunkAwareTracker
+
+    chunk, dim = 16, 8
+    hidden, weight, bias, target = _inputs(dim=dim, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        with ChunkAwareTracker(exclude=[hidden, weight, bias, target]) as tracker:
+            loss = memopt.linear_cross_entropy(
+                hidden, weight, target, bias=bias, chunk_tokens=chunk, label_smoothing=0.1, logit_softcap=logit_softcap
+            )
+            loss.backward()
+    chunk_buffers = 2 if logit_softcap is not None else 1
+    bound = chunk_buffers * chunk * VOCAB * 4 + VOCAB * dim * 4 + 2 * TOKENS * dim * 4 + 3 * VOCAB * 4 + 2048
+    if autocast:  # the bf16 chunk matmul output, the bf16 weight copy and one bf16 weight-gradient product
+        bound += chunk * VOCAB * 2 + 2 * VOCAB * dim * 2
+    assert tracker.peak_bytes() <= bound
+    assert tracker.peak_bytes() > chunk_buffers * chunk * VOCAB * 4  # the tracker does see inside the op
+
+
+def test_frozen_weight_gets_no_gradient_and_hidden_still_does():
+    hidden, weight, bias, target = _inputs()
+    weight.requires_grad_(False)
+    bias.requires_grad_(False)
+    loss = memopt.linear_cross_entropy(hidden, weight, target, bias=bias, chunk_tokens=CHUNK)
+    (grad,) = torch.autograd.grad(loss, hidden)
+    (ref,) = torch.autograd.grad(linear_cross_entropy_ref(hidden, weight, target, bias=bias), hidden)
+    _assert_close_relative(grad, ref, 1e-12, "grad_hidden")
+
+
+def test_default_chunk_is_about_64_mib_of_float32_logits():
+    for vocab in (32000, 128256, 262144):
+        chunk = default_chunk_tokens(vocab)
+        assert chunk % 16 == 0 and 32 * 2**20 <= chunk * vocab * 4 <= 64 * 2**20
+    assert default_chunk_tokens(2**25) == 1
+
+
+# --- registration ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("with_bias,logit_softcap,label_smoothing", [(True, 3.0, 0.1), (False, None, 0.0)])
+def test_opcheck(with_bias, logit_softcap, label_smoothing):
+    hidden, weight, bias, target = _inputs(tokens=21, dim=8, vocab=37, dtype=torch.float32, with_bias=with_bias)
+    hidden, weight = hidden.detach(), weight.detach()
+    bias = None if bias is None else bias.detach()
+    options = (-100, label_smoothing, logit_softcap, 8, torch.float32)
+    torch.library.opcheck(torch.ops.memopt.linear_cross_entropy_fwd.default, (hidden, weight, bias, target, *options))
+    _, lse = torch.ops.memopt.linear_cross_entropy_fwd(hidden, weight, bias, target, *options)
+    grad_loss = torch.randn(21)
+    for need_hidden, need_weight in ((True, True), (False, True), (True, False)):
+        torch.library.opcheck(
+            torch.ops.memopt.linear_cross_entropy_bwd.default,
+            (grad_loss, hidden, weight, bias, target, lse, *options, need_hidden, need_weight),
+        )
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_compile_fullgraph_equals_eager(reduction, autocast, compile_cache):
+    hidden, weight, bias, target = _inputs(dtype=torch.float32)
+
+    def fn(h, w, t, bias):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return memopt.linear_cross_entropy(
+                h, w, t, bias=bias, reduction=reduction, label_smoothing=0.1, logit_softcap=5.0, chunk_tokens=CHUNK
+            )
+
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    loss, grads = _loss_and_grads(compiled, hidden, weight, bias, target)
+    eager_loss, eager_grads = _loss_and_grads(fn, hidden, weight, bias, target)
+    torch.testing.assert_close(loss, eager_loss, rtol=0, atol=0)
+    for grad, ref in zip(grads, eager_grads):
+        torch.testing.assert_close(grad, ref, rtol=0, atol=0)
+
+
+# --- errors ---------------------------------------------------------------------------------
+
+
+def _call(**overrides):
+    hidden, weight, bias, target = _inputs(tokens=6, dim=4, vocab=9, dtype=torch.float32)
+    args = dict(hidden=hidden, weight=weight, target=target, bias=bias)
+    args.update(overrides)
+    return memopt.linear_cross_entropy(args.pop("hidden"), args.pop("weight"), args.pop("target"), **args)
+
+
+@pytest.mark.parametrize(
+    "overrides,error,match",
+    [
+        (dict(hidden=torch.randn(())), ValueError, "hidden must have shape"),
+        (dict(hidden=[1.0]), TypeError, "hidden must be a tensor"),
+        (dict(weight=torch.randn(9, 5)), ValueError, "weight must have shape"),
+        (dict(weight=torch.randn(0, 4)), ValueError, "weight must have at least one row"),
+        (dict(bias=torch.randn(8)), ValueError, "bias must have shape"),
+        (dict(target=torch.zeros(5, dtype=torch.long)), ValueError, "target must have shape"),
+        (dict(target=torch.zeros(6)), TypeError, "target must be an integer tensor"),
+        (dict(target=torch.zeros(6, dtype=torch.bool)), TypeError, "target must be an integer tensor"),
+        (dict(hidden=torch.randn(6, 4, dtype=torch.float64)), TypeError, "weight must have hidden's dtype"),
+        (dict(bias=torch.randn(9, dtype=torch.float64)), TypeError, "bias must have hidden's dtype"),
+        (dict(hidden=torch.randn(6, 4).to(torch.int32)), TypeError, "hidden must be float16"),
+        (dict(target=torch.tensor([0, 1, 2, 9, 0, 1])), ValueError, r"target must hold class indices in \[0, 9\)"),
+        (dict(target=torch.tensor([0, 1, 2, -1, 0, 1])), ValueError, "ignore_index"),
+        (dict(ignore_index=True), TypeError, "ignore_index must be an int"),
+        (dict(ignore_index=-100.0), TypeError, "ignore_index must be an int"),
+        (dict(reduction="avg"), ValueError, "reduction must be one of"),
+        (dict(label_smoothing=1.5), ValueError, r"label_smoothing must be a float in \[0, 1\]"),
+        (dict(label_smoothing=-0.1), ValueError, "label_smoothing"),
+        (dict(label_smoothing=True), ValueError, "label_smoothing"),
+        (dict(logit_softcap=0.0), ValueError, "logit_softcap must be None or a finite float > 0"),
+        (dict(logit_softcap=float("inf")), ValueError, "logit_softcap"),
+        (dict(logit_softcap=True), ValueError, "logit_softcap"),
+        (dict(chunk_tokens=0), ValueError, "chunk_tokens must be None or a positive int"),
+        (dict(chunk_tokens=True), ValueError, "chunk_tokens"),
+        (dict(chunk_tokens=4.0), ValueError, "chunk_tokens"),
+        (dict(weight=torch.randn(9, 4, device="meta")), ValueError, "weight must be on hidden's device"),
+    ],
+)
+def test_bad_arguments_are_named(overrides, error, match):
+    with pytest.raises(error, match=match):
+        _call(**overrides)
+
+
+def test_label_smoothing_of_one_and_integer_arguments_are_accepted():
+    hidden, weight, bias, target = _inputs()
+    loss = memopt.linear_cross_entropy(hidden, weight, target, bias=bias, label_smoothing=1, logit_softcap=3, chunk_tokens=CHUNK)
+    ref = linear_cross_entropy_ref(hidden, weight, target, bias=bias, label_smoothing=1.0, logit_softcap=3.0)
+    _assert_close_relative(loss, ref, 1e-12, "loss")
+
+
+# --- benchmark --------------------------------------------------------------------------------
+
+
+def test_benchmark_runs_on_tiny_shapes(tmp_path):
+    from bench import cross_entropy
+
+    assert cross_entropy.main(["--preset", "tiny", "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("cross_entropy-tiny-cpu-*.json")
+    import json
+
+    rows = json.loads(path.read_text())["rows"]
+    peaks = {(r["provider"], r["x"]): r["median"] for r in rows if r["metric"] == "peak_tracked_bytes"}
+    assert peaks and all(v is not None for v in peaks.values())
+    for (provider, tokens), peak in peaks.items():
+        if provider == "memopt":
+            assert peak < peaks[("eager", tokens)]
+
+
+# --- GPU --------------------------------------------------------------------------------------
+
+
+@gpu
+@pytest.mark.parametrize("dtype,autocast_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, None), (torch.float32, None)])
+def test_cuda_within_twice_eager_error(dtype, autocast_dtype, monkeypatch):
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # float32 means float32 on both sides
+    _low_precision_check("cuda", dtype, autocast_dtype, tokens=1031, dim=256, vocab=32003, chunk=256)
+
+
+@gpu
+def test_cuda_float64_equals_reference():
+    hidden, weight, bias, target = _inputs(device="cuda")
+    options = dict(label_smoothing=0.1, logit_softcap=4.0)
+    loss, grads = _loss_and_grads(memopt.linear_cross_entropy, hidden, weight, bias, target, chunk_tokens=CHUNK, **options)
+    ref_loss, ref_grads = _loss_and_grads(linear_cross_entropy_ref, hidden, weight, bias, target, **options)
+    _assert_close_relative(loss, ref_loss, 1e-12, "loss")
+    for grad, ref in zip(grads, ref_grads):
+        _assert_close_relative(grad, ref, 1e-12, "grad")

@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from memopt import _extension
-from memopt.ops._checks import check_linear, check_tensor
-from memopt.ops._double_backward import building_graph, grads_with_graph
+from memopt.ops._common import (
+    autocast_as, autocast_state, building_graph, check_linear, check_tensor, grads_with_graph,
+)
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 ACT_LINEAR_ACTIVATIONS = ACTIVATIONS + ("swiglu",)
@@ -174,12 +175,7 @@ class ActLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, bias, weight, linear_bias, activation):
-        device_type = x.device.type
-        ctx.autocast_state = (
-            device_type,
-            torch.is_autocast_enabled(device_type),
-            torch.get_autocast_dtype(device_type),
-        )
+        ctx.autocast_state = autocast_state(x.device.type)
         ctx.activation = activation
         ctx.has_bias = bias is not None
         ctx.linear_bias_dtype = None if linear_bias is None else linear_bias.dtype
@@ -190,9 +186,8 @@ class ActLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, bias, weight = ctx.saved_tensors
-        device_type, autocast_enabled, autocast_dtype = ctx.autocast_state
         rows = x.shape[:-1].numel()
-        with torch.autocast(device_type=device_type, enabled=autocast_enabled, dtype=autocast_dtype):
+        with autocast_as(ctx.autocast_state):
             grad_out_2d = grad_out.reshape(rows, grad_out.shape[-1])
             if building_graph():
                 with torch.enable_grad():

@@ -13,7 +13,7 @@ import numbers
 import torch
 
 from memopt import _extension
-from memopt.ops._checks import check_tensor
+from memopt.ops._common import check_tensor
 from memopt.ops._philox import dropout_keep_mask
 from memopt.ops._rng import new_rng_key
 

@@ -15,8 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from memopt import _extension
-from memopt.ops._checks import check_eps, check_linear, check_tensor
-from memopt.ops._double_backward import building_graph, grads_with_graph
+from memopt.ops._common import (
+    autocast_as, building_graph, check_eps, check_linear, check_tensor, grads_with_graph,
+)
 
 _NORMS = ("layernorm", "rmsnorm")
 
@@ -289,7 +290,7 @@ class NormLinearFunction(torch.autograd.Function):
             grad_out = x.new_zeros(*x.shape[:-1], out_features)
         compute_dtype = grad_out.dtype
         # The casts below are the ones autocast made in the forward; nothing else may recast.
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_as((x.device.type, False, None)):
             grad_out_2d = grad_out.reshape(rows, out_features)
             weight_c = linear_weight.to(compute_dtype)
             grad_y = (grad_out_2d @ weight_c).to(x.dtype).reshape(x.shape)
@@ -315,7 +316,7 @@ class NormLinearFunction(torch.autograd.Function):
         x, norm_weight, norm_bias, linear_weight, _, _ = ctx.saved_tensors
         grad_x = grad_norm_weight = grad_norm_bias = grad_linear_weight = grad_linear_bias = None
         if grad_out is not None:
-            with torch.enable_grad(), torch.autocast(x.device.type, enabled=False):
+            with torch.enable_grad(), autocast_as((x.device.type, False, None)):
                 y = _norm_differentiable(ctx.is_rms, x, norm_weight, norm_bias, ctx.eps)
                 out = F.linear(y.to(grad_out.dtype), linear_weight.to(grad_out.dtype))
             grad_x, grad_norm_weight, grad_norm_bias, grad_linear_weight = grads_with_graph(

@@ -1,8 +1,18 @@
-"""Argument checks shared by the public ops: each error names the op, the argument and what was
-expected, before anything reaches a kernel (whose own checks raise RuntimeError)."""
+"""What the op families (norm, activation, dropout) share.
+
+* Argument checks: each error names the op, the argument and what was expected, before anything
+  reaches a kernel (whose own checks raise RuntimeError).
+* Autocast state for any device type (``meta`` has no autocast: it is never on there).
+* Double backward: the fast backward kernels are not differentiable. When a backward runs with
+  ``create_graph=True`` (grad mode is on inside a backward exactly then), each Function re-runs
+  its forward in differentiable PyTorch ops and differentiates that instead, so gradient
+  penalties, Hessian-vector products and MAML get exact second derivatives; an ordinary backward
+  keeps the kernels.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 
@@ -44,7 +54,7 @@ def check_linear(op: str, x: torch.Tensor, in_features: int, weight, bias) -> No
         )
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"memopt.{op}: linear_bias must have shape [{weight.shape[0]}], got {list(bias.shape)}")
-    autocast = torch.is_autocast_enabled(x.device.type)
+    autocast = autocast_state(x.device.type)[1]
     for name, param in (("linear_weight", weight), ("linear_bias", bias)):
         if param is None:
             continue
@@ -60,3 +70,34 @@ def check_linear(op: str, x: torch.Tensor, in_features: int, weight, bias) -> No
             raise ValueError(
                 f"memopt.{op}: {name} must have x's dtype ({x.dtype}) outside torch.autocast, got {param.dtype}"
             )
+
+
+def autocast_state(device_type: str) -> tuple[str, bool, torch.dtype | None]:
+    """(device_type, enabled, dtype) of autocast now; disabled where autocast does not exist."""
+    if not torch.amp.is_autocast_available(device_type):
+        return device_type, False, None
+    return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+
+
+def autocast_as(state: tuple[str, bool, torch.dtype | None]):
+    """Enter the autocast state that :func:`autocast_state` recorded (nothing for ``meta``)."""
+    device_type, enabled, dtype = state
+    if not torch.amp.is_autocast_available(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=enabled, dtype=dtype)
+
+
+def building_graph() -> bool:
+    """True inside a backward that runs with ``create_graph=True``."""
+    return torch.is_grad_enabled()
+
+
+def grads_with_graph(output: torch.Tensor, inputs, grad_output: torch.Tensor | None) -> list:
+    """``torch.autograd.grad(output, inputs, grad_output, create_graph=True)`` for the inputs that
+    require grad; None for the others (and for all when ``grad_output`` is None)."""
+    wanted = [t for t in inputs if t is not None and t.requires_grad]
+    grads = iter(
+        torch.autograd.grad(output, wanted, grad_output, create_graph=True, allow_unused=True)
+        if wanted and grad_output is not None else [None] * len(wanted)
+    )
+    return [next(grads) if t is not None and t.requires_grad else None for t in inputs]

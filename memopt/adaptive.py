@@ -21,7 +21,11 @@ What the snippets people copy get wrong, and what this does instead:
 
 Rollback is exact because every micro-step backpropagates into fresh ``.grad`` tensors while
 the gradients accumulated so far are held aside, and is added to them only once it has
-succeeded; after the first micro-step this costs one transient gradient-sized buffer. Out of
+succeeded; after the first micro-step this costs one transient gradient-sized buffer. The
+model's buffers (BatchNorm statistics, counters, caches) and the CPU and CUDA RNG states are
+copied before each micro-step and put back when it fails, so the retry sees the model exactly as
+the failed attempt did and draws the same dropout masks; this holds two copies of the buffers
+and copies them once per micro-step. Out of
 memory in ``optimizer.step()`` itself (Adam allocating its state on the first step) is not
 retried: it propagates.
 
@@ -100,12 +104,82 @@ def _slice(batch, start: int, stop: int):
     return type(batch)(_slice(v, start, stop) if isinstance(v, torch.Tensor) else v for v in batch)
 
 
+def _is_int(value) -> bool:
+    """An int that is not a bool (True is an int in Python, never a size here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _is_ddp(model) -> bool:
     return isinstance(model, torch.nn.parallel.DistributedDataParallel)
 
 
 def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+class _ModelState:
+    """A model's buffers and the RNG states its forward draws from, at one moment, to put back.
+
+    Rolling a failed micro-step back must undo what its forward did besides gradients: BatchNorm
+    statistics and ``num_batches_tracked``, counters, caches a module replaced, and the CPU and
+    CUDA generator states its dropout consumed (memopt's dropout keys come from the CPU
+    generator). It holds one copy of every buffer: version counters cannot say what changed
+    (BatchNorm's running statistics are written without bumping them), so :meth:`capture` copies
+    them all again.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self._model = model
+        self._cuda_devices = sorted(
+            {t.device for t in (*model.parameters(), *model.buffers()) if t.is_cuda}, key=str
+        )
+        # (module, buffer name) -> (the buffer object, a copy of its value)
+        self._buffers: dict[tuple[torch.nn.Module, str], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.capture()
+
+    def fork(self) -> "_ModelState":
+        """An independent state equal to this one."""
+        other = object.__new__(_ModelState)
+        other.__dict__.update(self.__dict__)
+        other._buffers = {key: (buf, copy.clone()) for key, (buf, copy) in self._buffers.items()}
+        return other
+
+    def _current(self):
+        for module in self._model.modules():
+            for name, buf in module.named_buffers(recurse=False):
+                yield (module, name), buf
+
+    def capture(self) -> None:
+        """Record the buffers and RNG states now."""
+        buffers = {}
+        with torch.no_grad():
+            for key, buf in self._current():
+                known = self._buffers.get(key)
+                if known is not None and known[0] is buf and known[1].shape == buf.shape:
+                    known[1].copy_(buf)
+                    buffers[key] = known
+                else:
+                    buffers[key] = (buf, buf.detach().clone())
+        self._buffers = buffers
+        self._cpu_rng = torch.get_rng_state()
+        self._cuda_rng = [torch.cuda.get_rng_state(d) for d in self._cuda_devices]
+
+    def restore(self) -> None:
+        """Put the buffers (their objects and values) and the RNG states back as captured."""
+        with torch.no_grad():
+            for (module, name), _ in list(self._current()):
+                if (module, name) not in self._buffers:  # added since the capture
+                    delattr(module, name)
+            for (module, name), (buf, copy) in self._buffers.items():
+                if getattr(module, name, None) is not buf:
+                    if hasattr(module, name):
+                        setattr(module, name, buf)
+                    else:
+                        module.register_buffer(name, buf)
+                buf.copy_(copy)
+        torch.set_rng_state(self._cpu_rng)
+        for device, state in zip(self._cuda_devices, self._cuda_rng):
+            torch.cuda.set_rng_state(state, device)
 
 
 class AdaptiveBatch:
@@ -158,16 +232,20 @@ class AdaptiveBatch:
             raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if not callable(loss_fn):
             raise TypeError("loss_fn must be callable(model, micro_batch) -> loss")
-        if micro_batch is not None and (not isinstance(micro_batch, int) or micro_batch <= 0):
+        if micro_batch is not None and (not _is_int(micro_batch) or micro_batch <= 0):
             raise ValueError(f"micro_batch must be a positive int or None, got {micro_batch!r}")
-        if not isinstance(min_micro_batch, int) or min_micro_batch <= 0:
+        if not _is_int(min_micro_batch) or min_micro_batch <= 0:
             raise ValueError(f"min_micro_batch must be a positive int, got {min_micro_batch!r}")
         if micro_batch is not None and min_micro_batch > micro_batch:
             raise ValueError(f"min_micro_batch ({min_micro_batch}) must not exceed micro_batch ({micro_batch})")
-        if grow_after is not None and (not isinstance(grow_after, int) or grow_after <= 0):
+        if grow_after is not None and (not _is_int(grow_after) or grow_after <= 0):
             raise ValueError(f"grow_after must be a positive int or None, got {grow_after!r}")
+        if num_tokens is not None and not callable(num_tokens):
+            raise TypeError(f"num_tokens must be callable(batch) -> int or None, got {type(num_tokens).__name__}")
         if amp_dtype not in (None, torch.bfloat16, torch.float16):
             raise ValueError(f"amp_dtype must be torch.bfloat16, torch.float16 or None, got {amp_dtype!r}")
+        if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
+            raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.max_micro_batch = micro_batch
         self.micro_batch = micro_batch
@@ -186,7 +264,15 @@ class AdaptiveBatch:
 
     # The count every weight is a share of: samples or tokens, global under distributed.
     def _count(self, batch) -> float:
-        return float(self.num_tokens(batch)) if self.num_tokens is not None else float(_leading_size(batch))
+        if self.num_tokens is None:
+            return float(_leading_size(batch))
+        count = self.num_tokens(batch)
+        if isinstance(count, torch.Tensor) and count.numel() == 1 and not count.is_floating_point():
+            count = int(count.item())
+        if not _is_int(count) or count < 0:
+            raise ValueError(f"num_tokens must return a non-negative int for every batch and micro-batch, "
+                             f"got {count!r} for one of {_leading_size(batch)} samples")
+        return float(count)
 
     def _all_reduce(self, value: float, op: str) -> float:
         """``value`` reduced over the ranks (``op``: "sum", "min" or "max"); itself when not distributed."""
@@ -233,12 +319,16 @@ class AdaptiveBatch:
         entry_grads = [p.grad for p in self._params]
         for p in self._params:
             p.grad = None
+        entry_state = _ModelState(self.model)
         try:
-            accumulated, loss_sum, micro, micro_steps, retries = self._accumulate_batch(batch, size, total)
+            accumulated, loss_sum, micro, micro_steps, retries = self._accumulate_batch(
+                batch, size, total, entry_state.fork())
         except BaseException:
             for p, g in zip(self._params, entry_grads):
                 p.grad = g
+            entry_state.restore()
             raise
+        del entry_state
         del entry_grads
         for p, g in zip(self._params, accumulated or [None] * len(self._params)):
             p.grad = g
@@ -252,8 +342,13 @@ class AdaptiveBatch:
         return StepResult(loss=torch.tensor(loss, dtype=torch.float32), micro_batch=micro,
                           micro_steps=micro_steps, oom_retries=retries, skipped=skipped)
 
-    def _accumulate_batch(self, batch, size: int, total: float):
-        """Every micro-step of one batch; the accumulated gradients are returned, not in .grad."""
+    def _accumulate_batch(self, batch, size: int, total: float, state: _ModelState):
+        """Every micro-step of one batch; the accumulated gradients are returned, not in .grad.
+
+        ``state`` is the model's buffers and RNG before the next micro-step: a micro-step that
+        runs out of memory is retried from it, so the retry sees the model exactly as the failed
+        attempt did."""
+        counted = 0.0
         accumulated: list[torch.Tensor | None] | None = None
         loss_sum = torch.zeros((), dtype=torch.float64)
         micro = min(self.micro_batch, size)
@@ -261,7 +356,8 @@ class AdaptiveBatch:
         while start < size:
             stop = min(start + micro, size)
             piece = _slice(batch, start, stop)
-            weight = self._count(piece) / total
+            count = self._count(piece)
+            weight = count / total
             oom, message, loss = False, "on another rank", None
             if weight > 0:
                 try:
@@ -277,6 +373,7 @@ class AdaptiveBatch:
                     p.grad = None
                 loss = None
                 self._free()
+                state.restore()
                 if micro <= self.min_micro_batch:
                     accumulated = None
                     raise MicroBatchFloorError(
@@ -296,7 +393,13 @@ class AdaptiveBatch:
                 accumulated = self._accumulate(accumulated)
                 loss_sum = loss_sum.to(loss.device) + loss.double()
                 micro_steps += 1
+                state.capture()
+            counted += count
             start = stop
+        counted = self._all_reduce(counted, "sum")
+        if counted != total:
+            raise ValueError(f"num_tokens is not additive: the micro-batches count {counted:g} tokens, the batch "
+                             f"{total:g}; it must count the loss terms of whatever batch or micro-batch it is given")
         return accumulated, loss_sum, micro, micro_steps, retries
 
     def _no_sync(self):

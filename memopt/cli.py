@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 
@@ -79,6 +80,8 @@ def _estimate(args) -> int:
     est = _config_estimate(cfg)
     out = est.to_dict()
     if args.memory_gib is not None:
+        if not math.isfinite(args.memory_gib) or args.memory_gib <= 0:
+            raise ValueError(f"--memory-gib must be a positive finite number of GiB, got {args.memory_gib:g}")
         memory = int(args.memory_gib * 2**30)
         fits = {}
         for policy in registered_policies():

@@ -110,12 +110,29 @@ _INDEX_BYTES = 8  # token ids and targets are int64
 CUBLAS_WORKSPACE_BYTES = 32 * 2**20
 
 
-def _as_dtype(value, name: str) -> torch.dtype:
-    if isinstance(value, torch.dtype):
-        return value
-    if isinstance(value, str) and value in _DTYPES:
-        return _DTYPES[value]
-    raise ValueError(f"{name} must be a torch.dtype or one of {sorted(_DTYPES)}, got {value!r}")
+_LOW_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _as_dtype(value, name: str, allowed: tuple[torch.dtype, ...] | None = None) -> torch.dtype:
+    """A floating-point torch.dtype (one of ``allowed`` when given) from a dtype or its name."""
+    dtype = _DTYPES.get(value) if isinstance(value, str) else value
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or (allowed and dtype not in allowed):
+        if allowed is None:
+            expected = f"a floating-point torch.dtype or one of {sorted(_DTYPES)}"
+        else:
+            expected = " or ".join(str(d) for d in allowed) + " (or its name: " + ", ".join(
+                sorted(k for k, d in _DTYPES.items() if d in allowed)) + ")"
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    return dtype
+
+
+def _is_int(value) -> bool:
+    """An int that is not a bool (True is an int in Python, never a size here)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -158,24 +175,26 @@ class ModelConfig:
     def __post_init__(self):
         for name in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "micro_batch"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            if not _is_int(value) or value <= 0:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.d_ff is None:
             object.__setattr__(self, "d_ff", 4 * self.d_model)
-        if not isinstance(self.d_ff, int) or self.d_ff <= 0:
+        if not _is_int(self.d_ff) or self.d_ff <= 0:
             raise ValueError(f"d_ff must be a positive int, got {self.d_ff!r}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
-        object.__setattr__(self, "low_dtype", _as_dtype(self.low_dtype, "low_dtype"))
+        object.__setattr__(self, "low_dtype", _as_dtype(self.low_dtype, "low_dtype", _LOW_DTYPES))
         object.__setattr__(self, "dtype", _as_dtype(self.dtype, "dtype"))
+        if not isinstance(self.policy, str):
+            raise ValueError(f"policy must be a str, one of {registered_policies()}, got {self.policy!r}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
-        if self.optimizer not in OPTIMIZER_STATES:
+        if not isinstance(self.optimizer, str) or self.optimizer not in OPTIMIZER_STATES:
             raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {self.optimizer!r}")
         if self.attention not in ATTENTIONS:
             raise ValueError(f"attention must be one of {ATTENTIONS}, got {self.attention!r}")
-        if not 0.0 <= self.dropout < 1.0:
-            raise ValueError(f"dropout must be in [0, 1), got {self.dropout!r}")
+        if not _is_real(self.dropout) or not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
 
@@ -490,14 +509,19 @@ def _batch_size(example) -> int:
 
 def _module_estimate(model: torch.nn.Module, example_input, micro_batch: int | None, optimizer: str,
                      loss_fn: Callable | None, precision: str, low_dtype: torch.dtype) -> Estimate:
-    if optimizer not in OPTIMIZER_STATES:
+    if not isinstance(optimizer, str) or optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"loss_fn must be callable(output) -> loss or None, got {type(loss_fn).__name__}")
     example_batch = _batch_size(example_input)
+    if example_batch == 0:
+        raise ValueError("example_input must hold at least one sample (its leading batch dimension is 0): "
+                         "the activations are measured on it and scaled to micro_batch")
     if micro_batch is None:
         micro_batch = example_batch
-    if not isinstance(micro_batch, int) or micro_batch <= 0:
+    if not _is_int(micro_batch) or micro_batch <= 0:
         raise ValueError(f"micro_batch must be a positive int, got {micro_batch!r}")
     params = [p for p in model.parameters()]
     trainable = [p for p in params if p.requires_grad]
@@ -560,7 +584,7 @@ def estimate(config=None, example_input=None, *, micro_batch: int | None = None,
         if config_fields:
             raise TypeError(f"unexpected keyword arguments for an nn.Module estimate: {sorted(config_fields)}")
         return _module_estimate(config, example_input, micro_batch, optimizer or "adam", loss_fn,
-                                precision or "fp32", _as_dtype(low_dtype or torch.bfloat16, "low_dtype"))
+                                precision or "fp32", _as_dtype(low_dtype or torch.bfloat16, "low_dtype", _LOW_DTYPES))
     if config is None:
         fields = dict(config_fields, **overrides)
         missing = [f for f in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "micro_batch")
@@ -592,15 +616,29 @@ def _largest_fitting(memory_bytes: int, fits: Callable[[int], bool], upper: int)
     return lo
 
 
-def _check_memory(memory_bytes) -> None:
-    if not isinstance(memory_bytes, (int, float)) or memory_bytes <= 0:
-        raise ValueError(f"memory_bytes must be a positive number of bytes, got {memory_bytes!r}")
+def check_memory_bytes(memory_bytes, name: str = "memory_bytes") -> None:
+    """A positive, finite number of bytes (NaN, inf and bools refused)."""
+    if not _is_real(memory_bytes):
+        raise TypeError(f"{name} must be a positive finite number of bytes, got {type(memory_bytes).__name__} "
+                        f"{memory_bytes!r}")
+    if not math.isfinite(memory_bytes) or memory_bytes <= 0:
+        raise ValueError(f"{name} must be a positive finite number of bytes, got {memory_bytes!r}")
+
+
+def _check_search(config, policy, upper) -> None:
+    if not isinstance(config, ModelConfig):
+        raise TypeError(f"config must be a memopt.ModelConfig, got {type(config).__name__}")
+    if policy is not None and not isinstance(policy, str):
+        raise TypeError(f"policy must be a str (one of {registered_policies()}) or None, got {policy!r}")
+    if not _is_int(upper) or upper <= 0:
+        raise ValueError(f"upper must be a positive int, got {upper!r}")
 
 
 def max_micro_batch(memory_bytes: int, config: ModelConfig, *, policy: str | None = None,
                     upper: int = 1 << 20) -> int:
     """Largest micro-batch whose :func:`estimate` total fits in ``memory_bytes`` (0: none does)."""
-    _check_memory(memory_bytes)
+    check_memory_bytes(memory_bytes)
+    _check_search(config, policy, upper)
     base = config.replace(policy=policy) if policy else config
     return _largest_fitting(memory_bytes, lambda b: _config_estimate(base.replace(micro_batch=b)).total_bytes
                             <= memory_bytes, upper)
@@ -612,7 +650,8 @@ def max_seq_len(memory_bytes: int, config: ModelConfig, *, policy: str | None = 
 
     The learned position table grows with ``seq_len`` too, as it would in the model.
     """
-    _check_memory(memory_bytes)
+    check_memory_bytes(memory_bytes)
+    _check_search(config, policy, upper)
     base = config.replace(policy=policy) if policy else config
     return _largest_fitting(memory_bytes, lambda s: _config_estimate(base.replace(seq_len=s)).total_bytes
                             <= memory_bytes, upper)

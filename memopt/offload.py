@@ -98,8 +98,8 @@ DEFAULT_STAGING_BYTES = 64 * 2**20
 def _check_nonnegative_int(value, name: str, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        expected = "a non-negative int or None" if allow_none else "a non-negative int"
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+        expected = "a non-negative int below 2**63 or None" if allow_none else "a non-negative int below 2**63"
         raise ValueError(f"memopt.offload: {name} must be {expected}, got {value!r}")
 
 
@@ -146,6 +146,8 @@ class OffloadEngine:
 
     def pack(self, tensor: torch.Tensor) -> int:
         """Start offloading ``tensor`` (any shape); a handle, or -1 when the host budget refuses it."""
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"memopt.OffloadEngine.pack: tensor must be a tensor, got {type(tensor).__name__}")
         if tensor.is_cuda:
             require_cuda_kernels("offload", tensor)
         return self._engine.pack(tensor)

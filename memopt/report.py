@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from memopt.estimate import ModelConfig, estimate, max_micro_batch, registered_policies
+from memopt.estimate import ModelConfig, check_memory_bytes, estimate, max_micro_batch, registered_policies
 
 __all__ = ["MemoryReport", "OOMDiagnosis", "diagnose_oom", "memory_report"]
 
@@ -155,6 +155,10 @@ def diagnose_oom(exc: BaseException, config: ModelConfig | None = None, memory_b
     current CUDA device's total memory)."""
     if not isinstance(exc, BaseException):
         raise TypeError(f"exc must be an exception, got {type(exc).__name__}")
+    if config is not None and not isinstance(config, ModelConfig):
+        raise TypeError(f"config must be a memopt.ModelConfig or None, got {type(config).__name__}")
+    if memory_bytes is not None:
+        check_memory_bytes(memory_bytes)
     text = str(exc)
     match = _SIZE.search(text)
     diag = OOMDiagnosis(message=text.split("\n")[0],

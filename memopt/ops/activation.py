@@ -20,6 +20,9 @@ import torch
 import torch.nn.functional as F
 
 from memopt import _extension
+from memopt.ops._common import (
+    autocast_as, autocast_state, building_graph, check_linear, check_tensor, grads_with_graph,
+)
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 ACT_LINEAR_ACTIVATIONS = ACTIVATIONS + ("swiglu",)
@@ -59,6 +62,7 @@ def _check_activation(op: str, activation: str, allowed: tuple[str, ...]) -> Non
 
 
 def _check_bias(op: str, x: torch.Tensor, bias: torch.Tensor | None, width: int, name: str = "bias") -> None:
+    check_tensor(op, name, bias, optional=True)
     if bias is None:
         return
     if bias.device != x.device:
@@ -67,8 +71,43 @@ def _check_bias(op: str, x: torch.Tensor, bias: torch.Tensor | None, width: int,
         raise ValueError(f"memopt.{op}: {name} must have shape [{width}], got {list(bias.shape)}")
 
 
+# The activations as PyTorch functions: the reference, and the graph of the double backward.
+_TORCH_ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": lambda h: F.gelu(h, approximate="none"),
+    "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
+def _act_differentiable(x: torch.Tensor, bias: torch.Tensor | None, activation: str) -> torch.Tensor:
+    """The activation in differentiable PyTorch ops, in the kernels' compute dtype (float64 for
+    float64, float32 otherwise), returned in x's dtype: the graph a backward under
+    ``create_graph=True`` differentiates."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    h = x.to(compute) if bias is None else x.to(compute) + bias.to(compute)
+    if activation == "swiglu":
+        gate, up = h.chunk(2, dim=-1)
+        y = F.silu(gate) * up
+    else:
+        y = _TORCH_ACTIVATIONS[activation](h)
+    return y.to(x.dtype)
+
+
+def _act_double_backward(grad_y, x, bias, activation):
+    """(grad_x, grad_bias) as differentiable ops, for ``create_graph=True`` (double backward)."""
+    with torch.enable_grad():
+        y = _act_differentiable(x, bias, activation)
+    grad_x, grad_bias = grads_with_graph(y, [x, bias], grad_y)
+    return grad_x, grad_bias
+
+
 class BiasActFunction(torch.autograd.Function):
-    """``act(x + bias)`` saving ``x`` and ``bias`` only; the backward kernel recomputes ``act'``."""
+    """``act(x + bias)`` saving ``x`` and ``bias`` only; the backward kernel recomputes ``act'``.
+
+    Under ``create_graph=True`` the backward runs as differentiable PyTorch ops instead, so second
+    derivatives are exact.
+    """
 
     @staticmethod
     def forward(ctx, x, bias, activation):
@@ -79,12 +118,19 @@ class BiasActFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         x, bias = ctx.saved_tensors
-        grad_x, grad_bias, _ = torch.ops.memopt.bias_act_bwd(grad_y.contiguous(), x, bias, ctx.activation, False)
+        if building_graph():
+            grad_x, grad_bias = _act_double_backward(grad_y, x, bias, ctx.activation)
+        else:
+            grad_x, grad_bias, _ = torch.ops.memopt.bias_act_bwd(grad_y.contiguous(), x, bias, ctx.activation, False)
         return grad_x, grad_bias if bias is not None and ctx.needs_input_grad[1] else None, None
 
 
 class SwiGLUFunction(torch.autograd.Function):
-    """``silu(gate + b_gate) * (up + b_up)`` over ``x = [gate | up]``, saving ``x`` and ``bias``."""
+    """``silu(gate + b_gate) * (up + b_up)`` over ``x = [gate | up]``, saving ``x`` and ``bias``.
+
+    Under ``create_graph=True`` the backward runs as differentiable PyTorch ops (exact second
+    derivatives).
+    """
 
     @staticmethod
     def forward(ctx, x, bias):
@@ -94,7 +140,10 @@ class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         x, bias = ctx.saved_tensors
-        grad_x, grad_bias, _ = torch.ops.memopt.swiglu_bwd(grad_y.contiguous(), x, bias, False)
+        if building_graph():
+            grad_x, grad_bias = _act_double_backward(grad_y, x, bias, "swiglu")
+        else:
+            grad_x, grad_bias, _ = torch.ops.memopt.swiglu_bwd(grad_y.contiguous(), x, bias, False)
         return grad_x, grad_bias if bias is not None and ctx.needs_input_grad[1] else None
 
 
@@ -126,12 +175,7 @@ class ActLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, bias, weight, linear_bias, activation):
-        device_type = x.device.type
-        ctx.autocast_state = (
-            device_type,
-            torch.is_autocast_enabled(device_type),
-            torch.get_autocast_dtype(device_type),
-        )
+        ctx.autocast_state = autocast_state(x.device.type)
         ctx.activation = activation
         ctx.has_bias = bias is not None
         ctx.linear_bias_dtype = None if linear_bias is None else linear_bias.dtype
@@ -142,14 +186,19 @@ class ActLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         x, bias, weight = ctx.saved_tensors
-        device_type, autocast_enabled, autocast_dtype = ctx.autocast_state
-        with torch.autocast(device_type=device_type, enabled=autocast_enabled, dtype=autocast_dtype):
-            grad_act = torch.matmul(grad_out, weight).to(x.dtype).contiguous()
-            grad_x, grad_bias, y = _act_backward(grad_act, x, bias, ctx.activation)
-            grad_out_2d = grad_out.reshape(-1, grad_out.shape[-1])
-            grad_weight = None
-            if ctx.needs_input_grad[2]:
-                grad_weight = torch.matmul(grad_out_2d.t(), y.reshape(-1, y.shape[-1])).to(weight.dtype)
+        rows = x.shape[:-1].numel()
+        with autocast_as(ctx.autocast_state):
+            grad_out_2d = grad_out.reshape(rows, grad_out.shape[-1])
+            if building_graph():
+                with torch.enable_grad():
+                    out = F.linear(_act_differentiable(x, bias, ctx.activation), weight)
+                grad_x, grad_bias, grad_weight = grads_with_graph(out, [x, bias, weight], grad_out)
+            else:
+                grad_act = torch.matmul(grad_out, weight).to(x.dtype).contiguous()
+                grad_x, grad_bias, y = _act_backward(grad_act, x, bias, ctx.activation)
+                grad_weight = None
+                if ctx.needs_input_grad[2]:
+                    grad_weight = torch.matmul(grad_out_2d.t(), y.reshape(rows, y.shape[-1])).to(weight.dtype)
             grad_linear_bias = None
             if ctx.linear_bias_dtype is not None and ctx.needs_input_grad[3]:
                 grad_linear_bias = grad_out_2d.sum(0).to(ctx.linear_bias_dtype)
@@ -174,6 +223,7 @@ def bias_act(x: torch.Tensor, bias: torch.Tensor | None = None, activation: str 
     Returns:
         ``(*, n)`` tensor of x's dtype.
     """
+    check_tensor("bias_act", "x", x)
     _check_activation("bias_act", activation, ACTIVATIONS)
     _check_bias("bias_act", x, bias, x.shape[-1] if x.dim() else 0)
     _extension.require_cuda_kernels("bias_act", x)
@@ -190,6 +240,7 @@ def swiglu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     Returns:
         ``(*, d)`` tensor of x's dtype.
     """
+    check_tensor("swiglu", "x", x)
     if x.dim() == 0 or x.shape[-1] % 2:
         raise ValueError(f"memopt.swiglu: x's last dimension must be even ([gate | up]), got shape {list(x.shape)}")
     _check_bias("swiglu", x, bias, x.shape[-1])
@@ -220,6 +271,7 @@ def act_linear(
     Returns:
         ``(*, out_features)``; under ``torch.autocast`` in the autocast dtype, as ``F.linear``.
     """
+    check_tensor("act_linear", "x", x)
     _check_activation("act_linear", activation, ACT_LINEAR_ACTIVATIONS)
     if x.dim() == 0:
         raise ValueError("memopt.act_linear: x must have at least 1 dimension, got a 0-d tensor")
@@ -228,26 +280,11 @@ def act_linear(
         raise ValueError(f"memopt.act_linear: x's last dimension must be even for swiglu ([gate | up]), got {width}")
     act_width = width // 2 if activation == "swiglu" else width
     _check_bias("act_linear", x, bias, width)
-    if linear_weight.dim() != 2 or linear_weight.shape[1] != act_width:
-        raise ValueError(
-            f"memopt.act_linear: linear_weight must have shape [out_features, {act_width}], "
-            f"got {list(linear_weight.shape)}"
-        )
-    if linear_weight.device != x.device:
-        raise ValueError(f"memopt.act_linear: linear_weight must be on x's device ({x.device}), got {linear_weight.device}")
-    _check_bias("act_linear", x, linear_bias, linear_weight.shape[0], name="linear_bias")
+    check_linear("act_linear", x, act_width, linear_weight, linear_bias)
     _extension.require_cuda_kernels("act_linear", x)
     return ActLinearFunction.apply(
         x.contiguous(), None if bias is None else bias.contiguous(), linear_weight, linear_bias, activation
     )
-
-
-_REFERENCE_ACTIVATIONS = {
-    "relu": F.relu,
-    "gelu": lambda h: F.gelu(h, approximate="none"),
-    "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
-    "silu": F.silu,
-}
 
 
 def bias_act_ref(
@@ -258,7 +295,7 @@ def bias_act_ref(
         x = x.double()
         bias = None if bias is None else bias.double()
     h = x if bias is None else x + bias
-    return _REFERENCE_ACTIVATIONS[activation](h)
+    return _TORCH_ACTIVATIONS[activation](h)
 
 
 def swiglu_ref(x: torch.Tensor, bias: torch.Tensor | None = None, upcast: bool = False) -> torch.Tensor:

@@ -8,9 +8,12 @@ backward regenerates the mask. ``dropout_add_ref`` is the plain PyTorch referenc
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from memopt import _extension
+from memopt.ops._common import check_tensor
 from memopt.ops._philox import dropout_keep_mask
 from memopt.ops._rng import new_rng_key
 
@@ -25,8 +28,28 @@ def _dropout_add_bwd_fake(grad_out, p, rng_key):
     return torch.empty_like(grad_out, memory_format=torch.contiguous_format)
 
 
+class DropoutMaskFunction(torch.autograd.Function):
+    """``grad -> keep * grad / (1 - p)`` with the mask of ``rng_key``: dropout's gradient.
+
+    It is linear and its own adjoint, so its backward is itself with the same key: a double
+    backward through :func:`dropout_add` replays the forward's mask.
+    """
+
+    @staticmethod
+    def forward(ctx, grad, p, rng_key):
+        ctx.p = p
+        ctx.save_for_backward(rng_key)
+        return torch.ops.memopt.dropout_add_bwd(grad.contiguous(), p, rng_key)
+
+    @staticmethod
+    def backward(ctx, grad_grad):
+        (rng_key,) = ctx.saved_tensors
+        return DropoutMaskFunction.apply(grad_grad, ctx.p, rng_key), None, None
+
+
 class DropoutAddFunction(torch.autograd.Function):
-    """Saves the RNG key only; the mask is rebuilt from it in the backward kernel."""
+    """Saves the RNG key only; the mask is rebuilt from it in the backward kernel (through
+    :class:`DropoutMaskFunction`, so the backward is differentiable with the same mask)."""
 
     @staticmethod
     def forward(ctx, x, residual, p, rng_key):
@@ -39,8 +62,7 @@ class DropoutAddFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         (rng_key,) = ctx.saved_tensors
-        grad_out = grad_out.contiguous()
-        grad_x = torch.ops.memopt.dropout_add_bwd(grad_out, ctx.p, rng_key) if ctx.needs_input_grad[0] else None
+        grad_x = DropoutMaskFunction.apply(grad_out, ctx.p, rng_key) if ctx.needs_input_grad[0] else None
         grad_residual = grad_out if ctx.has_residual and ctx.needs_input_grad[1] else None
         return grad_x, grad_residual, None, None
 
@@ -65,8 +87,15 @@ def dropout_add(
     Returns:
         ``(*, n)`` tensor with the dtype that ``x + residual`` would have.
     """
-    if not isinstance(p, (int, float)) or not 0.0 <= p < 1.0:
+    check_tensor("dropout_add", "x", x)
+    check_tensor("dropout_add", "residual", residual, optional=True)
+    check_tensor("dropout_add", "rng_key", rng_key, optional=True)
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise TypeError(f"memopt.dropout_add: p must be a float in [0, 1), got {type(p).__name__} {p!r}")
+    if not 0.0 <= p < 1.0:
         raise ValueError(f"memopt.dropout_add: p must be a float in [0, 1), got {p!r}")
+    if not isinstance(training, bool):
+        raise TypeError(f"memopt.dropout_add: training must be a bool, got {type(training).__name__} {training!r}")
     if residual is not None:
         if residual.shape != x.shape:
             raise ValueError(

@@ -15,6 +15,9 @@ import torch
 import torch.nn.functional as F
 
 from memopt import _extension
+from memopt.ops._common import (
+    autocast_as, building_graph, check_eps, check_linear, check_tensor, grads_with_graph,
+)
 
 _NORMS = ("layernorm", "rmsnorm")
 
@@ -98,12 +101,42 @@ def _norm_function_forward(ctx, is_rms: bool, x, residual, weight, bias, eps):
     anyway), the per-row statistics and the parameters; nothing of the size of y."""
     y, residual_out, mean, rstd = _norm_fwd(is_rms, x, residual, weight, bias, eps)
     ctx.has_residual = residual is not None
+    ctx.eps = eps
     ctx.set_materialize_grads(False)
     ctx.save_for_backward(residual_out if residual is not None else x, weight, bias, mean, rstd)
     return y if residual is None else (y, residual_out)
 
 
+def _norm_differentiable(is_rms: bool, x, weight, bias, eps: float) -> torch.Tensor:
+    """The norm in differentiable PyTorch ops, in the kernels' statistics dtype, returned in x's
+    dtype: the graph a backward under ``create_graph=True`` differentiates."""
+    compute = _stat_dtype(x)
+    h = x.to(compute)
+    if not is_rms:
+        h = h - h.mean(-1, keepdim=True)
+    y = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is not None:
+        y = y * weight.to(compute)
+    if bias is not None:
+        y = y + bias.to(compute)
+    return y.to(x.dtype)
+
+
+def _norm_double_backward(ctx, is_rms: bool, grad_y, grad_residual_out):
+    """The backward as differentiable ops, for ``create_graph=True`` (double backward): the norm
+    is run again in plain PyTorch and differentiated, so second derivatives are exact."""
+    x, weight, bias, _, _ = ctx.saved_tensors
+    with torch.enable_grad():
+        y = _norm_differentiable(is_rms, x, weight, bias, ctx.eps)
+    grad_x, grad_weight, grad_bias = grads_with_graph(y, [x, weight, bias], grad_y)
+    if grad_residual_out is not None:
+        grad_x = grad_residual_out if grad_x is None else grad_x + grad_residual_out
+    return grad_x, (grad_x if ctx.has_residual else None), grad_weight, grad_bias
+
+
 def _norm_function_backward(ctx, is_rms: bool, grad_y, grad_residual_out):
+    if building_graph():
+        return _norm_double_backward(ctx, is_rms, grad_y, grad_residual_out)
     x, weight, bias, mean, rstd = ctx.saved_tensors
     if grad_y is None:
         grad_y = torch.zeros_like(x)
@@ -147,9 +180,11 @@ class RMSNormFunction(torch.autograd.Function):
         return grad_x, grad_residual, grad_weight, None
 
 
-def _check_public(op: str, x, residual, weight, bias) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"memopt.{op}: x must be a tensor, got {type(x).__name__}")
+def _check_public(op: str, x, residual, weight, bias, weight_name: str = "weight", bias_name: str = "bias") -> None:
+    check_tensor(op, "x", x)
+    check_tensor(op, "residual", residual, optional=True)
+    check_tensor(op, weight_name, weight, optional=True)
+    check_tensor(op, bias_name, bias, optional=True)
     n = x.shape[-1] if x.dim() > 0 else None
     if residual is not None:
         if residual.shape != x.shape:
@@ -158,7 +193,7 @@ def _check_public(op: str, x, residual, weight, bias) -> None:
             )
         if residual.device != x.device:
             raise ValueError(f"memopt.{op}: residual must be on x's device ({x.device}), got {residual.device}")
-    for name, param in (("weight", weight), ("bias", bias)):
+    for name, param in ((weight_name, weight), (bias_name, bias)):
         if param is None:
             continue
         if param.dim() != 1 or param.shape[0] != n:
@@ -191,7 +226,8 @@ def layer_norm(
         when a residual is given.
     """
     _check_public("layer_norm", x, residual, weight, bias)
-    return LayerNormFunction.apply(x.contiguous(), _contiguous(residual), weight, bias, float(eps))
+    eps = check_eps("layer_norm", eps)
+    return LayerNormFunction.apply(x.contiguous(), _contiguous(residual), weight, bias, eps)
 
 
 def rms_norm(
@@ -214,7 +250,8 @@ def rms_norm(
         ``y`` ``(*, n)`` in x's dtype; ``(y, residual_out)`` when a residual is given.
     """
     _check_public("rms_norm", x, residual, weight, None)
-    return RMSNormFunction.apply(x.contiguous(), _contiguous(residual), weight, float(eps))
+    eps = check_eps("rms_norm", eps)
+    return RMSNormFunction.apply(x.contiguous(), _contiguous(residual), weight, eps)
 
 
 class NormLinearFunction(torch.autograd.Function):
@@ -235,6 +272,7 @@ class NormLinearFunction(torch.autograd.Function):
         y, residual_out, mean, rstd = _norm_fwd(is_rms, x, residual, norm_weight, norm_bias, eps)
         out = F.linear(y, linear_weight, linear_bias)
         ctx.is_rms = is_rms
+        ctx.eps = eps
         ctx.has_residual = residual is not None
         ctx.linear_bias_dtype = None if linear_bias is None else linear_bias.dtype
         ctx.set_materialize_grads(False)
@@ -243,14 +281,17 @@ class NormLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out, grad_residual_out=None):
+        if building_graph():
+            return NormLinearFunction._double_backward(ctx, grad_out, grad_residual_out)
         x, norm_weight, norm_bias, linear_weight, mean, rstd = ctx.saved_tensors
         n, out_features = x.shape[-1], linear_weight.shape[0]
+        rows = x.shape[:-1].numel()
         if grad_out is None:
             grad_out = x.new_zeros(*x.shape[:-1], out_features)
         compute_dtype = grad_out.dtype
         # The casts below are the ones autocast made in the forward; nothing else may recast.
-        with torch.autocast(x.device.type, enabled=False):
-            grad_out_2d = grad_out.reshape(-1, out_features)
+        with autocast_as((x.device.type, False, None)):
+            grad_out_2d = grad_out.reshape(rows, out_features)
             weight_c = linear_weight.to(compute_dtype)
             grad_y = (grad_out_2d @ weight_c).to(x.dtype).reshape(x.shape)
             need_linear_weight_grad = ctx.needs_input_grad[4]
@@ -260,11 +301,32 @@ class NormLinearFunction(torch.autograd.Function):
             )
             grad_linear_weight = None
             if need_linear_weight_grad:
-                y_c = y.reshape(-1, n).to(compute_dtype)
+                y_c = y.reshape(rows, n).to(compute_dtype)
                 grad_linear_weight = (grad_out_2d.t() @ y_c).to(linear_weight.dtype)
             grad_linear_bias = None
             if ctx.linear_bias_dtype is not None:
                 grad_linear_bias = grad_out_2d.sum(0).to(ctx.linear_bias_dtype)
+        grad_residual = grad_x if ctx.has_residual else None
+        return grad_x, grad_residual, grad_norm_weight, grad_norm_bias, grad_linear_weight, grad_linear_bias, None, None
+
+    @staticmethod
+    def _double_backward(ctx, grad_out, grad_residual_out):
+        """The backward as differentiable ops (norm and linear re-run in plain PyTorch with the
+        forward's casts, then differentiated), so second derivatives are exact."""
+        x, norm_weight, norm_bias, linear_weight, _, _ = ctx.saved_tensors
+        grad_x = grad_norm_weight = grad_norm_bias = grad_linear_weight = grad_linear_bias = None
+        if grad_out is not None:
+            with torch.enable_grad(), autocast_as((x.device.type, False, None)):
+                y = _norm_differentiable(ctx.is_rms, x, norm_weight, norm_bias, ctx.eps)
+                out = F.linear(y.to(grad_out.dtype), linear_weight.to(grad_out.dtype))
+            grad_x, grad_norm_weight, grad_norm_bias, grad_linear_weight = grads_with_graph(
+                out, [x, norm_weight, norm_bias, linear_weight], grad_out
+            )
+            if ctx.linear_bias_dtype is not None:
+                rows = grad_out.shape[:-1].numel()
+                grad_linear_bias = grad_out.reshape(rows, grad_out.shape[-1]).sum(0).to(ctx.linear_bias_dtype)
+        if grad_residual_out is not None:
+            grad_x = grad_residual_out if grad_x is None else grad_x + grad_residual_out
         grad_residual = grad_x if ctx.has_residual else None
         return grad_x, grad_residual, grad_norm_weight, grad_norm_bias, grad_linear_weight, grad_linear_bias, None, None
 
@@ -303,18 +365,11 @@ def norm_linear(
     is_rms = norm == "rmsnorm"
     if is_rms and norm_bias is not None:
         raise ValueError("memopt.norm_linear: norm_bias must be None for norm='rmsnorm' (RMSNorm has no bias)")
-    _check_public("norm_linear", x, residual, norm_weight, norm_bias)
-    if linear_weight.dim() != 2 or linear_weight.shape[1] != x.shape[-1]:
-        raise ValueError(
-            f"memopt.norm_linear: linear_weight must have shape [out_features, {x.shape[-1]}], "
-            f"got {list(linear_weight.shape)}"
-        )
-    if linear_bias is not None and tuple(linear_bias.shape) != (linear_weight.shape[0],):
-        raise ValueError(
-            f"memopt.norm_linear: linear_bias must have shape [{linear_weight.shape[0]}], got {list(linear_bias.shape)}"
-        )
+    _check_public("norm_linear", x, residual, norm_weight, norm_bias, "norm_weight", "norm_bias")
+    check_linear("norm_linear", x, x.shape[-1] if x.dim() else 0, linear_weight, linear_bias)
+    eps = check_eps("norm_linear", eps)
     return NormLinearFunction.apply(
-        x.contiguous(), _contiguous(residual), norm_weight, norm_bias, linear_weight, linear_bias, is_rms, float(eps)
+        x.contiguous(), _contiguous(residual), norm_weight, norm_bias, linear_weight, linear_bias, is_rms, eps
     )
 
 

@@ -1,0 +1,103 @@
+"""What the op families (norm, activation, dropout) share.
+
+* Argument checks: each error names the op, the argument and what was expected, before anything
+  reaches a kernel (whose own checks raise RuntimeError).
+* Autocast state for any device type (``meta`` has no autocast: it is never on there).
+* Double backward: the fast backward kernels are not differentiable. When a backward runs with
+  ``create_graph=True`` (grad mode is on inside a backward exactly then), each Function re-runs
+  its forward in differentiable PyTorch ops and differentiates that instead, so gradient
+  penalties, Hessian-vector products and MAML get exact second derivatives; an ordinary backward
+  keeps the kernels.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import numbers
+
+import torch
+
+
+def check_tensor(op: str, name: str, value, *, optional: bool = False) -> None:
+    """TypeError unless ``value`` is a tensor (or None, when ``optional``)."""
+    if value is None and optional:
+        return
+    if not isinstance(value, torch.Tensor):
+        expected = "a tensor or None" if optional else "a tensor"
+        raise TypeError(f"memopt.{op}: {name} must be {expected}, got {type(value).__name__}")
+
+
+def check_eps(op: str, eps) -> float:
+    """``eps`` as a float: a real number (not a bool), finite and >= 0."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"memopt.{op}: eps must be a real number, got {type(eps).__name__} {eps!r}")
+    eps = float(eps)
+    if not math.isfinite(eps) or eps < 0:
+        raise ValueError(f"memopt.{op}: eps must be a finite number >= 0, got {eps!r}")
+    return eps
+
+
+# The dtypes autocast casts to its low-precision dtype (float64 is left alone).
+_AUTOCAST_CASTABLE = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_linear(op: str, x: torch.Tensor, in_features: int, weight, bias) -> None:
+    """``weight`` ``(out_features, in_features)`` and ``bias`` ``(out_features,)`` or None, on x's
+    device; outside ``torch.autocast`` both in x's dtype (what ``F.linear`` needs after the norm or
+    activation, which return x's dtype), under autocast in a dtype autocast casts."""
+    check_tensor(op, "linear_weight", weight)
+    check_tensor(op, "linear_bias", bias, optional=True)
+    if weight.dim() != 2 or weight.shape[1] != in_features:
+        raise ValueError(
+            f"memopt.{op}: linear_weight must have shape [out_features, {in_features}], got {list(weight.shape)}"
+        )
+    if bias is not None and tuple(bias.shape) != (weight.shape[0],):
+        raise ValueError(f"memopt.{op}: linear_bias must have shape [{weight.shape[0]}], got {list(bias.shape)}")
+    autocast = autocast_state(x.device.type)[1]
+    for name, param in (("linear_weight", weight), ("linear_bias", bias)):
+        if param is None:
+            continue
+        if param.device != x.device:
+            raise ValueError(f"memopt.{op}: {name} must be on x's device ({x.device}), got {param.device}")
+        if autocast:
+            if param.dtype not in _AUTOCAST_CASTABLE or x.dtype not in _AUTOCAST_CASTABLE:
+                raise ValueError(
+                    f"memopt.{op}: under torch.autocast x and {name} must be float32, float16 or bfloat16 "
+                    f"(autocast casts those), got x {x.dtype} and {name} {param.dtype}"
+                )
+        elif param.dtype != x.dtype:
+            raise ValueError(
+                f"memopt.{op}: {name} must have x's dtype ({x.dtype}) outside torch.autocast, got {param.dtype}"
+            )
+
+
+def autocast_state(device_type: str) -> tuple[str, bool, torch.dtype | None]:
+    """(device_type, enabled, dtype) of autocast now; disabled where autocast does not exist."""
+    if not torch.amp.is_autocast_available(device_type):
+        return device_type, False, None
+    return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
+
+
+def autocast_as(state: tuple[str, bool, torch.dtype | None]):
+    """Enter the autocast state that :func:`autocast_state` recorded (nothing for ``meta``)."""
+    device_type, enabled, dtype = state
+    if not torch.amp.is_autocast_available(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=enabled, dtype=dtype)
+
+
+def building_graph() -> bool:
+    """True inside a backward that runs with ``create_graph=True``."""
+    return torch.is_grad_enabled()
+
+
+def grads_with_graph(output: torch.Tensor, inputs, grad_output: torch.Tensor | None) -> list:
+    """``torch.autograd.grad(output, inputs, grad_output, create_graph=True)`` for the inputs that
+    require grad; None for the others (and for all when ``grad_output`` is None)."""
+    wanted = [t for t in inputs if t is not None and t.requires_grad]
+    grads = iter(
+        torch.autograd.grad(output, wanted, grad_output, create_graph=True, allow_unused=True)
+        if wanted and grad_output is not None else [None] * len(wanted)
+    )
+    return [next(grads) if t is not None and t.requires_grad else None for t in inputs]

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.compare import DTYPES, PRESETS, RESULTS_DIR, cpu_threads, environment, loss_fn, resolve_device
+from bench.compare import DTYPES, PRESETS, RESULTS_DIR, cpu_threads, environment, fastest_sdpa, loss_fn, resolve_device
 from bench.configs import BuildContext, default_configs
 from bench.model import make_reference_blocks
 
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     generator = torch.Generator().manual_seed(settings.seed + 1)
     batch = torch.randn(settings.batch, settings.seq, settings.d_model, generator=generator).to(device=device, dtype=dtype)
     results = {}
-    with cpu_threads(settings.threads):
+    with cpu_threads(settings.threads), fastest_sdpa(device):
         for name in wanted:
             try:
                 results[name] = profile_config(known[name], ctx, batch, args.steps, args.warmup, args.top)

@@ -28,7 +28,7 @@ from memopt.block_functions import (
     POLICIES,
     SUPPORTED_HEAD_DIMS,
     BlockSpec,
-    FusedBlockFunction,
+    TransformerBlockFunction,
     saved_names,
 )
 from memopt.offload import Offload
@@ -346,12 +346,12 @@ class FusedCheckpointBlock(_TransformerBlockBase):
             offloader = self.offloader if self.offloader is not None else default_offloader()
             if offloader.active:
                 offloader.next_group()
-                y = FusedBlockFunction.apply(spec, x_flat, rng_key, batch, seq, *params)
+                y = TransformerBlockFunction.apply(spec, x_flat, rng_key, batch, seq, *params)
             else:
                 with offloader:
-                    y = FusedBlockFunction.apply(spec, x_flat, rng_key, batch, seq, *params)
+                    y = TransformerBlockFunction.apply(spec, x_flat, rng_key, batch, seq, *params)
         else:
-            y = FusedBlockFunction.apply(spec, x_flat, rng_key, batch, seq, *params)
+            y = TransformerBlockFunction.apply(spec, x_flat, rng_key, batch, seq, *params)
         y = y.view(batch, seq, self.d_model)
         return y if self.batch_first else y.transpose(0, 1)
 

@@ -13,10 +13,12 @@ backward and any recompute included, and counts per op family:
   broadcast (stride-0) dimension counted once, an empty placeholder as 0; an argument the op
   writes (``copy_``, ``add_``, ``out=``) counts as written, and as read too unless the op only
   overwrites it;
-* ``matmul FLOPs``: ``2 m n k`` for every ``mm``/``addmm``/``bmm``/``baddbmm``, also as a
-  multiple of ``F``, the forward matmul FLOPs of the layers' four linears (qkv, out_proj, fc1,
-  fc2). Eager training is 3F, ``torch.utils.checkpoint`` 4F, memopt "full" on a pre-norm block
-  3F + (F - fc2's share).
+* ``matmul FLOPs``: ``2 m n k`` for every ``mm``/``addmm``/``bmm``/``baddbmm``; those of the 2-D
+  ones (``mm``/``addmm``: the linears; batched ones come from attention's math path) also as a
+  multiple of ``F``, the forward FLOPs of the layers' four linears (qkv, out_proj, fc1, fc2).
+  Eager training is 3F; a recompute of the whole forward would add F, but
+  ``torch.utils.checkpoint`` stops its recompute early and memopt "full" on a pre-norm block
+  skips fc2 too: both 4F - fc2's share.
 
 The optimizer step is left out (it is the same for every configuration). Tiny host tensors
 (every tensor argument and result at most 64 bytes: RNG keys, scalars) are their own family, so
@@ -116,6 +118,7 @@ class TrafficCensus(TorchDispatchMode):
         super().__init__()
         self.families: dict[str, FamilyCount] = {}
         self.matmul_flops = 0
+        self.linear_flops = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -163,7 +166,10 @@ class TrafficCensus(TorchDispatchMode):
         count.bytes_written += written
         count.ops[op] = count.ops.get(op, 0) + 1
         if short in MATMUL_OPS:
-            self.matmul_flops += matmul_flops(op, args)
+            flops = matmul_flops(op, args)
+            self.matmul_flops += flops
+            if short in ("mm", "addmm"):
+                self.linear_flops += flops
 
 
 def linear_forward_flops(settings: Settings) -> int:
@@ -196,7 +202,8 @@ def census_config(config, ctx: BuildContext, batch: torch.Tensor, settings: Sett
         "non_matmul_launches": sum(c.launches for c in non_matmul),
         "non_matmul_bytes": sum(c.bytes_read + c.bytes_written for c in non_matmul),
         "matmul_flops": census.matmul_flops,
-        "matmul_flops_over_F": census.matmul_flops / forward_flops,
+        "linear_flops": census.linear_flops,
+        "linear_flops_over_F": census.linear_flops / forward_flops,
     }
 
 
@@ -225,7 +232,7 @@ def markdown_table(results: dict[str, dict]) -> str:
         + " | ".join(f"**{_mb(results[n]['non_matmul_bytes'])} / {results[n]['non_matmul_launches']}**" for n in names)
         + " |"
     )
-    lines.append("| matmul FLOPs | " + " | ".join(f"{results[n]['matmul_flops_over_F']:.2f} F" for n in names) + " |")
+    lines.append("| linear FLOPs | " + " | ".join(f"{results[n]['linear_flops_over_F']:.2f} F" for n in names) + " |")
     skipped = [f"{n}: {r['status']}" for n, r in results.items() if r["status"] != "ok"]
     return "\n".join(lines + ([""] + skipped if skipped else []))
 

@@ -97,6 +97,9 @@ class Settings:
     # CPU intra-op threads. One by default: on a shared machine a second OpenMP thread that gets
     # descheduled stalls every parallel region (measured here: 11 ms steps became 1100 ms).
     threads: int | None = 1
+    # "wall" (perf_counter / CUDA events) or "cpu": the process's CPU time on a CPU run, which
+    # other jobs on a shared machine do not inflate by descheduling it (use with one thread).
+    clock: str = "wall"
     sweep: str | None = None
     sweep_values: tuple[int, ...] = ()
 
@@ -187,10 +190,12 @@ def loss_fn(out: torch.Tensor) -> torch.Tensor:
 
 
 class StepTimer:
-    """Times one callable: CUDA events on GPU (no host sync inside the step), perf_counter on CPU."""
+    """Times one callable: CUDA events on GPU (no host sync inside the step), perf_counter on CPU
+    (``clock="cpu"``: the process's CPU time, ``time.process_time``)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, clock: str = "wall"):
         self.cuda = device.type == "cuda"
+        self.clock = time.process_time if clock == "cpu" else time.perf_counter
 
     def __call__(self, fn: Callable[[], None]) -> float:
         """Seconds ``fn`` took."""
@@ -201,9 +206,9 @@ class StepTimer:
             end.record()
             end.synchronize()
             return start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
+        t0 = self.clock()
         fn()
-        return time.perf_counter() - t0
+        return self.clock() - t0
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -310,7 +315,7 @@ def measure_config(
             loss_fn(model(batch)).backward()
             optimizer.step()
 
-        timer = StepTimer(device)
+        timer = StepTimer(device, settings.clock)
         row["first_step_s"] = timer(step)
         tick()
         warm = [timer(step) for _ in range(max(settings.warmup - 1, 0))]
@@ -529,6 +534,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     for name in ("d_model", "n_heads", "d_ff", "seq", "batch", "layers", "warmup", "repeats", "seed", "threads"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
     parser.add_argument("--dropout", type=float)
+    parser.add_argument("--clock", choices=("wall", "cpu"), help="CPU runs: wall-clock time (default) or the process's CPU time, robust to other jobs on a shared machine (with --threads 1)")
     parser.add_argument("--max-config-seconds", type=float, dest="max_config_seconds", help="fewer timed steps for slower configurations")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="include torch.compile (default: on in the h200 preset)")
     parser.add_argument("--configs", help="comma-separated configuration names to run (default: all)")
@@ -541,7 +547,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     settings = PRESETS[args.preset]
     overrides = {
         k: getattr(args, k)
-        for k in ("device", "dtype", "d_model", "n_heads", "d_ff", "seq", "batch", "layers", "warmup", "repeats", "seed", "threads", "dropout", "max_config_seconds", "compile", "sweep")
+        for k in ("device", "dtype", "d_model", "n_heads", "d_ff", "seq", "batch", "layers", "warmup", "repeats", "seed", "threads", "dropout", "clock", "max_config_seconds", "compile", "sweep")
         if getattr(args, k) is not None
     }
     settings = replace(settings, **overrides)

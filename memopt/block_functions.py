@@ -44,6 +44,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
+from torch import Tensor
 
 from memopt.ops import activation as _activation_ops
 from memopt.ops import attention as _attention_ops
@@ -113,12 +114,11 @@ class BlockSpec:
 # ----------------------------------------------------------------------------------------------
 # Typed records: parameters, dropout keys, norm statistics, the intermediates of each half.
 
-Tensor = torch.Tensor
-
 
 class BlockParams(NamedTuple):
-    """The block's parameters (None for absent biases), also used for their gradients. The first
-    six belong to the attention half, the last six to the FFN half."""
+    """The block's parameters (None for absent biases); the same record holds their gradients and
+    which of them need one. The first six belong to the attention half, the last six to the FFN
+    half."""
 
     norm1_weight: Tensor | None
     norm1_bias: Tensor | None

@@ -16,6 +16,10 @@ and ``memopt.wrap``), from the same initial weights and the same batch:
   row says MISMATCH;
 * time and memory as multiples of ``torch-checkpoint``.
 
+The torch rows run ``F.scaled_dot_product_attention`` on the fastest backend the device has
+(``sdpa_backends``: cuDNN first on Hopper), so the ratios are against the best PyTorch gives.
+``--preset cpu`` and ``--preset cpu-dropout`` are the realistic shapes to iterate on here.
+
 A markdown table goes to stdout, a JSON file and a PNG plot to ``bench/results/`` (the schema is
 in bench/README.md). ``--sweep layers|seq`` repeats the comparison over a range and plots the
 scaling curves.
@@ -26,6 +30,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import datetime
+import inspect
 import json
 import math
 import os
@@ -39,6 +44,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import memopt
 from bench.configs import GRAD_REFERENCE, RATIO_REFERENCE, BenchConfig, BuildContext, default_configs, eager_stack
@@ -91,6 +97,9 @@ class Settings:
     # CPU intra-op threads. One by default: on a shared machine a second OpenMP thread that gets
     # descheduled stalls every parallel region (measured here: 11 ms steps became 1100 ms).
     threads: int | None = 1
+    # "wall" (perf_counter / CUDA events) or "cpu": the process's CPU time on a CPU run, which
+    # other jobs on a shared machine do not inflate by descheduling it (use with one thread).
+    clock: str = "wall"
     sweep: str | None = None
     sweep_values: tuple[int, ...] = ()
 
@@ -101,6 +110,15 @@ PRESETS: dict[str, Settings] = {
         preset="tiny", d_model=32, n_heads=2, d_ff=64, seq=16, batch=2, layers=2, warmup=1, repeats=2,
         max_config_seconds=5.0,
     ),
+    # Realistic proportions for iterating on this 2-core machine (issue 14): under a minute each.
+    "cpu": Settings(
+        preset="cpu", d_model=512, n_heads=8, d_ff=2048, seq=256, batch=2, layers=4, dropout=0.0, threads=2,
+        max_config_seconds=4.0,
+    ),
+    "cpu-dropout": Settings(
+        preset="cpu-dropout", d_model=384, n_heads=6, d_ff=1536, seq=512, batch=2, layers=4, dropout=0.1, threads=2,
+        max_config_seconds=4.0,
+    ),
     "h200": Settings(
         preset="h200", device="cuda", dtype="bfloat16", d_model=2048, n_heads=16, d_ff=8192, seq=2048, batch=4,
         layers=4, warmup=3, repeats=10, compile=True, max_config_seconds=30.0, threads=None,
@@ -110,6 +128,8 @@ PRESETS: dict[str, Settings] = {
 SWEEP_DEFAULTS = {
     "default": {"layers": (1, 2, 4, 8), "seq": (64, 128, 256)},
     "tiny": {"layers": (1, 2), "seq": (8, 16)},
+    "cpu": {"layers": (2, 4, 8), "seq": (128, 256, 512)},
+    "cpu-dropout": {"layers": (2, 4, 8), "seq": (256, 512, 1024)},
     "h200": {"layers": (2, 4, 8), "seq": (1024, 2048, 4096)},
 }
 
@@ -159,6 +179,7 @@ def environment(device: torch.device, threads: int | None = None) -> dict:
         "memopt_build": memopt.build_info(),
         "device": str(device),
         "device_name": device_name,
+        "sdpa_backends": [backend.name for backend in sdpa_backends(device)],
         "commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
@@ -169,10 +190,12 @@ def loss_fn(out: torch.Tensor) -> torch.Tensor:
 
 
 class StepTimer:
-    """Times one callable: CUDA events on GPU (no host sync inside the step), perf_counter on CPU."""
+    """Times one callable: CUDA events on GPU (no host sync inside the step), perf_counter on CPU
+    (``clock="cpu"``: the process's CPU time, ``time.process_time``)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, clock: str = "wall"):
         self.cuda = device.type == "cuda"
+        self.clock = time.process_time if clock == "cpu" else time.perf_counter
 
     def __call__(self, fn: Callable[[], None]) -> float:
         """Seconds ``fn`` took."""
@@ -183,9 +206,9 @@ class StepTimer:
             end.record()
             end.synchronize()
             return start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
+        t0 = self.clock()
         fn()
-        return time.perf_counter() - t0
+        return self.clock() - t0
 
 
 def quantile(values: list[float], q: float) -> float:
@@ -292,7 +315,7 @@ def measure_config(
             loss_fn(model(batch)).backward()
             optimizer.step()
 
-        timer = StepTimer(device)
+        timer = StepTimer(device, settings.clock)
         row["first_step_s"] = timer(step)
         tick()
         warm = [timer(step) for _ in range(max(settings.warmup - 1, 0))]
@@ -382,8 +405,31 @@ def run_comparison(
     The first configuration that runs provides the gradient reference when ``eager-math`` is
     not among ``configs``.
     """
-    with cpu_threads(settings.threads):
+    with cpu_threads(settings.threads), fastest_sdpa(resolve_device(settings.device)):
         return _run_comparison(settings, default_configs() if configs is None else configs, progress)
+
+
+def sdpa_backends(device: torch.device) -> list[SDPBackend]:
+    """SDPA's backends in the order the torch rows try them, the fastest for the device first.
+
+    On Hopper and later GPUs cuDNN's fused attention is the fastest SDPA kernel (about twice the
+    default flash backend forward + backward at head_dim 128 on the H200), but torch does not try
+    it first by default; elsewhere flash (on CPU: the CPU flash kernel), then memory-efficient,
+    then math. A backend that cannot take a call (dtype, head_dim, dropout) passes it to the next.
+    """
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0):
+        return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    if device.type == "cuda":
+        return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+    return [SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+
+def fastest_sdpa(device: torch.device):
+    """A context in which ``F.scaled_dot_product_attention`` tries :func:`sdpa_backends` in order
+    (torch versions without ``set_priority`` only restrict the set: their own order applies)."""
+    if "set_priority" in inspect.signature(sdpa_kernel).parameters:
+        return sdpa_kernel(sdpa_backends(device), set_priority=True)
+    return sdpa_kernel(sdpa_backends(device))
 
 
 @contextlib.contextmanager
@@ -488,6 +534,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     for name in ("d_model", "n_heads", "d_ff", "seq", "batch", "layers", "warmup", "repeats", "seed", "threads"):
         parser.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
     parser.add_argument("--dropout", type=float)
+    parser.add_argument("--clock", choices=("wall", "cpu"), help="CPU runs: wall-clock time (default) or the process's CPU time, robust to other jobs on a shared machine (with --threads 1)")
     parser.add_argument("--max-config-seconds", type=float, dest="max_config_seconds", help="fewer timed steps for slower configurations")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="include torch.compile (default: on in the h200 preset)")
     parser.add_argument("--configs", help="comma-separated configuration names to run (default: all)")
@@ -500,7 +547,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     settings = PRESETS[args.preset]
     overrides = {
         k: getattr(args, k)
-        for k in ("device", "dtype", "d_model", "n_heads", "d_ff", "seq", "batch", "layers", "warmup", "repeats", "seed", "threads", "dropout", "max_config_seconds", "compile", "sweep")
+        for k in ("device", "dtype", "d_model", "n_heads", "d_ff", "seq", "batch", "layers", "warmup", "repeats", "seed", "threads", "dropout", "clock", "max_config_seconds", "compile", "sweep")
         if getattr(args, k) is not None
     }
     settings = replace(settings, **overrides)

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.compare import DTYPES, PRESETS, RESULTS_DIR, cpu_threads, environment, loss_fn, resolve_device
+from bench.compare import DTYPES, PRESETS, RESULTS_DIR, cpu_threads, environment, fastest_sdpa, loss_fn, resolve_device
 from bench.configs import BuildContext, default_configs
 from bench.model import make_reference_blocks
 
@@ -43,7 +43,7 @@ CATEGORIES = (
     ("activation", r"gelu|silu|relu|swiglu|bias_act|act_linear|tanh"),
     ("dropout", r"dropout|philox|bernoulli"),
     ("softmax/mask", r"softmax|aten::exp\b|aten::where\b|masked_fill|isneginf"),
-    ("autograd", r"backward0|autograd::|FusedBlockFunction"),
+    ("autograd", r"backward0|autograd::|TransformerBlockFunction"),
     ("copy", r"copy|memcpy|memset|contiguous|clone|aten::cat\b|catarraybatched|transpose"),
     ("optimizer", r"foreach|sgd|adam"),
     ("reduce", r"reduce|aten::sum\b|aten::mean\b"),
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     generator = torch.Generator().manual_seed(settings.seed + 1)
     batch = torch.randn(settings.batch, settings.seq, settings.d_model, generator=generator).to(device=device, dtype=dtype)
     results = {}
-    with cpu_threads(settings.threads):
+    with cpu_threads(settings.threads), fastest_sdpa(device):
         for name in wanted:
             try:
                 results[name] = profile_config(known[name], ctx, batch, args.steps, args.warmup, args.top)

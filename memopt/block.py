@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memopt import _extension
-from memopt.block_functions import PARAM_NAMES, SUPPORTED_HEAD_DIMS, BlockSpec, FusedBlockFunction, saved_names
+from memopt.block_functions import PARAM_NAMES, SUPPORTED_HEAD_DIMS, BlockSpec, TransformerBlockFunction, saved_names
 from memopt.offload import Offload, offload_group
 from memopt.ops import attention as _attention_ops
 from memopt.ops._rng import new_rng_key
@@ -355,9 +355,9 @@ class FusedCheckpointBlock(_TransformerBlockBase):
         x_flat = x_bf.reshape(batch * seq, self.d_model).contiguous()
         if self.offload:
             with offload_group(self.offload):
-                y = FusedBlockFunction.apply(spec, x_flat, rng_key, batch, seq, *params)
+                y = TransformerBlockFunction.apply(spec, x_flat, rng_key, batch, seq, *params)
         else:
-            y = FusedBlockFunction.apply(spec, x_flat, rng_key, batch, seq, *params)
+            y = TransformerBlockFunction.apply(spec, x_flat, rng_key, batch, seq, *params)
         y = y.view(batch, seq, self.d_model)
         return y if self.batch_first else y.transpose(0, 1)
 

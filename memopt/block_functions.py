@@ -1,12 +1,15 @@
 """The autograd Function behind ``memopt.FusedCheckpointBlock``: what each policy saves.
 
-One ``torch.autograd.Function`` per block. The forward runs the registered memopt ops (norm,
-attention, bias+activation, dropout+residual) and plain matmuls; it then keeps exactly the
-tensors its recompute policy names in ``SAVED`` below. The backward first rebuilds what the
+``TransformerBlockFunction`` is one transformer block as one ``torch.autograd.Function``. Its
+forward runs the registered memopt ops (norm, attention, bias+activation, dropout+residual) and
+plain matmuls, in two halves that return their intermediates as typed records
+(``AttentionHalf``, ``FFNHalf``, norm statistics as ``NormStats``); it then keeps exactly the
+tensors its recompute policy names in :func:`saved_names`. The backward first rebuilds what the
 policy dropped and then runs one shared backward pass whose norm and activation kernels rebuild
 their outputs in place (``return_y=True``) when those were not kept.
 
-Names of the intermediate tensors (``N`` = batch * seq tokens, all 2-D ``(N, width)`` unless said):
+Names of the intermediate tensors (``N`` = batch * seq tokens, all 2-D ``(N, width)`` unless said);
+they are the field names of the two records and the names :func:`saved_names` lists:
 
 pre-norm (``norm_first=True``)::
 
@@ -20,31 +23,35 @@ post-norm (``norm_first=False``, the original Transformer)::
     s1 = x + dropout(o); h = norm1(s1)
     u = h @ W1^T; g = act(u + b1); f = g @ W2^T + b2; s2 = h + dropout(f); y = norm2(s2)
 
+``h`` is the attention half's output and the FFN half's input. Norm statistics are saved as
+``norm<i>_mean`` / ``norm<i>_rstd`` (``mean`` for layernorm only).
+
 Dropout sites (GPT-2 style): attention probabilities, and the two residual branches ``o`` and
 ``f``. One RNG key ``(seed, offset)`` is drawn per block forward; the sites use it at offsets
-``0``, ``1 << 50`` and ``2 << 50``, so their masks never share Philox counters, and every
-recompute replays them exactly.
+``0``, ``1 << 50`` and ``2 << 50`` (``SiteKeys``, made once per forward and once per backward),
+so their masks never share Philox counters, and every recompute replays them exactly.
+
+Note: under "full" the recomputed tensors must live no longer than an eager graph's would: the
+FFN half's intermediates (the largest, ``u`` is ``d_ff`` wide) are recomputed inside the FFN
+backward and deleted at their last use there; the attention half's are recomputed first (the
+FFN half needs ``h``) and dropped with the attention backward.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
+from torch import Tensor
 
-# The op families this Function calls: importing them registers their fake impls (torch.compile).
-from memopt.ops import activation as _activation_ops  # noqa: F401
+from memopt.ops import activation as _activation_ops
 from memopt.ops import attention as _attention_ops
-from memopt.ops import dropout as _dropout_ops  # noqa: F401
-from memopt.ops import norm as _norm_ops  # noqa: F401
+from memopt.ops import dropout as _dropout_ops  # noqa: F401  (registers the dropout ops' fake impls)
+from memopt.ops import norm as _norm_ops
 
 SUPPORTED_HEAD_DIMS = _attention_ops.SUPPORTED_HEAD_DIMS
-
-# Philox counter offset of each dropout site inside one block's key. Sites are 2^50 counters
-# apart: a site would need 2^52 elements to run into the next one.
-_SITE_STRIDE = 1 << 50
-_ATTENTION_SITE, _ATTENTION_RESIDUAL_SITE, _FFN_RESIDUAL_SITE = 0, 1, 2
 
 _NORM_STATS = {"layernorm": ("mean", "rstd"), "rmsnorm": ("rstd",)}
 
@@ -102,311 +109,398 @@ class BlockSpec:
         return self.attention_dropout > 0.0 or self.residual_dropout > 0.0
 
 
-# The block's parameters by state_dict name, in the order FusedBlockFunction takes them.
-PARAM_NAMES = (
-    "norm1.weight", "norm1.bias", "qkv.weight", "qkv.bias", "out_proj.weight", "out_proj.bias",
-    "norm2.weight", "norm2.bias", "fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias",
-)  # fmt: skip
+# ----------------------------------------------------------------------------------------------
+# Typed records: parameters, dropout keys, norm statistics, the intermediates of each half.
 
 
-def _site_key(rng_key: torch.Tensor | None, site: int) -> torch.Tensor:
-    """The key of one dropout site; a placeholder when no dropout is active (ops need a key)."""
+class BlockParams(NamedTuple):
+    """The block's parameters (None for absent biases); the same record holds their gradients and
+    which of them need one. The first six belong to the attention half, the last six to the FFN
+    half."""
+
+    norm1_weight: Tensor | None
+    norm1_bias: Tensor | None
+    qkv_weight: Tensor
+    qkv_bias: Tensor | None
+    out_proj_weight: Tensor
+    out_proj_bias: Tensor | None
+    norm2_weight: Tensor | None
+    norm2_bias: Tensor | None
+    fc1_weight: Tensor
+    fc1_bias: Tensor | None
+    fc2_weight: Tensor
+    fc2_bias: Tensor | None
+
+
+# The block's parameters by state_dict name, in the order TransformerBlockFunction takes them.
+PARAM_NAMES = tuple(".".join(field.rsplit("_", 1)) for field in BlockParams._fields)
+
+_LINEAR_PARAMS = ("qkv_weight", "qkv_bias", "out_proj_weight", "out_proj_bias", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias")
+
+
+class SiteKeys(NamedTuple):
+    """The RNG key of each dropout site (views of one (3, 2) tensor)."""
+
+    attention: Tensor
+    attention_residual: Tensor
+    ffn_residual: Tensor
+
+
+# Philox counter offset of each dropout site inside one block's key. Sites are 2^50 counters
+# apart: a site would need 2^52 elements to run into the next one.
+_SITE_OFFSETS = torch.tensor([[0, 0], [0, 1 << 50], [0, 2 << 50]], dtype=torch.int64, device="cpu")
+# The ops take a key even when they drop nothing; one placeholder serves every call.
+_NO_DROPOUT_KEYS = SiteKeys(*torch.zeros(3, 2, dtype=torch.int64, device="cpu").unbind(0))
+
+
+def _site_keys(rng_key: Tensor | None) -> SiteKeys:
     if rng_key is None:
-        return torch.zeros(2, dtype=torch.int64)
-    if site == 0:
-        return rng_key
-    return rng_key + torch.tensor([0, site * _SITE_STRIDE], dtype=torch.int64)
+        return _NO_DROPOUT_KEYS
+    return SiteKeys(*(rng_key + _SITE_OFFSETS).unbind(0))
+
+
+class NormStats(NamedTuple):
+    """Per-row statistics of one norm forward: float32 (float64 for float64 input)."""
+
+    mean: Tensor | None  # layernorm only
+    rstd: Tensor
+
+
+@dataclass
+class AttentionHalf:
+    """The attention half's intermediates (module docstring); None where the policy dropped one
+    that the backward rebuilds."""
+
+    x: Tensor
+    qkv: Tensor
+    attn_out: Tensor  # (B, H, S, hd), a view of a (B, S, H, hd) buffer
+    lse: Tensor
+    norm1: NormStats  # pre-norm: of x; post-norm: of s1
+    n1: Tensor | None = None  # pre-norm only
+    s1: Tensor | None = None  # post-norm only
+
+
+@dataclass
+class FFNHalf:
+    """The FFN half's intermediates; None where the policy dropped one."""
+
+    h: Tensor | None  # the half's input
+    u: Tensor
+    norm2: NormStats  # pre-norm: of h; post-norm: of s2
+    n2: Tensor | None = None  # pre-norm only
+    g: Tensor | None = None
+    s2: Tensor | None = None  # post-norm only
+
+
+def _saved_tensor(name: str, attention: AttentionHalf, ffn: FFNHalf) -> Tensor:
+    """The tensor :func:`saved_names` calls ``name`` (``"qkv"``, ``"norm2_rstd"``, ...)."""
+    if name.startswith("norm"):
+        record, stat = name.split("_")
+        stats = attention.norm1 if record == "norm1" else ffn.norm2
+        return getattr(stats, stat)
+    return getattr(attention if hasattr(attention, name) else ffn, name)
+
+
+def _saved_halves(names: tuple[str, ...], tensors) -> tuple[Tensor, AttentionHalf | None, FFNHalf | None]:
+    """``(x, attention half, FFN half)`` from the saved tensors; the halves are None under
+    "full", which saves x only."""
+    saved = dict(zip(names, tensors))
+    if names == ("x",):
+        return saved["x"], None, None
+
+    def stats(index: int) -> NormStats:
+        return NormStats(saved.get(f"norm{index}_mean"), saved[f"norm{index}_rstd"])
+
+    attention = AttentionHalf(
+        saved["x"], saved["qkv"], saved["attn_out"], saved["lse"], stats(1), saved.get("n1"), saved.get("s1")
+    )
+    ffn = FFNHalf(saved.get("h"), saved["u"], stats(2), saved.get("n2"), saved.get("g"), saved.get("s2"))
+    return saved["x"], attention, ffn
+
+
+@dataclass(frozen=True)
+class BlockCall:
+    """What one forward or backward of the block works with besides the tensors."""
+
+    spec: BlockSpec
+    batch: int
+    seq: int
+    params: BlockParams  # as given (their dtypes are the gradients')
+    compute: BlockParams  # the linears' in the compute dtype, the norms' as given
+    keys: SiteKeys
+    # CPU kernels compute in float32 or float64: under CPU autocast to a half type, activation
+    # and attention take float32 inputs and their outputs go back to the compute dtype (the
+    # matmuls still run in the half type, as in the eager block). GPUs run them in half.
+    upcast: bool
+    accumulate: torch.dtype  # bias gradients are summed in at least float32
+
+    @classmethod
+    def make(cls, spec: BlockSpec, device_type: str, rng_key, batch: int, seq: int, params: BlockParams) -> "BlockCall":
+        dtype = spec.compute_dtype
+        compute = params
+        if any(p is not None and p.dtype != dtype for p in params):
+            compute = params._replace(**{n: _cast(getattr(params, n), dtype) for n in _LINEAR_PARAMS})
+        half = dtype in (torch.float16, torch.bfloat16)
+        accumulate = torch.float32 if half else dtype
+        return cls(spec, batch, seq, params, compute, _site_keys(rng_key), device_type == "cpu" and half, accumulate)
+
+
+def _cast(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+    """``t`` in ``dtype``; itself, with no call into torch, when it already is (or is None)."""
+    return t if t is None or t.dtype == dtype else t.to(dtype)
 
 
 # ----------------------------------------------------------------------------------------------
-# Op wrappers: one place where each registered op's calling convention lives.
+# The block's steps on the memopt ops (their helpers in memopt/ops/) and matmuls.
 
 
-def _norm_fwd(spec: BlockSpec, x: torch.Tensor, weight, bias, index: int, t: dict) -> torch.Tensor:
-    """Normalise ``x`` (N, D); store the statistics in ``t`` under ``norm<index>_*``."""
-    if spec.norm == "layernorm":
-        y, _, mean, rstd = torch.ops.memopt.layer_norm_fwd(x, None, weight, bias, spec.eps)
-        t[f"norm{index}_mean"], t[f"norm{index}_rstd"] = mean, rstd
-    else:
-        y, _, rstd = torch.ops.memopt.rms_norm_fwd(x, None, weight, spec.eps)
-        t[f"norm{index}_rstd"] = rstd
-    return y
+def _norm(call: BlockCall, x: Tensor, weight, bias) -> tuple[Tensor, NormStats]:
+    y, _, mean, rstd = _norm_ops._norm_fwd(call.spec.norm == "rmsnorm", x, None, weight, bias, call.spec.eps)
+    return y, NormStats(mean, rstd)
 
 
-def _norm_bwd(spec, grad_y, x, weight, bias, index, t, grad_extra, return_y):
-    """Returns ``(grad_x, grad_weight, grad_bias or None, y or None)``."""
-    grad_y = grad_y.to(x.dtype).contiguous()
-    if spec.norm == "layernorm":
-        grad_x, grad_w, grad_b, y = torch.ops.memopt.layer_norm_bwd(
-            grad_y, x, weight, bias, t[f"norm{index}_mean"], t[f"norm{index}_rstd"], grad_extra, return_y
-        )
-        grad_b = grad_b.to(bias.dtype) if bias is not None else None
-    else:
-        grad_x, grad_w, y = torch.ops.memopt.rms_norm_bwd(
-            grad_y, x, weight, t[f"norm{index}_rstd"], grad_extra, return_y
-        )
-        grad_b = None
-    return grad_x, grad_w.to(weight.dtype), grad_b, (y if return_y else None)
-
-
-# The CPU kernels compute in float32 or float64: under CPU autocast to a half type the
-# activation and attention inputs go in as float32 and their outputs come back in the compute
-# dtype (the matmuls still run in the half type, as in the eager block). GPUs run them in half.
-_CPU_HALF_TYPES = (torch.float16, torch.bfloat16)
-
-
-def _cpu_upcast(t: torch.Tensor | None) -> torch.Tensor | None:
-    if t is not None and t.device.type == "cpu" and t.dtype in _CPU_HALF_TYPES:
-        return t.float()
-    return t
-
-
-def _act_fwd(spec: BlockSpec, u: torch.Tensor, bias) -> torch.Tensor:
-    if spec.activation == "swiglu":
-        g = torch.ops.memopt.swiglu_fwd(_cpu_upcast(u), _cpu_upcast(bias))
-    else:
-        g = torch.ops.memopt.bias_act_fwd(_cpu_upcast(u), _cpu_upcast(bias), spec.activation)
-    return g.to(u.dtype)
-
-
-def _act_bwd(spec, grad_g, u, bias, return_y):
-    """Returns ``(grad_u, grad_bias or None, g or None)``; grad_u is the pre-bias gradient."""
-    args = (_cpu_upcast(grad_g.contiguous()), _cpu_upcast(u), _cpu_upcast(bias))
-    if spec.activation == "swiglu":
-        grad_u, grad_b, g = torch.ops.memopt.swiglu_bwd(*args, return_y)
-    else:
-        grad_u, grad_b, g = torch.ops.memopt.bias_act_bwd(*args, spec.activation, return_y)
-    grad_b = grad_b.to(bias.dtype) if bias is not None else None
-    return grad_u.to(u.dtype), grad_b, (g.to(u.dtype) if return_y else None)
-
-
-def _split_heads(spec: BlockSpec, qkv: torch.Tensor, batch: int, seq: int):
-    """Views q (B, H, S, hd), k and v (B, Hkv, S, hd) of ``qkv`` (N, (H + 2 Hkv) hd): no copy."""
-    heads = qkv.view(batch, seq, spec.n_heads + 2 * spec.n_kv_heads, spec.head_dim)
-    q = heads[:, :, : spec.n_heads].transpose(1, 2)
-    k = heads[:, :, spec.n_heads : spec.n_heads + spec.n_kv_heads].transpose(1, 2)
-    v = heads[:, :, spec.n_heads + spec.n_kv_heads :].transpose(1, 2)
-    return q, k, v
-
-
-def _attention_fwd(spec, qkv, batch, seq, rng_key):
-    """Returns ``(attn_out (B, H, S, hd) view of a (B, S, H, hd) buffer, lse (B, H, S))``."""
-    q, k, v = (_cpu_upcast(t) for t in _split_heads(spec, qkv, batch, seq))
-    out, lse = torch.ops.memopt.attention_fwd(
-        q, k, v, spec.causal, spec.attention_dropout, spec.scale, _site_key(rng_key, _ATTENTION_SITE)
+def _norm_backward(call: BlockCall, grad_y, x, weight, bias, stats: NormStats, grad_extra, return_y: bool):
+    """``(grad_x, grad_weight, grad_bias, y or None)``; ``grad_extra`` (the residual's gradient)
+    is added to grad_x in the same kernel."""
+    return _norm_ops._norm_bwd(
+        call.spec.norm == "rmsnorm", _cast(grad_y, x.dtype), x, weight, bias, stats.mean, stats.rstd, grad_extra, return_y
     )
-    return out.to(qkv.dtype), lse  # keeps the (B, S, H, hd) layout
 
 
-def _attention_bwd(spec, grad_attn, qkv, attn_out, lse, batch, seq, rng_key):
-    """Gradient of ``qkv`` (N, (H + 2 Hkv) hd) from the gradient of attn_out (N, H hd)."""
-    q, k, v = (_cpu_upcast(t) for t in _split_heads(spec, qkv, batch, seq))
-    grad_out = grad_attn.view(batch, seq, spec.n_heads, spec.head_dim).transpose(1, 2)
-    grad_q, grad_k, grad_v = torch.ops.memopt.attention_bwd(
-        _cpu_upcast(grad_out), q, k, v, _cpu_upcast(attn_out), lse, spec.causal,
-        spec.attention_dropout, spec.scale, _site_key(rng_key, _ATTENTION_SITE),
-    )  # fmt: skip
-    # One copy assembles the three gradients head-interleaved as qkv is laid out.
-    grad_qkv = torch.cat([grad_q.transpose(1, 2), grad_k.transpose(1, 2), grad_v.transpose(1, 2)], dim=2)
-    return grad_qkv.view(batch * seq, -1).to(qkv.dtype)
+def _upcast(call: BlockCall, t: Tensor | None) -> Tensor | None:
+    return t.float() if call.upcast and t is not None else t
 
 
-def _dropout_add(p: float, branch: torch.Tensor, residual: torch.Tensor, rng_key, site: int) -> torch.Tensor:
-    """``residual + dropout(branch)`` in the residual stream's dtype."""
-    branch = branch.to(residual.dtype)
-    if p == 0.0:
-        return branch + residual
-    return torch.ops.memopt.dropout_add_fwd(branch.contiguous(), residual, p, _site_key(rng_key, site))
-
-
-def _dropout_bwd(p: float, grad: torch.Tensor, rng_key, site: int) -> torch.Tensor:
-    if p == 0.0:
-        return grad
-    return torch.ops.memopt.dropout_add_bwd(grad.contiguous(), p, _site_key(rng_key, site))
-
-
-def _linear(inp: torch.Tensor, weight: torch.Tensor, bias, dtype: torch.dtype) -> torch.Tensor:
-    weight = weight.to(dtype)
-    inp = inp.to(dtype)
+def _linear(call: BlockCall, inp: Tensor, weight: Tensor, bias) -> Tensor:
+    inp = _cast(inp, call.spec.compute_dtype)
     if bias is None:
         return inp @ weight.t()
-    return torch.addmm(bias.to(dtype), inp, weight.t())
+    return torch.addmm(bias, inp, weight.t())
 
 
-def _weight_grad(grad_out: torch.Tensor, inp: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _weight_grad(grad_out: Tensor, inp: Tensor, weight: Tensor) -> Tensor:
     """``grad_out^T @ inp`` (out, in) in the matmul dtype, returned in the weight's dtype."""
-    return (grad_out.t() @ inp.to(grad_out.dtype)).to(weight.dtype)
+    return _cast(grad_out.t() @ _cast(inp, grad_out.dtype), weight.dtype)
 
 
-def _bias_grad(grad_out: torch.Tensor, bias) -> torch.Tensor | None:
-    """Column sums of ``grad_out`` accumulated in at least float32."""
+def _bias_grad(call: BlockCall, grad_out: Tensor, bias) -> Tensor | None:
     if bias is None:
         return None
-    return grad_out.sum(0, dtype=torch.promote_types(grad_out.dtype, torch.float32)).to(bias.dtype)
+    return _cast(grad_out.sum(0, dtype=call.accumulate), bias.dtype)
 
 
-def _input_grad(grad_out: torch.Tensor, weight: torch.Tensor, residual_grad) -> torch.Tensor:
-    """``grad_out @ weight`` plus ``residual_grad`` (in its dtype) when given, fused when possible."""
-    weight = weight.to(grad_out.dtype)
-    if residual_grad is None:
-        return grad_out @ weight
+def _input_grad(grad_out: Tensor, weight: Tensor, residual_grad) -> Tensor:
+    """``grad_out @ weight`` plus ``residual_grad`` (in its dtype), fused when the dtypes match."""
     if residual_grad.dtype == grad_out.dtype:
         return torch.addmm(residual_grad, grad_out, weight)
     return residual_grad + grad_out @ weight
 
 
+def _dropout_add(p: float, branch: Tensor, residual: Tensor, key: Tensor) -> Tensor:
+    """``residual + dropout(branch)`` in the residual stream's dtype."""
+    branch = _cast(branch, residual.dtype)
+    if p == 0.0:
+        return branch + residual
+    return torch.ops.memopt.dropout_add_fwd(branch.contiguous(), residual, p, key)
+
+
+def _dropout_backward(p: float, grad: Tensor, key: Tensor) -> Tensor:
+    if p == 0.0:
+        return grad
+    return torch.ops.memopt.dropout_add_bwd(grad.contiguous(), p, key)
+
+
+def _heads(call: BlockCall, qkv: Tensor):
+    """Views q (B, H, S, hd), k and v (B, Hkv, S, hd) of ``qkv`` (N, (H + 2 Hkv) hd): no copy."""
+    spec = call.spec
+    heads = qkv.view(call.batch, call.seq, spec.n_heads + 2 * spec.n_kv_heads, spec.head_dim).transpose(1, 2)
+    q, k, v = heads.split((spec.n_heads, spec.n_kv_heads, spec.n_kv_heads), dim=1)
+    return _upcast(call, q), _upcast(call, k), _upcast(call, v)
+
+
+def _flat(call: BlockCall, attn_out: Tensor) -> Tensor:
+    """attn_out (B, H, S, hd) as (N, H hd): a view, attention writes (B, S, H, hd) memory."""
+    return attn_out.transpose(1, 2).reshape(call.batch * call.seq, -1)
+
+
 # ----------------------------------------------------------------------------------------------
-# Forward, recompute and backward.
+# Forward of each half; the backward's recompute under "full" runs them again.
 
 
-def _block_forward(spec, x, rng_key, p, batch, seq, t, need_output=True):
-    """Run the block on ``x`` (N, D), filling ``t`` with the intermediates named in the docstring.
-
-    With ``need_output=False`` (the "full" policy's recompute) it stops once everything the
-    backward needs exists: for pre-norm that skips fc2 entirely, whose output only feeds the
-    block output; post-norm needs fc2 again because norm2's backward needs its input s2.
-    """
-    dtype = spec.compute_dtype
-    t["x"] = x
+def _attention_forward(call: BlockCall, x: Tensor) -> tuple[AttentionHalf, Tensor]:
+    """The attention half on ``x`` (N, D): its record and its output ``h``."""
+    spec, w = call.spec, call.compute
     if spec.norm_first:
-        t["n1"] = _norm_fwd(spec, x, p["norm1.weight"], p["norm1.bias"], 1, t).to(dtype)
-        attn_in = t["n1"]
+        n1, stats = _norm(call, x, w.norm1_weight, w.norm1_bias)
+        n1 = _cast(n1, spec.compute_dtype)
+        qkv = _linear(call, n1, w.qkv_weight, w.qkv_bias)
     else:
-        attn_in = x
-    t["qkv"] = _linear(attn_in, p["qkv.weight"], p["qkv.bias"], dtype)
-    t["attn_out"], t["lse"] = _attention_fwd(spec, t["qkv"], batch, seq, rng_key)
-    attn_flat = t["attn_out"].transpose(1, 2).reshape(batch * seq, -1)
-    o = _linear(attn_flat, p["out_proj.weight"], p["out_proj.bias"], dtype)
+        n1 = None
+        qkv = _linear(call, x, w.qkv_weight, w.qkv_bias)
+    attn_out, lse = torch.ops.memopt.attention_fwd(
+        *_heads(call, qkv), spec.causal, spec.attention_dropout, spec.scale, call.keys.attention
+    )
+    attn_out = _cast(attn_out, qkv.dtype)  # keeps the (B, S, H, hd) layout
+    o = _linear(call, _flat(call, attn_out), w.out_proj_weight, w.out_proj_bias)
+    residual_sum = _dropout_add(spec.residual_dropout, o, x, call.keys.attention_residual)
     if spec.norm_first:
-        t["h"] = _dropout_add(spec.residual_dropout, o, x, rng_key, _ATTENTION_RESIDUAL_SITE)
-        t["n2"] = _norm_fwd(spec, t["h"], p["norm2.weight"], p["norm2.bias"], 2, t).to(dtype)
-        ffn_in = t["n2"]
-    else:
-        t["s1"] = _dropout_add(spec.residual_dropout, o, x, rng_key, _ATTENTION_RESIDUAL_SITE)
-        t["h"] = _norm_fwd(spec, t["s1"], p["norm1.weight"], p["norm1.bias"], 1, t)
-        ffn_in = t["h"]
-    t["u"] = _linear(ffn_in, p["fc1.weight"], None, dtype)
-    if spec.norm_first and not need_output:
-        return None
-    t["g"] = _act_fwd(spec, t["u"], None if p["fc1.bias"] is None else p["fc1.bias"].to(dtype))
-    f = _linear(t["g"], p["fc2.weight"], p["fc2.bias"], dtype)
-    if spec.norm_first:
-        return _dropout_add(spec.residual_dropout, f, t["h"], rng_key, _FFN_RESIDUAL_SITE)
-    t["s2"] = _dropout_add(spec.residual_dropout, f, t["h"], rng_key, _FFN_RESIDUAL_SITE)
-    return _norm_fwd(spec, t["s2"], p["norm2.weight"], p["norm2.bias"], 2, t)
+        return AttentionHalf(x, qkv, attn_out, lse, stats, n1=n1), residual_sum
+    h, stats = _norm(call, residual_sum, w.norm1_weight, w.norm1_bias)
+    return AttentionHalf(x, qkv, attn_out, lse, stats, s1=residual_sum), h
 
 
-def _block_backward(spec, grad_y, t, p, rng_key, batch, seq):
-    """Gradients of x and of every parameter; rebuilds n1, n2, h, g when ``t`` lacks them.
+def _ffn_forward(call: BlockCall, h: Tensor, need_output: bool = True) -> tuple[FFNHalf, Tensor | None]:
+    """The FFN half on ``h``: its record and the block output.
 
-    Entries of ``t`` are popped and temporaries deleted at their last use, so that (as autograd
-    does for an eager graph) the attention half's backward does not run on top of the FFN
-    half's buffers; under "full" the recomputed tensors live only in ``t``.
+    With ``need_output=False`` (the "full" recompute) it stops once the backward has what it
+    needs: pre-norm skips the activation (its backward kernel rebuilds it) and fc2, whose output
+    only feeds the block output; post-norm needs fc2 again, for norm2's input s2.
     """
-    dtype = spec.compute_dtype
-    grads = {}
-    drop = spec.residual_dropout
-    fc1_b = None if p["fc1.bias"] is None else p["fc1.bias"].to(dtype)
+    spec, w = call.spec, call.compute
+    if spec.norm_first:
+        n2, stats = _norm(call, h, w.norm2_weight, w.norm2_bias)
+        n2 = _cast(n2, spec.compute_dtype)
+        u = _linear(call, n2, w.fc1_weight, None)
+        if not need_output:
+            return FFNHalf(h, u, stats, n2=n2), None
+    else:
+        n2 = None
+        u = _linear(call, h, w.fc1_weight, None)
+    g = _cast(_activation_ops._act_forward(_upcast(call, u), _upcast(call, w.fc1_bias), spec.activation), u.dtype)
+    f = _linear(call, g, w.fc2_weight, w.fc2_bias)
+    residual_sum = _dropout_add(spec.residual_dropout, f, h, call.keys.ffn_residual)
+    if spec.norm_first:
+        return FFNHalf(h, u, stats, n2=n2, g=g), residual_sum
+    y, stats = _norm(call, residual_sum, w.norm2_weight, w.norm2_bias)
+    return FFNHalf(h, u, stats, g=g, s2=residual_sum), y
 
-    # FFN half.
+
+# ----------------------------------------------------------------------------------------------
+# Backward of each half. Temporaries are deleted at their last use, so that (as autograd does
+# for an eager graph) one step's buffers do not pile up under the next one's.
+
+
+def _ffn_backward(call: BlockCall, grad_y: Tensor, saved: FFNHalf | None, h: Tensor, need: BlockParams):
+    """``(grad_h, six FFN parameter gradients)``; recomputes the half from ``h`` when ``saved``
+    is None ("full"), so that its tensors live in this frame only."""
+    spec, w, params = call.spec, call.compute, call.params
+    ffn = saved if saved is not None else _ffn_forward(call, h, need_output=not spec.norm_first)[0]
+    u, g, n2, s2, stats = ffn.u, ffn.g, ffn.n2, ffn.s2, ffn.norm2
+    del ffn, saved
+    grad_norm2_weight = grad_norm2_bias = None
     if spec.norm_first:
         grad_s2 = grad_y
     else:
-        grad_s2, grads["norm2.weight"], grads["norm2.bias"], _ = _norm_bwd(
-            spec, grad_y, t.pop("s2"), p["norm2.weight"], p["norm2.bias"], 2, t, None, False
+        grad_s2, grad_norm2_weight, grad_norm2_bias, _ = _norm_backward(
+            call, grad_y, s2, w.norm2_weight, w.norm2_bias, stats, None, False
         )
-    grad_f = _dropout_bwd(drop, grad_s2, rng_key, _FFN_RESIDUAL_SITE).to(dtype)
-    grads["fc2.bias"] = _bias_grad(grad_f, p["fc2.bias"])
-    grad_g = grad_f @ p["fc2.weight"].to(dtype)
-    grad_u, grads["fc1.bias"], g = _act_bwd(spec, grad_g, t.pop("u"), fc1_b, return_y="g" not in t)
-    del grad_g
-    grads["fc2.weight"] = _weight_grad(grad_f, t.pop("g", g), p["fc2.weight"])
-    del grad_f, g
+        del s2
+    grad_f = _cast(_dropout_backward(spec.residual_dropout, grad_s2, call.keys.ffn_residual), spec.compute_dtype)
+    grad_fc2_bias = _bias_grad(call, grad_f, params.fc2_bias)
+    grad_g = grad_f @ w.fc2_weight
+    grad_u, grad_fc1_bias, rebuilt_g = _activation_ops._act_backward(
+        _upcast(call, grad_g), _upcast(call, u), _upcast(call, w.fc1_bias), spec.activation, g is None
+    )
+    del grad_g, u
+    grad_u = _cast(grad_u, spec.compute_dtype)
+    grad_fc1_bias = _cast(grad_fc1_bias, params.fc1_bias.dtype) if params.fc1_bias is not None else None
+    grad_fc2_weight = _weight_grad(grad_f, rebuilt_g if g is None else g, params.fc2_weight) if need.fc2_weight else None
+    del grad_f, g, rebuilt_g
     if spec.norm_first:
-        grad_n2 = grad_u @ p["fc1.weight"].to(dtype)
-        grad_h, grads["norm2.weight"], grads["norm2.bias"], n2 = _norm_bwd(
-            spec, grad_n2, t.pop("h"), p["norm2.weight"], p["norm2.bias"], 2, t, grad_s2, "n2" not in t
+        grad_n2 = grad_u @ w.fc1_weight
+        grad_h, grad_norm2_weight, grad_norm2_bias, rebuilt_n2 = _norm_backward(
+            call, grad_n2, h, w.norm2_weight, w.norm2_bias, stats, grad_s2, n2 is None
         )
         del grad_n2
-        grads["fc1.weight"] = _weight_grad(grad_u, t.pop("n2", n2), p["fc1.weight"])
-        del n2
+        grad_fc1_weight = _weight_grad(grad_u, rebuilt_n2 if n2 is None else n2, params.fc1_weight) if need.fc1_weight else None
     else:
-        grads["fc1.weight"] = _weight_grad(grad_u, t.pop("h"), p["fc1.weight"])
-        grad_h = _input_grad(grad_u, p["fc1.weight"], grad_s2)
-    del grad_u, grad_s2
+        grad_fc1_weight = _weight_grad(grad_u, h, params.fc1_weight) if need.fc1_weight else None
+        grad_h = _input_grad(grad_u, w.fc1_weight, grad_s2)
+    grads = (grad_norm2_weight, grad_norm2_bias, grad_fc1_weight, grad_fc1_bias, grad_fc2_weight, grad_fc2_bias)
+    return grad_h, grads
 
-    # Attention half.
+
+def _attention_backward(call: BlockCall, grad_h: Tensor, half: AttentionHalf, need: BlockParams, need_x: bool):
+    """``(grad_x or None, six attention parameter gradients)``."""
+    spec, w, params = call.spec, call.compute, call.params
+    grad_norm1_weight = grad_norm1_bias = None
     if spec.norm_first:
         grad_s1 = grad_h
     else:
-        grad_s1, grads["norm1.weight"], grads["norm1.bias"], _ = _norm_bwd(
-            spec, grad_h, t.pop("s1"), p["norm1.weight"], p["norm1.bias"], 1, t, None, False
+        grad_s1, grad_norm1_weight, grad_norm1_bias, _ = _norm_backward(
+            call, grad_h, half.s1, w.norm1_weight, w.norm1_bias, half.norm1, None, False
         )
     del grad_h
-    grad_o = _dropout_bwd(drop, grad_s1, rng_key, _ATTENTION_RESIDUAL_SITE).to(dtype)
-    attn_out = t.pop("attn_out")
-    grads["out_proj.weight"] = _weight_grad(
-        grad_o, attn_out.transpose(1, 2).reshape(batch * seq, -1), p["out_proj.weight"]
-    )
-    grads["out_proj.bias"] = _bias_grad(grad_o, p["out_proj.bias"])
-    grad_attn = grad_o @ p["out_proj.weight"].to(dtype)
+    grad_o = _cast(_dropout_backward(spec.residual_dropout, grad_s1, call.keys.attention_residual), spec.compute_dtype)
+    grad_out_proj_weight = _weight_grad(grad_o, _flat(call, half.attn_out), params.out_proj_weight) if need.out_proj_weight else None
+    grad_out_proj_bias = _bias_grad(call, grad_o, params.out_proj_bias)
+    grad_attn = (grad_o @ w.out_proj_weight).view(call.batch, call.seq, spec.n_heads, spec.head_dim).transpose(1, 2)
     del grad_o
-    grad_qkv = _attention_bwd(spec, grad_attn, t.pop("qkv"), attn_out, t.pop("lse"), batch, seq, rng_key)
-    del grad_attn, attn_out
-    grads["qkv.bias"] = _bias_grad(grad_qkv, p["qkv.bias"])
+    grad_q, grad_k, grad_v = torch.ops.memopt.attention_bwd(
+        _upcast(call, grad_attn), *_heads(call, half.qkv), _upcast(call, half.attn_out), half.lse,
+        spec.causal, spec.attention_dropout, spec.scale, call.keys.attention,
+    )  # fmt: skip
+    del grad_attn
+    # One copy assembles the three gradients head-interleaved as qkv is laid out.
+    grad_qkv = torch.cat((grad_q.transpose(1, 2), grad_k.transpose(1, 2), grad_v.transpose(1, 2)), dim=2)
+    grad_qkv = _cast(grad_qkv.view(call.batch * call.seq, -1), half.qkv.dtype)
+    del grad_q, grad_k, grad_v
+    grad_qkv_bias = _bias_grad(call, grad_qkv, params.qkv_bias)
     if spec.norm_first:
-        grad_n1 = grad_qkv @ p["qkv.weight"].to(dtype)
-        grad_x, grads["norm1.weight"], grads["norm1.bias"], n1 = _norm_bwd(
-            spec, grad_n1, t["x"], p["norm1.weight"], p["norm1.bias"], 1, t, grad_s1, "n1" not in t
+        grad_n1 = grad_qkv @ w.qkv_weight
+        grad_x, grad_norm1_weight, grad_norm1_bias, rebuilt_n1 = _norm_backward(
+            call, grad_n1, half.x, w.norm1_weight, w.norm1_bias, half.norm1, grad_s1, half.n1 is None
         )
         del grad_n1
-        grads["qkv.weight"] = _weight_grad(grad_qkv, t.pop("n1", n1), p["qkv.weight"])
+        n1 = rebuilt_n1 if half.n1 is None else half.n1
+        grad_qkv_weight = _weight_grad(grad_qkv, n1, params.qkv_weight) if need.qkv_weight else None
     else:
-        grads["qkv.weight"] = _weight_grad(grad_qkv, t["x"], p["qkv.weight"])
-        grad_x = _input_grad(grad_qkv, p["qkv.weight"], grad_s1)
+        grad_qkv_weight = _weight_grad(grad_qkv, half.x, params.qkv_weight) if need.qkv_weight else None
+        grad_x = _input_grad(grad_qkv, w.qkv_weight, grad_s1) if need_x else None
+    grads = (grad_norm1_weight, grad_norm1_bias, grad_qkv_weight, grad_qkv_bias, grad_out_proj_weight, grad_out_proj_bias)
     return grad_x, grads
 
 
-class FusedBlockFunction(torch.autograd.Function):
+class TransformerBlockFunction(torch.autograd.Function):
     """One transformer block; saves ``saved_names(spec.policy, ...)`` and the RNG key.
 
-    ``forward(ctx, spec, x (N, D), rng_key or None, batch, seq, *params)`` with ``params`` in
+    ``apply(spec, x (N, D), rng_key or None, batch, seq, *params)`` with ``params`` in
     ``PARAM_NAMES`` order (None for absent biases). Returns the block output (N, D).
     """
 
     @staticmethod
     def forward(ctx, spec, x, rng_key, batch, seq, *params):
-        p = dict(zip(PARAM_NAMES, params))
-        t: dict = {}
+        call = BlockCall.make(spec, x.device.type, rng_key, batch, seq, BlockParams(*params))
         # The compute dtype is explicit (spec.compute_dtype): autocast off keeps the forward and
-        # the "full" recompute (which runs outside autocast) bit-identical.
+        # the "full" recompute bit-identical.
         with torch.autocast(x.device.type, enabled=False):
-            y = _block_forward(spec, x, rng_key, p, batch, seq, t)
+            attention, h = _attention_forward(call, x)
+            ffn, y = _ffn_forward(call, h)
         names = saved_names(spec.policy, spec.norm_first, spec.norm)
         ctx.spec, ctx.batch, ctx.seq = spec, batch, seq
         ctx.saved_tensor_names = names
-        ctx.param_present = tuple(param is not None for param in params)
-        ctx.save_for_backward(*(t[name] for name in names), rng_key, *params)
+        ctx.save_for_backward(*(_saved_tensor(name, attention, ffn) for name in names), rng_key, *params)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        spec, batch, seq = ctx.spec, ctx.batch, ctx.seq
         grad_y = grad_y.contiguous()  # y.sum().backward() hands in a stride-0 expanded tensor
         saved = ctx.saved_tensors
         count = len(ctx.saved_tensor_names)
-        t = dict(zip(ctx.saved_tensor_names, saved[:count]))
-        rng_key = saved[count]
-        p = dict(zip(PARAM_NAMES, saved[count + 1 :]))
-        if spec.policy == "full":
-            t = {}
-            with torch.no_grad():
-                _block_forward(spec, saved[0], rng_key, p, batch, seq, t, need_output=False)
-        elif not spec.norm_first and "h" not in t:
-            t["h"] = _norm_fwd(spec, t["s1"], p["norm1.weight"], p["norm1.bias"], 1, {})
-        grad_x, grads = _block_backward(spec, grad_y, t, p, rng_key, batch, seq)
-        param_grads = [
-            grads[name] if present and ctx.needs_input_grad[5 + i] else None
-            for i, (name, present) in enumerate(zip(PARAM_NAMES, ctx.param_present))
-        ]
-        return (None, grad_x, None, None, None, *param_grads)
+        x, attention, ffn = _saved_halves(ctx.saved_tensor_names, saved[:count])
+        params = BlockParams(*saved[count + 1 :])
+        call = BlockCall.make(ctx.spec, x.device.type, saved[count], ctx.batch, ctx.seq, params)
+        # Absent parameters (None) never need a gradient.
+        need = BlockParams(*ctx.needs_input_grad[-len(PARAM_NAMES) :])
+        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+            if attention is None:  # "full": recompute the attention half, the FFN half's input
+                attention, h = _attention_forward(call, x)
+            elif ffn.h is not None:
+                h = ffn.h
+            else:  # post-norm "selective": rebuild norm1's output
+                h, _ = _norm(call, attention.s1, params.norm1_weight, params.norm1_bias)
+            grad_h, ffn_grads = _ffn_backward(call, grad_y, ffn, h, need)
+            del ffn, h
+            grad_x, attention_grads = _attention_backward(call, grad_h, attention, need, ctx.needs_input_grad[1])
+        grads = (g if n else None for g, n in zip((*attention_grads, *ffn_grads), need))
+        return (None, grad_x, None, None, None, *grads)

@@ -348,3 +348,17 @@ def test_profile_on_cuda_times_kernels(tmp_path):
         assert config["status"] == "ok" and config["timed"] == "CUDA kernel device time"
         assert config["ms_per_step_by_category"].get("matmul", 0) > 0
         assert config["ms_per_step_by_category"].get("attention", 0) > 0
+
+
+def test_cpu_clock_ignores_time_spent_off_the_cpu():
+    import time
+
+    wall = compare.StepTimer(torch.device("cpu"))(lambda: time.sleep(0.2))
+    cpu = compare.StepTimer(torch.device("cpu"), clock="cpu")(lambda: time.sleep(0.2))
+    assert wall >= 0.2 and cpu < 0.05
+
+
+def test_sdpa_backends_put_the_fastest_first_and_keep_math_last():
+    backends = compare.sdpa_backends(torch.device("cpu"))
+    assert backends[0] == torch.nn.attention.SDPBackend.FLASH_ATTENTION
+    assert backends[-1] == torch.nn.attention.SDPBackend.MATH

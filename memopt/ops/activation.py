@@ -153,11 +153,12 @@ def _act_forward(x, bias, activation):
     return torch.ops.memopt.bias_act_fwd(x, bias, activation)
 
 
-def _act_backward(grad_y, x, bias, activation):
-    """(grad_x, grad_bias, y): the gradient through the activation and the rebuilt activation."""
+def _act_backward(grad_y, x, bias, activation, return_y: bool = True):
+    """(grad_x, grad_bias, y): the gradient through the activation and the rebuilt activation
+    (an empty tensor when ``return_y`` is False)."""
     if activation == "swiglu":
-        return torch.ops.memopt.swiglu_bwd(grad_y, x, bias, True)
-    return torch.ops.memopt.bias_act_bwd(grad_y, x, bias, activation, True)
+        return torch.ops.memopt.swiglu_bwd(grad_y, x, bias, return_y)
+    return torch.ops.memopt.bias_act_bwd(grad_y, x, bias, activation, return_y)
 
 
 class ActLinearFunction(torch.autograd.Function):

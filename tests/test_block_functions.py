@@ -1,0 +1,58 @@
+"""memopt.block_functions: gradients that are not asked for are not computed (and are None), the
+ones that are match the eager reference block; the saved records round-trip by name."""
+
+import pytest
+import torch
+
+import memopt
+from memopt import block_functions
+from memopt.block import EagerTransformerBlock
+from memopt.ops.attention import cpu_backend
+
+D_MODEL, N_HEADS = 64, 4
+TOL = {"atol": 1e-6, "rtol": 1e-5}  # float64; attention's float32 log-sum-exp sets the floor
+
+
+@pytest.fixture(autouse=True)
+def native_cpu_attention():
+    with cpu_backend("native"):
+        yield
+
+
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_frozen_parameters_and_input_get_no_gradient_and_the_rest_match_eager(policy, norm_first):
+    torch.manual_seed(0)
+    fused = memopt.FusedCheckpointBlock(D_MODEL, N_HEADS, 96, norm_first=norm_first, causal=True, policy=policy, dtype=torch.float64)
+    eager = EagerTransformerBlock(D_MODEL, N_HEADS, 96, norm_first=norm_first, causal=True, dtype=torch.float64)
+    eager.load_state_dict(fused.state_dict())
+    frozen = {"fc1.weight", "qkv.weight", "norm2.bias", "out_proj.bias"}
+    for block in (fused, eager):
+        for name, param in block.named_parameters():
+            param.requires_grad_(name not in frozen)
+    x = torch.randn(2, 24, D_MODEL, dtype=torch.float64)  # no gradient wanted for the input
+    grad = torch.randn(2, 24, D_MODEL, dtype=torch.float64)
+    fused(x).backward(grad)
+    eager(x).backward(grad)
+    for (name, got), (_, want) in zip(fused.named_parameters(), eager.named_parameters()):
+        if name in frozen:
+            assert got.grad is None, name
+        else:
+            torch.testing.assert_close(got.grad, want.grad, **TOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_saved_names_are_fields_of_the_records():
+    """Every name saved_names lists is a field of AttentionHalf, FFNHalf or their NormStats."""
+    fields = {f for cls in (block_functions.AttentionHalf, block_functions.FFNHalf) for f in cls.__dataclass_fields__}
+    for policy in ("none", "selective", "full"):
+        for norm_first in (True, False):
+            for norm in ("layernorm", "rmsnorm"):
+                for name in block_functions.saved_names(policy, norm_first, norm):
+                    record, _, stat = name.partition("_")
+                    known = stat in block_functions.NormStats._fields and record in ("norm1", "norm2")
+                    assert known or name in fields, name
+
+
+def test_param_names_match_the_module():
+    block = memopt.FusedCheckpointBlock(D_MODEL, N_HEADS, 96)
+    assert set(block_functions.PARAM_NAMES) == {name for name, _ in block.named_parameters()}

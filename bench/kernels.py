@@ -1,15 +1,20 @@
 """`python -m bench.kernels`: memopt's ops against eager PyTorch and ``torch.compile``.
 
-For each op family memopt exports (detected with ``hasattr``; missing ones are listed as not
-available) and each provider (``memopt``, ``eager``, ``compile``), forward + backward is timed
-(``triton.testing.do_bench`` on GPU, the median of ``perf_counter`` repeats on CPU) and the bytes
-saved for backward are counted (``memopt.saved_bytes``, inputs and parameters excluded).
-Memory-bound ops report GB/s of their ideal traffic (every input read once and every output
-written once, forward and backward); attention reports TFLOP/s (causal, backward counted as 2.5
-forwards).
+For each op (dropout_add, layer_norm, rms_norm, norm_linear, bias_act with each activation,
+swiglu, act_linear, attention; missing ones are listed as not available), each shape of the
+preset (rows x width: a block's 512 tokens x d_model 512 and x d_ff 2048, then larger ones) and
+each provider (``memopt``, ``eager``: PyTorch's fastest eager way to do the same job, e.g.
+``F.layer_norm``, ``F.rms_norm``, ``F.gelu(x + b)``, ``r + F.dropout(x)``; ``compile``: that eager
+code under ``torch.compile``), forward + backward is timed (``triton.testing.do_bench`` on GPU; on
+CPU the providers run in turn within each repeat, and the median is reported) and the bytes saved
+for backward are counted (``memopt.saved_bytes``, inputs and parameters excluded). Memory-bound
+ops report GB/s of their ideal traffic (every input read once and every output written once,
+forward and backward); norm_linear, act_linear and attention report TFLOP/s (attention causal,
+backward counted as 2.5 forwards). ``time_vs_eager`` is memopt's (or compile's) median over eager's.
 
 Rows follow the house schema (``op, provider, mode, metric, unit, x, median, p20, p80`` plus
-``status``), under an environment header, in ``bench/results/kernels-<preset>-<device>-<date>.json``.
+``width`` and ``status``; ``x`` is the rows, for attention the sequence length), under an
+environment header, in ``bench/results/kernels-<preset>-<device>-<date>.json``.
 """
 
 from __future__ import annotations
@@ -283,12 +288,12 @@ def bench_op(spec: OpSpec, shape: Shape, settings: KernelSettings, device: torch
     base = {"op": spec.name, "mode": "fwd_bwd", "x": rows_, "width": width, "device": str(device), "dtype": settings.dtype}
     if not spec.per_shape:
         base.update(x=settings.seq, width=settings.head_dim)
-    out_rows = []
+    unavailable = []
     calls, tensors = {}, {}
     for provider in PROVIDERS:
         fn, reason = _provider_fn(spec, provider, settings)
         if fn is None:
-            out_rows.append({**base, "provider": provider, "metric": "time_fwd_bwd", "unit": "ms", "median": None,
+            unavailable.append({**base, "provider": provider, "metric": "time_fwd_bwd", "unit": "ms", "median": None,
                              "p20": None, "p80": None, "status": f"not available ({reason})"})
             continue
         torch.manual_seed(0)
@@ -300,11 +305,12 @@ def bench_op(spec: OpSpec, shape: Shape, settings: KernelSettings, device: torch
         saved = {p: None if p == "compile" else memopt.saved_bytes(calls[p], *tensors[p]) for p in calls}
     except Exception as exc:  # reported in the table, never allowed to stop the run
         text = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
-        return out_rows + [{**base, "provider": p, "metric": "time_fwd_bwd", "unit": "ms", "median": None, "p20": None,
-                            "p80": None, "status": f"error ({text})"} for p in calls]
+        return [{**base, "provider": p, "metric": "time_fwd_bwd", "unit": "ms", "median": None, "p20": None,
+                 "p80": None, "status": f"error ({text})"} for p in calls] + unavailable
     amount, unit = spec.work(settings, shape, dtype)
     scale = 1e9 if unit == "GB/s" else 1e12
     rate = {"metric": "bandwidth" if unit == "GB/s" else "throughput", "unit": unit}
+    out_rows = []
     for provider, (median, p20, p80) in timings.items():
         row = {**base, "provider": provider}
         out_rows += [
@@ -318,7 +324,7 @@ def bench_op(spec: OpSpec, shape: Shape, settings: KernelSettings, device: torch
             ratio = median / timings["eager"][0]
             out_rows.append({**row, "metric": "time_vs_eager", "unit": "x", "median": ratio, "p20": ratio, "p80": ratio,
                              "status": "ok"})
-    return out_rows
+    return out_rows + unavailable
 
 
 def run_kernels(settings: KernelSettings, ops: list[str] | None = None, progress: bool = True) -> dict:

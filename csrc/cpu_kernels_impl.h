@@ -100,6 +100,18 @@ inline T sum_accumulators(const Accumulators<T>& a) {
 // the same shared pieces in the forward and the backward so that the rebuilt value is bitwise the
 // forward's.
 
+// float32 through ATen's inline exp_u20 (within 20 ulp; Sleef's exp is a call), float64 through
+// Sleef's exp (1 ulp), which gradcheck needs. exp_u20 saturates large arguments instead of
+// returning inf, which leaves sigmoid 0 there.
+template <typename T>
+inline Vectorized<T> vec_exp(const Vectorized<T>& x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x.exp_u20();
+  } else {
+    return x.exp();
+  }
+}
+
 // erf in float32 without exp: the rational approximation Eigen and XLA use (an odd polynomial of
 // degree 13 over an even one of degree 8 on [-4, 4], where erf is +-1 in float32 outside),
 // absolute error about 1e-7, like ATen's vectorized erf (Abramowitz-Stegun 7.1.26 with a Sleef
@@ -131,22 +143,16 @@ inline Vectorized<T> vec_gelu_cdf(const Vectorized<T>& x) {  // Phi(x)
   }
 }
 
-// exp(-x^2 / 2) / sqrt(2 pi), the derivative of Phi; float32 through ATen's inline exp_u20
-// (within 20 ulp), float64 through Sleef's exp.
+// exp(-x^2 / 2) / sqrt(2 pi), the derivative of Phi.
 template <typename T>
 inline Vectorized<T> vec_gelu_pdf(const Vectorized<T>& x) {
-  const Vectorized<T> exponent = Vectorized<T>(T(-0.5)) * x * x;
-  if constexpr (std::is_same_v<T, float>) {
-    return exponent.exp_u20() * Vectorized<T>(T(0.39894228040143267794));
-  } else {
-    return exponent.exp() * Vectorized<T>(T(0.39894228040143267794));
-  }
+  return vec_exp(Vectorized<T>(T(-0.5)) * x * x) * Vectorized<T>(T(0.39894228040143267794));
 }
 
 template <typename T>
 inline Vectorized<T> vec_sigmoid(const Vectorized<T>& x) {
   const Vectorized<T> one(T(1));
-  return one / (one + x.neg().exp());
+  return one / (one + vec_exp(x.neg()));
 }
 
 // gelu_tanh through 1 + tanh(u) = 2 sigmoid(2u): one exp instead of a (much slower) vector tanh,
@@ -405,9 +411,16 @@ void norm_fwd(const T* x, const T* residual, const T* weight, const T* bias, T* 
   });
 }
 
-// At most this many row blocks, each summing its rows' parameter gradients into its own partial
-// row; the partials are then added in block order.
+// Row blocks of the norm backward, each summing its rows' parameter gradients into its own
+// partial row; the partials are then added in block order. At most 64 of them, with at least
+// 64K elements each (the partials are zeroed, written and read again: at 512 x 512, 64 blocks
+// of 8 rows would add a quarter to the kernel's traffic). The count depends on the shape only.
 constexpr int64_t kMaxRowBlocks = 64;
+constexpr int64_t kMinBlockElements = 65536;
+
+int64_t norm_row_blocks(int64_t rows, int64_t n) {
+  return std::max<int64_t>(1, std::min({rows, kMaxRowBlocks, rows * n / kMinBlockElements}));
+}
 
 // grad_x = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) + grad_x_extra, g = grad_y * weight;
 // RMSNorm (mean == null) drops the mean(g) term. Two passes over a row: the first sums and feeds
@@ -711,7 +724,7 @@ void norm_bwd_kernel(const at::Tensor& grad_y, const at::Tensor& x, const at::Te
                      const at::Tensor& grad_x, const at::Tensor& y, const at::Tensor& grad_weight, const at::Tensor& grad_bias) {
   const int64_t n = x.size(-1);
   const int64_t rows = x.numel() / n;
-  const int64_t blocks = std::max<int64_t>(1, std::min(rows, kMaxRowBlocks));
+  const int64_t blocks = norm_row_blocks(rows, n);
   at::Tensor weight_partials = grad_weight.defined() ? partials_for(x, blocks, n) : at::Tensor();
   at::Tensor bias_partials = grad_bias.defined() ? partials_for(x, blocks, n) : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "norm_bwd_cpu", [&] {

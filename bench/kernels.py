@@ -1,15 +1,20 @@
 """`python -m bench.kernels`: memopt's ops against eager PyTorch and ``torch.compile``.
 
-For each op family memopt exports (detected with ``hasattr``; missing ones are listed as not
-available) and each provider (``memopt``, ``eager``, ``compile``), forward + backward is timed
-(``triton.testing.do_bench`` on GPU, the median of ``perf_counter`` repeats on CPU) and the bytes
-saved for backward are counted (``memopt.saved_bytes``, inputs and parameters excluded).
-Memory-bound ops report GB/s of their ideal traffic (every input read once and every output
-written once, forward and backward); attention reports TFLOP/s (causal, backward counted as 2.5
-forwards).
+For each op (dropout_add, layer_norm, rms_norm, norm_linear, bias_act with each activation,
+swiglu, act_linear, attention; missing ones are listed as not available), each shape of the
+preset (rows x width: a block's 512 tokens x d_model 512 and x d_ff 2048, then larger ones) and
+each provider (``memopt``, ``eager``: PyTorch's fastest eager way to do the same job, e.g.
+``F.layer_norm``, ``F.rms_norm``, ``F.gelu(x + b)``, ``r + F.dropout(x)``; ``compile``: that eager
+code under ``torch.compile``), forward + backward is timed (``triton.testing.do_bench`` on GPU; on
+CPU the providers run in turn within each repeat, and the median is reported) and the bytes saved
+for backward are counted (``memopt.saved_bytes``, inputs and parameters excluded). Memory-bound
+ops report GB/s of their ideal traffic (every input read once and every output written once,
+forward and backward); norm_linear, act_linear and attention report TFLOP/s (attention causal,
+backward counted as 2.5 forwards). ``time_vs_eager`` is memopt's (or compile's) median over eager's.
 
 Rows follow the house schema (``op, provider, mode, metric, unit, x, median, p20, p80`` plus
-``status``), under an environment header, in ``bench/results/kernels-<preset>-<device>-<date>.json``.
+``width`` and ``status``; ``x`` is the rows, for attention the sequence length), under an
+environment header, in ``bench/results/kernels-<preset>-<device>-<date>.json``.
 """
 
 from __future__ import annotations
@@ -35,8 +40,11 @@ class KernelSettings:
     preset: str = "default"
     device: str = "auto"
     dtype: str = "float32"
-    rows: int = 2048
-    width: int = 1024
+    # (rows, width) of the norm / activation / dropout ops: rows x d_model and rows x d_ff of a
+    # block (512 tokens, d_model 512, d_ff 2048), a mid-size and a large one
+    shapes: tuple[tuple[int, int], ...] = ((512, 512), (512, 2048), (2048, 1024), (4096, 4096))
+    # out_features of norm_linear / act_linear (a d_model-sized projection)
+    linear_out: int = 512
     batch: int = 1
     heads: int = 4
     seq: int = 256
@@ -49,72 +57,98 @@ class KernelSettings:
 
 KERNEL_PRESETS = {
     "default": KernelSettings(),
-    "tiny": KernelSettings(preset="tiny", rows=64, width=128, heads=2, seq=32, head_dim=16, repeats=3),
+    "tiny": KernelSettings(preset="tiny", shapes=((64, 128),), linear_out=32, heads=2, seq=32, head_dim=16, repeats=3),
     "h200": KernelSettings(
-        preset="h200", device="cuda", dtype="bfloat16", rows=16384, width=8192, batch=4, heads=16, seq=4096,
+        preset="h200", device="cuda", dtype="bfloat16", shapes=((16384, 8192), (8192, 4096)), linear_out=4096, batch=4,
+        heads=16, seq=4096,
         head_dim=128, repeats=0, compile=True, threads=None,
     ),
 }
 
 
+Shape = tuple[int, int]  # (rows, width); attention ignores it
+
+
 @dataclass(frozen=True)
 class OpSpec:
-    """One op family: how to make inputs, call it per provider, and size its work.
+    """One op: how to make inputs, call it per provider, and size its work.
 
-    ``make_inputs`` returns ``(tensors needing grad, other args)``; ``memopt_fn`` and
-    ``eager_fn`` take ``*tensors, *others``. ``work`` returns ``(amount, unit)``: bytes of ideal
-    traffic (GB/s) or flops (TFLOP/s) for one forward + backward.
+    ``make_inputs(settings, shape, device, dtype)`` returns the tensors that need grad;
+    ``memopt_fn`` and ``eager_fn`` take them (``eager_fn`` is PyTorch's fastest eager way to do
+    the same job). ``work(settings, shape, dtype)`` returns ``(amount, unit)``: bytes of ideal
+    traffic (GB/s) or flops (TFLOP/s) for one forward + backward. ``per_shape`` is False for
+    attention, which runs once at its own shape.
     """
 
     name: str
     memopt_attr: str
-    make_inputs: Callable[[KernelSettings, torch.device, torch.dtype], tuple[list[torch.Tensor], list]]
+    make_inputs: Callable[[KernelSettings, Shape, torch.device, torch.dtype], list[torch.Tensor]]
     memopt_fn: Callable
     eager_fn: Callable
-    work: Callable[[KernelSettings, torch.dtype], tuple[float, str]]
+    work: Callable[[KernelSettings, Shape, torch.dtype], tuple[float, str]]
+    per_shape: bool = True
 
 
 def _rows_inputs(n_tensors: int, width_factor: int = 1):
-    def make(s: KernelSettings, device, dtype):
-        tensors = [torch.randn(s.rows, s.width * width_factor, device=device, dtype=dtype) for _ in range(n_tensors)]
-        return tensors, []
+    def make(s: KernelSettings, shape: Shape, device, dtype):
+        rows, width = shape
+        return [torch.randn(rows, width * width_factor, device=device, dtype=dtype) for _ in range(n_tensors)]
 
     return make
 
 
-def _norm_inputs(with_bias: bool):
-    def make(s: KernelSettings, device, dtype):
-        x = torch.randn(s.rows, s.width, device=device, dtype=dtype)
-        weight = 1 + 0.1 * torch.randn(s.width, device=device, dtype=dtype)
-        bias = 0.1 * torch.randn(s.width, device=device, dtype=dtype)
-        return ([x, weight, bias] if with_bias else [x, weight]), []
+def _norm_inputs(with_bias: bool, linear: bool = False):
+    def make(s: KernelSettings, shape: Shape, device, dtype):
+        rows, width = shape
+        x = torch.randn(rows, width, device=device, dtype=dtype)
+        weight = 1 + 0.1 * torch.randn(width, device=device, dtype=dtype)
+        tensors = [x, weight] + ([0.1 * torch.randn(width, device=device, dtype=dtype)] if with_bias else [])
+        if linear:
+            tensors += _linear_params(s.linear_out, width, device, dtype)
+        return tensors
 
     return make
 
 
-def _bias_inputs(s: KernelSettings, device, dtype):
-    return [torch.randn(s.rows, s.width, device=device, dtype=dtype), torch.randn(s.width, device=device, dtype=dtype)], []
+def _linear_params(out_features: int, in_features: int, device, dtype) -> list[torch.Tensor]:
+    return [
+        torch.randn(out_features, in_features, device=device, dtype=dtype) / in_features**0.5,
+        0.1 * torch.randn(out_features, device=device, dtype=dtype),
+    ]
 
 
-def _attention_inputs(s: KernelSettings, device, dtype):
-    shape = (s.batch, s.heads, s.seq, s.head_dim)
-    return [torch.randn(shape, device=device, dtype=dtype) for _ in range(3)], []
+def _bias_inputs(linear: bool = False, width_factor: int = 1):
+    def make(s: KernelSettings, shape: Shape, device, dtype):
+        rows, width = shape
+        tensors = [
+            torch.randn(rows, width * width_factor, device=device, dtype=dtype),
+            torch.randn(width * width_factor, device=device, dtype=dtype),
+        ]
+        if linear:
+            tensors += _linear_params(s.linear_out, width, device, dtype)
+        return tensors
+
+    return make
+
+
+def _attention_inputs(s: KernelSettings, shape: Shape, device, dtype):
+    return [torch.randn((s.batch, s.heads, s.seq, s.head_dim), device=device, dtype=dtype) for _ in range(3)]
 
 
 def _elementwise_bytes(elements_moved_per_row_width: int):
-    def work(s: KernelSettings, dtype):
-        return elements_moved_per_row_width * s.rows * s.width * dtype.itemsize, "GB/s"
+    def work(s: KernelSettings, shape: Shape, dtype):
+        return elements_moved_per_row_width * shape[0] * shape[1] * dtype.itemsize, "GB/s"
 
     return work
 
 
-def _attention_flops(s: KernelSettings, dtype):
+def _linear_flops(s: KernelSettings, shape: Shape, dtype):
+    return 3 * 2 * shape[0] * shape[1] * s.linear_out, "TFLOP/s"  # the forward matmul and two backward ones
+
+
+def _attention_flops(s: KernelSettings, shape: Shape, dtype):
     forward = 4 * s.batch * s.heads * s.seq * s.seq * s.head_dim / 2  # causal: half the scores
     return 3.5 * forward, "TFLOP/s"
-
-
-def _rms_norm_eager(x, weight, eps=1e-6):
-    return x * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps).to(x.dtype) * weight
 
 
 def _swiglu_eager(x):
@@ -126,12 +160,30 @@ def _attention_eager(q, k, v):
     return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
+# memopt's activation name -> the eager function it replaces
+EAGER_ACTIVATIONS = {
+    "relu": F.relu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda h: F.gelu(h, approximate="tanh"),
+    "silu": F.silu,
+}
+
+
+def _bias_act_spec(activation: str) -> OpSpec:
+    eager_act = EAGER_ACTIVATIONS[activation]
+    return OpSpec(
+        f"bias_{activation}", "bias_act", _bias_inputs(),
+        lambda x, b: memopt.bias_act(x, b, activation), lambda x, b: eager_act(x + b),
+        _elementwise_bytes(2 + 3),  # fwd: read x, write y; bwd: read x, grad, write grad_x
+    )
+
+
 def op_specs(settings: KernelSettings) -> list[OpSpec]:
     p = settings.dropout
     return [
         OpSpec(
             "dropout_add", "dropout_add", _rows_inputs(2),
-            lambda x, r: memopt.dropout_add(x, r, p), lambda x, r: F.dropout(x, p) + r,
+            lambda x, r: memopt.dropout_add(x, r, p), lambda x, r: r + F.dropout(x, p),
             _elementwise_bytes(3 + 2),  # fwd: read x, r, write out; bwd: read grad, write grad_x
         ),
         OpSpec(
@@ -141,14 +193,16 @@ def op_specs(settings: KernelSettings) -> list[OpSpec]:
         ),
         OpSpec(
             "rms_norm", "rms_norm", _norm_inputs(False),
-            lambda x, w: memopt.rms_norm(x, w), _rms_norm_eager,
+            lambda x, w: memopt.rms_norm(x, w), lambda x, w: F.rms_norm(x, x.shape[-1:], w, 1e-6),
             _elementwise_bytes(2 + 3),
         ),
         OpSpec(
-            "bias_gelu", "bias_act", _bias_inputs,
-            lambda x, b: memopt.bias_act(x, b, "gelu"), lambda x, b: F.gelu(x + b),
-            _elementwise_bytes(2 + 3),
+            "norm_linear", "norm_linear", _norm_inputs(True, linear=True),
+            lambda x, w, b, lw, lb: memopt.norm_linear(x, w, b, lw, lb),
+            lambda x, w, b, lw, lb: F.linear(F.layer_norm(x, x.shape[-1:], w, b), lw, lb),
+            _linear_flops,
         ),
+        *(_bias_act_spec(a) for a in EAGER_ACTIVATIONS),
         OpSpec(
             "swiglu", "swiglu", _rows_inputs(1, width_factor=2),
             lambda x: memopt.swiglu(x), _swiglu_eager,
@@ -156,38 +210,58 @@ def op_specs(settings: KernelSettings) -> list[OpSpec]:
             _elementwise_bytes(3 + 5),
         ),
         OpSpec(
+            "act_linear_gelu", "act_linear", _bias_inputs(linear=True),
+            lambda x, b, lw, lb: memopt.act_linear(x, b, lw, lb, activation="gelu"),
+            lambda x, b, lw, lb: F.linear(F.gelu(x + b), lw, lb),
+            _linear_flops,
+        ),
+        OpSpec(
+            "act_linear_swiglu", "act_linear", _bias_inputs(linear=True, width_factor=2),
+            lambda x, b, lw, lb: memopt.act_linear(x, b, lw, lb, activation="swiglu"),
+            lambda x, b, lw, lb: F.linear(_swiglu_eager(x + b), lw, lb),
+            _linear_flops,
+        ),
+        OpSpec(
             "attention", "attention", _attention_inputs,
             lambda q, k, v: memopt.attention(q, k, v, causal=True), _attention_eager,
-            _attention_flops,
+            _attention_flops, per_shape=False,
         ),
     ]
 
 
-def time_fwd_bwd(fn: Callable, tensors: list[torch.Tensor], device: torch.device, repeats: int) -> tuple[float, float, float]:
-    """(median, p20, p80) milliseconds of ``fn(*tensors)`` forward + backward."""
+def _fwd_bwd_step(fn: Callable, tensors: list[torch.Tensor]) -> Callable[[], None]:
+    """One forward + backward of ``fn(*tensors)`` against a fixed random output gradient."""
     grad_out = None
 
     def step():
         nonlocal grad_out
+        for t in tensors:
+            t.grad = None
         out = fn(*tensors)
         if grad_out is None:
             grad_out = torch.randn_like(out)
         out.backward(grad_out)
 
-    step()  # warm-up (and compilation)
+    return step
+
+
+def time_interleaved(steps: dict[str, Callable[[], None]], device: torch.device, repeats: int) -> dict[str, tuple[float, float, float]]:
+    """(median, p20, p80) milliseconds per step, the steps timed in turn within each repeat (the
+    order alternating), so that a busy spell on a shared machine slows all of them alike."""
+    for step in steps.values():
+        step()  # warm-up (and compilation)
     if device.type == "cuda":
         from triton.testing import do_bench
 
-        median, p20, p80 = do_bench(step, grad_to_none=tensors, quantiles=[0.5, 0.2, 0.8])
-        return median, p20, p80
-    times = []
-    for _ in range(max(repeats, 1)):
-        for t in tensors:
-            t.grad = None
-        t0 = time.perf_counter()
-        step()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return quantile(times, 0.5), quantile(times, 0.2), quantile(times, 0.8)
+        return {name: tuple(do_bench(step, quantiles=[0.5, 0.2, 0.8])) for name, step in steps.items()}
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    names = list(steps)
+    for i in range(max(repeats, 1)):
+        for name in names if i % 2 == 0 else reversed(names):
+            t0 = time.perf_counter()
+            steps[name]()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: (quantile(ts, 0.5), quantile(ts, 0.2), quantile(ts, 0.8)) for name, ts in times.items()}
 
 
 def _provider_fn(spec: OpSpec, provider: str, settings: KernelSettings) -> tuple[Callable | None, str | None]:
@@ -202,38 +276,62 @@ def _provider_fn(spec: OpSpec, provider: str, settings: KernelSettings) -> tuple
     return torch.compile(spec.eager_fn), None
 
 
-def bench_op(spec: OpSpec, provider: str, settings: KernelSettings, device: torch.device, dtype: torch.dtype) -> list[dict]:
-    """The rows of one (op, provider): time, GB/s or TFLOP/s, saved bytes; or one status row."""
-    base = {"op": spec.name, "provider": provider, "mode": "fwd_bwd", "x": settings.rows, "device": str(device), "dtype": settings.dtype}
-    fn, reason = _provider_fn(spec, provider, settings)
-    if fn is None:
-        return [{**base, "metric": "time_fwd_bwd", "unit": "ms", "median": None, "p20": None, "p80": None, "status": f"not available ({reason})"}]
-    torch.manual_seed(0)
-    tensors, others = spec.make_inputs(settings, device, dtype)
-    for t in tensors:
-        t.requires_grad_(True)
-    call = (lambda *ts: fn(*ts, *others)) if others else fn
+def _repeats(settings: KernelSettings, shape: Shape) -> int:
+    """Fewer repeats for the large shapes (each step there takes a good part of a second on CPU)."""
+    return settings.repeats if shape[0] * shape[1] <= 4 * 2**20 else max(3, settings.repeats // 2)
+
+
+def bench_op(spec: OpSpec, shape: Shape, settings: KernelSettings, device: torch.device, dtype: torch.dtype) -> list[dict]:
+    """The rows of one (op, shape), every provider: time, GB/s or TFLOP/s, saved bytes, and
+    memopt's time over eager's; or one status row for a provider that did not run."""
+    rows_, width = shape
+    base = {"op": spec.name, "mode": "fwd_bwd", "x": rows_, "width": width, "device": str(device), "dtype": settings.dtype}
+    if not spec.per_shape:
+        base.update(x=settings.seq, width=settings.head_dim)
+    unavailable = []
+    calls, tensors = {}, {}
+    for provider in PROVIDERS:
+        fn, reason = _provider_fn(spec, provider, settings)
+        if fn is None:
+            unavailable.append({**base, "provider": provider, "metric": "time_fwd_bwd", "unit": "ms", "median": None,
+                             "p20": None, "p80": None, "status": f"not available ({reason})"})
+            continue
+        torch.manual_seed(0)
+        tensors[provider] = [t.requires_grad_(True) for t in spec.make_inputs(settings, shape, device, dtype)]
+        calls[provider] = fn
+    steps = {provider: _fwd_bwd_step(calls[provider], tensors[provider]) for provider in calls}
     try:
-        median, p20, p80 = time_fwd_bwd(call, tensors, device, settings.repeats)
-        saved = None if provider == "compile" else memopt.saved_bytes(call, *tensors)
+        timings = time_interleaved(steps, device, _repeats(settings, shape))
+        saved = {p: None if p == "compile" else memopt.saved_bytes(calls[p], *tensors[p]) for p in calls}
     except Exception as exc:  # reported in the table, never allowed to stop the run
         text = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
-        return [{**base, "metric": "time_fwd_bwd", "unit": "ms", "median": None, "p20": None, "p80": None, "status": f"error ({text})"}]
-    amount, unit = spec.work(settings, dtype)
+        return [{**base, "provider": p, "metric": "time_fwd_bwd", "unit": "ms", "median": None, "p20": None,
+                 "p80": None, "status": f"error ({text})"} for p in calls] + unavailable
+    amount, unit = spec.work(settings, shape, dtype)
     scale = 1e9 if unit == "GB/s" else 1e12
     rate = {"metric": "bandwidth" if unit == "GB/s" else "throughput", "unit": unit}
-    return [
-        {**base, "metric": "time_fwd_bwd", "unit": "ms", "median": median, "p20": p20, "p80": p80, "status": "ok"},
-        {**base, **rate, "median": amount / (median / 1e3) / scale, "p20": amount / (p80 / 1e3) / scale, "p80": amount / (p20 / 1e3) / scale, "status": "ok"},
-        {**base, "metric": "saved_bytes", "unit": "bytes", "median": saved, "p20": saved, "p80": saved, "status": "ok" if saved is not None else "n/a (compiled)"},
-    ]
+    out_rows = []
+    for provider, (median, p20, p80) in timings.items():
+        row = {**base, "provider": provider}
+        out_rows += [
+            {**row, "metric": "time_fwd_bwd", "unit": "ms", "median": median, "p20": p20, "p80": p80, "status": "ok"},
+            {**row, **rate, "median": amount / (median / 1e3) / scale, "p20": amount / (p80 / 1e3) / scale,
+             "p80": amount / (p20 / 1e3) / scale, "status": "ok"},
+            {**row, "metric": "saved_bytes", "unit": "bytes", "median": saved[provider], "p20": saved[provider],
+             "p80": saved[provider], "status": "ok" if saved[provider] is not None else "n/a (compiled)"},
+        ]
+        if provider != "eager" and "eager" in timings:
+            ratio = median / timings["eager"][0]
+            out_rows.append({**row, "metric": "time_vs_eager", "unit": "x", "median": ratio, "p20": ratio, "p80": ratio,
+                             "status": "ok"})
+    return out_rows + unavailable
 
 
 def run_kernels(settings: KernelSettings, ops: list[str] | None = None, progress: bool = True) -> dict:
     device = resolve_device(settings.device)
     dtype = DTYPES[settings.dtype]
     specs = [s for s in op_specs(settings) if ops is None or s.name in ops]
-    jobs = [(spec, provider) for spec in specs for provider in PROVIDERS]
+    jobs = [(spec, shape) for spec in specs for shape in (settings.shapes if spec.per_shape else settings.shapes[:1])]
     bar = None
     if progress:
         from tqdm import tqdm
@@ -242,10 +340,10 @@ def run_kernels(settings: KernelSettings, ops: list[str] | None = None, progress
     rows = []
     with cpu_threads(settings.threads):
         env = environment(device, settings.threads)
-        for spec, provider in jobs:
+        for spec, shape in jobs:
             if bar is not None:
-                bar.set_postfix_str(f"{spec.name}/{provider}")
-            rows += bench_op(spec, provider, settings, device, dtype)
+                bar.set_postfix_str(f"{spec.name} {shape[0]}x{shape[1]}")
+            rows += bench_op(spec, shape, settings, device, dtype)
             if bar is not None:
                 bar.update()
     if bar is not None:
@@ -267,22 +365,39 @@ def bytes_text(nbytes: int | None) -> str:
 
 
 def markdown_table(rows: list[dict]) -> str:
-    """One line per (op, provider): time, rate, saved bytes, or why it did not run."""
-    lines = ["| op | provider | fwd+bwd ms (p20-p80) | rate | saved for backward |", "|---|---|---:|---:|---:|"]
-    groups: dict[tuple[str, str], dict[str, dict]] = {}
+    """One line per (op, shape, provider): time, rate, saved bytes, memopt's time over eager's,
+    or why it did not run."""
+    lines = ["| op | rows x width | provider | fwd+bwd ms (p20-p80) | vs eager | rate | saved for backward |",
+             "|---|---|---|---:|---:|---:|---:|"]
+    groups: dict[tuple, dict[str, dict]] = {}
     for r in rows:
-        groups.setdefault((r["op"], r["provider"]), {})[r["metric"]] = r
-    for (op, provider), metrics in groups.items():
+        groups.setdefault((r["op"], r["x"], r["width"], r["provider"]), {})[r["metric"]] = r
+    for (op, rows_, width, provider), metrics in groups.items():
         timing = metrics["time_fwd_bwd"]
         if timing["status"] != "ok":
-            lines.append(f"| {op} | {provider} | {timing['status']} | | |")
+            lines.append(f"| {op} | {rows_} x {width} | {provider} | {timing['status']} | | | |")
             continue
         rate = metrics.get("bandwidth") or metrics.get("throughput")
         saved_text = bytes_text(metrics["saved_bytes"]["median"])
+        ratio = metrics.get("time_vs_eager")
+        ratio_text = f"{ratio['median']:.2f}x" if ratio else ""
         lines.append(
-            f"| {op} | {provider} | {timing['median']:.3f} ({timing['p20']:.3f}-{timing['p80']:.3f}) "
-            f"| {rate['median']:.3g} {rate['unit']} | {saved_text} |"
+            f"| {op} | {rows_} x {width} | {provider} | {timing['median']:.3f} ({timing['p20']:.3f}-{timing['p80']:.3f}) "
+            f"| {ratio_text} | {rate['median']:.3g} {rate['unit']} | {saved_text} |"
         )
+    return "\n".join(lines)
+
+
+def ratio_table(rows: list[dict], provider: str = "memopt") -> str:
+    """memopt's forward + backward time over eager's, one line per op, one column per shape."""
+    ratios = {(r["op"], (r["x"], r["width"])): r["median"] for r in rows
+              if r["metric"] == "time_vs_eager" and r["provider"] == provider}
+    ops = list(dict.fromkeys(op for op, _ in ratios))
+    shapes = list(dict.fromkeys(shape for _, shape in ratios))
+    lines = ["| op | " + " | ".join(f"{r} x {w}" for r, w in shapes) + " |", "|---|" + "---:|" * len(shapes)]
+    for op in ops:
+        cells = [f"{ratios[(op, s)]:.2f}" if (op, s) in ratios else "" for s in shapes]
+        lines.append(f"| {op} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -293,12 +408,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", choices=sorted(DTYPES))
     parser.add_argument("--ops", help="comma-separated op names (default: all)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--shapes", help="comma-separated ROWSxWIDTH (default: the preset's), e.g. 512x512,4096x4096")
+    parser.add_argument("--repeats", type=int, help="timed repeats per case on CPU (default: the preset's)")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads on CPU (default: the preset's, 1)")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     settings = KERNEL_PRESETS[args.preset]
-    settings = replace(settings, **{k: getattr(args, k) for k in ("device", "dtype", "compile") if getattr(args, k) is not None})
+    settings = replace(settings, **{k: getattr(args, k) for k in ("device", "dtype", "compile", "repeats", "threads")
+                                    if getattr(args, k) is not None})
+    if args.shapes:
+        try:
+            shapes = tuple(tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(","))
+        except ValueError:
+            shapes = ()
+        if not shapes or any(len(s) != 2 or min(s) <= 0 for s in shapes):
+            raise SystemExit(f"bench.kernels: --shapes must be comma-separated ROWSxWIDTH, got {args.shapes!r}")
+        settings = replace(settings, shapes=shapes)
     known = [s.name for s in op_specs(settings)]
     ops = None
     if args.ops:
@@ -309,8 +436,13 @@ def main(argv: list[str] | None = None) -> int:
     result = run_kernels(settings, ops, progress=not args.no_progress)
     env = result["environment"]
     print(f"memopt {env['memopt']} | torch {env['torch']} | triton {env['triton']} | {env['device_name']} | commit {env['commit'][:12]}")
-    print(f"rows x width {settings.rows} x {settings.width}; attention {settings.batch}x{settings.heads}x{settings.seq}x{settings.head_dim} causal; {settings.dtype}\n")
+    shapes = ", ".join(f"{r} x {w}" for r, w in settings.shapes)
+    print(f"rows x width {shapes}; linear out_features {settings.linear_out}; attention "
+          f"{settings.batch}x{settings.heads}x{settings.seq}x{settings.head_dim} causal (x = seq, width = head_dim); "
+          f"{settings.dtype}; {settings.threads or 'all'} torch threads\n")
     print(markdown_table(result["rows"]))
+    print(f"\nmemopt forward + backward time / eager's (median of {settings.repeats} interleaved repeats):\n")
+    print(ratio_table(result["rows"]))
     stamp = env["date"].replace("-", "").replace(":", "")
     path = write_results(result, args.out, f"kernels-{settings.preset}-{resolve_device(settings.device).type}-{stamp}")
     print(f"\nresults: {path}")

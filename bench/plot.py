@@ -109,19 +109,21 @@ def plot_sweep(result: dict, path: Path) -> Path:
 
 def plot_kernels(result: dict, path: Path) -> Path:
     rows = [r for r in result["rows"] if r["status"] == "ok" and r["metric"] == "time_fwd_bwd"]
-    ops = list(dict.fromkeys(r["op"] for r in rows))
+    label = {id(r): r["op"] if r.get("width") is None else f"{r['op']} {r['x']}x{r['width']}" for r in rows}
+    ops = list(dict.fromkeys(label[id(r)] for r in rows))
     providers = list(dict.fromkeys(r["provider"] for r in rows))
-    fig, ax = plt.subplots(figsize=(max(6, 2 * len(ops)), 4.5))
+    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(ops)), 5))
     width = 0.8 / max(len(providers), 1)
     for i, provider in enumerate(providers):
         xs, ys = [], []
         for j, op in enumerate(ops):
-            hit = [r for r in rows if r["op"] == op and r["provider"] == provider]
+            hit = [r for r in rows if label[id(r)] == op and r["provider"] == provider]
             if hit:
                 xs.append(j + i * width)
                 ys.append(hit[0]["median"])
         ax.bar(xs, ys, width, label=provider)
-    ax.set_xticks([j + width * (len(providers) - 1) / 2 for j in range(len(ops))], ops)
+    ax.set_xticks([j + width * (len(providers) - 1) / 2 for j in range(len(ops))], ops, fontsize=6, rotation=90)
+    ax.set_yscale("log")
     ax.set_ylabel("forward + backward (ms, median)")
     ax.legend(fontsize=8)
     ax.grid(axis="y", alpha=0.3)

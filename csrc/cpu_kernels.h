@@ -1,4 +1,4 @@
-// The CPU kernels of the activation and norm ops, compiled once for any CPU (namespace generic,
+// The CPU kernels of the activation, norm and dropout ops, compiled once for any CPU (namespace generic,
 // cpu_kernels_generic.cpp) and, on x86-64 with GCC, for AVX2 + FMA (namespace avx2,
 // cpu_kernels_avx2.cpp) and AVX-512 (namespace avx512, cpu_kernels_avx512.cpp). The launchers
 // (activation.cpp, norm.cpp) check the arguments, allocate the outputs and call
@@ -16,6 +16,8 @@
 #include <optional>
 
 #include "activation.h"
+// Before any target pragma of the including file: its inline functions stay baseline code.
+#include "philox.h"
 
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define MEMOPT_CPU_HAVE_X86_BUILDS 1
@@ -43,6 +45,9 @@ namespace memopt {
                        const at::Tensor& bias, const at::Tensor& mean, const at::Tensor& rstd,                   \
                        const at::Tensor& grad_x_extra, const at::Tensor& grad_x, const at::Tensor& y,                        \
                        const at::Tensor& grad_weight, const at::Tensor& grad_bias);                                          \
+  /* out = x * mask / (1 - p) (+ residual), mask from (seed, offset) as philox.h defines it */                    \
+  void dropout_add_kernel(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& out, double p,      \
+                          uint64_t seed, uint64_t offset);                                                       \
   }
 
 MEMOPT_DECLARE_CPU_KERNELS(generic)

@@ -14,9 +14,18 @@
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
+#include <type_traits>
 
 #include "cpu_kernels.h"
+
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+#include <immintrin.h>
+#define MEMOPT_PHILOX_X8 1
+#else
+#define MEMOPT_PHILOX_X8 0
+#endif
 
 #ifndef MEMOPT_CPU_ISA
 #error "define MEMOPT_CPU_ISA (the namespace of this build of the kernels) before including cpu_kernels_impl.h"
@@ -33,11 +42,46 @@ constexpr int64_t kGrainElements = 32768;
 int64_t grain_rows(int64_t cols) { return std::max<int64_t>(1, kGrainElements / std::max<int64_t>(cols, 1)); }
 
 // Calls f(j, count) for the vectors of a row of n elements: j = 0, W, 2W, ..., count = W except
-// for the last, partial one.
+// for the last, partial one. The full vectors get the constant W, so that the partial-load
+// branches of Vectorized::loadu/store fold away there.
 template <typename T, typename F>
 inline void for_each_vector(int64_t n, const F& f) {
   constexpr int64_t kWidth = Vectorized<T>::size();
-  for (int64_t j = 0; j < n; j += kWidth) f(j, std::min<int64_t>(kWidth, n - j));
+  int64_t j = 0;
+  for (; j + kWidth <= n; j += kWidth) f(j, kWidth);
+  if (j < n) f(j, n - j);
+}
+
+// Independent accumulators of a row reduction: a single one would make every vector wait for the
+// previous add (its latency, several cycles), four keep the adders busy.
+constexpr int kAccumulators = 4;
+
+template <int I>
+using AccumulatorIndex = std::integral_constant<int, I>;
+
+// Like for_each_vector, with f(j, count, accumulator): accumulator (an AccumulatorIndex) runs
+// 0, 1, 2, 3, 0, 1, ... over the full vectors in groups of four, and is 0 for the rest. The
+// order, and so each row's sum, depends only on n.
+template <typename T, typename F>
+inline void for_each_vector_accumulating(int64_t n, const F& f) {
+  constexpr int64_t kWidth = Vectorized<T>::size();
+  int64_t j = 0;
+  for (; j + kAccumulators * kWidth <= n; j += kAccumulators * kWidth) {
+    f(j, kWidth, AccumulatorIndex<0>{});
+    f(j + kWidth, kWidth, AccumulatorIndex<1>{});
+    f(j + 2 * kWidth, kWidth, AccumulatorIndex<2>{});
+    f(j + 3 * kWidth, kWidth, AccumulatorIndex<3>{});
+  }
+  for (; j + kWidth <= n; j += kWidth) f(j, kWidth, AccumulatorIndex<0>{});
+  if (j < n) f(j, n - j, AccumulatorIndex<0>{});
+}
+
+template <typename T>
+using Accumulators = std::array<Vectorized<T>, kAccumulators>;
+
+template <typename T>
+inline Accumulators<T> zero_accumulators() {
+  return {Vectorized<T>(T(0)), Vectorized<T>(T(0)), Vectorized<T>(T(0)), Vectorized<T>(T(0))};
 }
 
 template <typename T>
@@ -45,20 +89,70 @@ inline T sum_lanes(const Vectorized<T>& v) {
   return at::vec::vec_reduce_all<T>([](const Vectorized<T>& a, const Vectorized<T>& b) { return a + b; }, v);
 }
 
+// The accumulators added in a fixed order, then the lanes.
+template <typename T>
+inline T sum_accumulators(const Accumulators<T>& a) {
+  return sum_lanes((a[0] + a[1]) + (a[2] + a[3]));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Activations: activation.h's formulas on vectors (gelu_tanh rewritten with a sigmoid), built from
 // the same shared pieces in the forward and the backward so that the rebuilt value is bitwise the
 // forward's.
 
+// float32 through ATen's inline exp_u20 (within 20 ulp; Sleef's exp is a call), float64 through
+// Sleef's exp (1 ulp), which gradcheck needs. exp_u20 saturates large arguments instead of
+// returning inf, which leaves sigmoid 0 there.
+template <typename T>
+inline Vectorized<T> vec_exp(const Vectorized<T>& x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return x.exp_u20();
+  } else {
+    return x.exp();
+  }
+}
+
+// erf in float32 without exp: the rational approximation Eigen and XLA use (an odd polynomial of
+// degree 13 over an even one of degree 8 on [-4, 4], where erf is +-1 in float32 outside),
+// absolute error about 1e-7, like ATen's vectorized erf (Abramowitz-Stegun 7.1.26 with a Sleef
+// exp) that costs an exp and a call more. ATen's minimum/maximum keep NaN, so NaN gives NaN.
+inline Vectorized<float> vec_erf_float(const Vectorized<float>& v) {
+  using Vec = Vectorized<float>;
+  const Vec x = at::vec::minimum(at::vec::maximum(v, Vec(-4.f)), Vec(4.f));
+  const Vec x2 = x * x;
+  Vec p = at::vec::fmadd(x2, Vec(-2.72614225801306e-10f), Vec(2.77068142495902e-08f));
+  p = at::vec::fmadd(x2, p, Vec(-2.10102402082508e-06f));
+  p = at::vec::fmadd(x2, p, Vec(-5.69250639462346e-05f));
+  p = at::vec::fmadd(x2, p, Vec(-7.34990630326855e-04f));
+  p = at::vec::fmadd(x2, p, Vec(-2.95459980854025e-03f));
+  p = at::vec::fmadd(x2, p, Vec(-1.60960333262415e-02f));
+  Vec q = at::vec::fmadd(x2, Vec(-1.45660718464996e-05f), Vec(-2.13374055278905e-04f));
+  q = at::vec::fmadd(x2, q, Vec(-1.68282697438203e-03f));
+  q = at::vec::fmadd(x2, q, Vec(-7.37332916720468e-03f));
+  q = at::vec::fmadd(x2, q, Vec(-1.42647390514189e-02f));
+  return x * p / q;
+}
+
 template <typename T>
 inline Vectorized<T> vec_gelu_cdf(const Vectorized<T>& x) {  // Phi(x)
-  return Vectorized<T>(T(0.5)) * (Vectorized<T>(T(1)) + (x * Vectorized<T>(T(0.70710678118654752440))).erf());
+  const Vectorized<T> z = x * Vectorized<T>(T(0.70710678118654752440));
+  if constexpr (std::is_same_v<T, float>) {
+    return at::vec::fmadd(Vectorized<T>(T(0.5)), vec_erf_float(z), Vectorized<T>(T(0.5)));
+  } else {  // float64: ATen's erf (Sleef's, to 1 ulp), which gradcheck needs
+    return Vectorized<T>(T(0.5)) * (Vectorized<T>(T(1)) + z.erf());
+  }
+}
+
+// exp(-x^2 / 2) / sqrt(2 pi), the derivative of Phi.
+template <typename T>
+inline Vectorized<T> vec_gelu_pdf(const Vectorized<T>& x) {
+  return vec_exp(Vectorized<T>(T(-0.5)) * x * x) * Vectorized<T>(T(0.39894228040143267794));
 }
 
 template <typename T>
 inline Vectorized<T> vec_sigmoid(const Vectorized<T>& x) {
   const Vectorized<T> one(T(1));
-  return one / (one + x.neg().exp());
+  return one / (one + vec_exp(x.neg()));
 }
 
 // gelu_tanh through 1 + tanh(u) = 2 sigmoid(2u): one exp instead of a (much slower) vector tanh,
@@ -99,8 +193,7 @@ inline VecValueAndGrad<T> vec_activation_value_and_grad(const Vectorized<T>& x) 
     return {Vectorized<T>::blendv(x, zero, x < zero), Vectorized<T>::blendv(one, zero, x <= zero)};
   } else if constexpr (A == Activation::kGelu) {
     const Vectorized<T> cdf = vec_gelu_cdf(x);
-    const Vectorized<T> pdf = (Vectorized<T>(T(-0.5)) * x * x).exp() * Vectorized<T>(T(0.39894228040143267794));
-    return {x * cdf, cdf + x * pdf};
+    return {x * cdf, cdf + x * vec_gelu_pdf(x)};
   } else if constexpr (A == Activation::kGeluTanh) {
     // With s = sigmoid(2u): (1 + tanh u)/2 = s and x/2 (1 - tanh^2 u) = 2 x s (1 - s).
     const Vectorized<T> two_beta(T(2) * T(0.79788456080286535588));  // 2 sqrt(2 / pi)
@@ -268,34 +361,41 @@ void norm_fwd(const T* x, const T* residual, const T* weight, const T* bias, T* 
     for (int64_t row = begin; row < end; ++row) {
       const int64_t offset = row * n;
       const T* src = x + offset;
-      Vec first_sum(T(0));  // of src (LayerNorm) or of src^2 (RMSNorm)
-      const auto accumulate = [&](const Vec& v) { first_sum = mean != nullptr ? first_sum + v : first_sum + v * v; };
+      Accumulators<T> first_sum = zero_accumulators<T>();  // of src (LayerNorm) or of src^2 (RMSNorm)
+      const auto accumulate = [&](const Vec& v, auto a) {
+        first_sum[a] = mean != nullptr ? first_sum[a] + v : first_sum[a] + v * v;
+      };
       if (residual != nullptr) {
         T* sum = residual_out + offset;
-        for_each_vector<T>(n, [&](int64_t j, int64_t count) {
+        for_each_vector_accumulating<T>(n, [&](int64_t j, int64_t count, auto a) {
           const Vec v = Vec::loadu(src + j, count) + Vec::loadu(residual + offset + j, count);
           v.store(sum + j, count);
-          accumulate(v);
+          accumulate(v, a);
         });
         src = sum;
       } else {
-        for_each_vector<T>(n, [&](int64_t j, int64_t count) { accumulate(Vec::loadu(src + j, count)); });
+        for_each_vector_accumulating<T>(n, [&](int64_t j, int64_t count, auto a) {
+          accumulate(Vec::loadu(src + j, count), a);
+        });
       }
       T row_mean = 0;
       T square_sum;
       if (mean != nullptr) {
-        row_mean = sum_lanes(first_sum) * inv_n;
+        row_mean = sum_accumulators(first_sum) * inv_n;
         mean[row] = row_mean;
         const Vec mean_vec(row_mean);
-        Vec squares(T(0));
-        for_each_vector<T>(n, [&](int64_t j, int64_t count) {
-          // The tail's zero padding would add mean^2 per padded lane: mask it with the count.
+        Accumulators<T> squares = zero_accumulators<T>();
+        for_each_vector_accumulating<T>(n, [&](int64_t j, int64_t count, auto a) {
           const Vec centred = Vec::loadu(src + j, count) - mean_vec;
-          squares = squares + Vec::set(Vec(T(0)), centred * centred, count);
+          if (count == Vec::size()) {
+            squares[a] = squares[a] + centred * centred;
+          } else {  // the tail's zero padding would add mean^2 per padded lane: mask it
+            squares[a] = squares[a] + Vec::set(Vec(T(0)), centred * centred, count);
+          }
         });
-        square_sum = sum_lanes(squares);
+        square_sum = sum_accumulators(squares);
       } else {
-        square_sum = sum_lanes(first_sum);
+        square_sum = sum_accumulators(first_sum);
       }
       const T row_rstd = T(1) / std::sqrt(square_sum * inv_n + eps);
       rstd[row] = row_rstd;
@@ -311,9 +411,16 @@ void norm_fwd(const T* x, const T* residual, const T* weight, const T* bias, T* 
   });
 }
 
-// At most this many row blocks, each summing its rows' parameter gradients into its own partial
-// row; the partials are then added in block order.
+// Row blocks of the norm backward, each summing its rows' parameter gradients into its own
+// partial row; the partials are then added in block order. At most 64 of them, with at least
+// 64K elements each (the partials are zeroed, written and read again: at 512 x 512, 64 blocks
+// of 8 rows would add a quarter to the kernel's traffic). The count depends on the shape only.
 constexpr int64_t kMaxRowBlocks = 64;
+constexpr int64_t kMinBlockElements = 65536;
+
+int64_t norm_row_blocks(int64_t rows, int64_t n) {
+  return std::max<int64_t>(1, std::min({rows, kMaxRowBlocks, rows * n / kMinBlockElements}));
+}
 
 // grad_x = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) + grad_x_extra, g = grad_y * weight;
 // RMSNorm (mean == null) drops the mean(g) term. Two passes over a row: the first sums and feeds
@@ -338,15 +445,15 @@ void norm_bwd(const T* grad_y, const T* x, const T* weight, const T* bias, const
         const T row_rstd = rstd[row];
         const Vec rstd_vec(row_rstd);
         // Padded tail lanes load zeros for grad_y, so g is zero there and adds nothing.
-        Vec g_sum(T(0));
-        Vec g_xhat_sum(T(0));
-        for_each_vector<T>(n, [&](int64_t j, int64_t count) {
+        Accumulators<T> g_sum = zero_accumulators<T>();
+        Accumulators<T> g_xhat_sum = zero_accumulators<T>();
+        for_each_vector_accumulating<T>(n, [&](int64_t j, int64_t count, auto a) {
           const Vec x_hat = (Vec::loadu(x + offset + j, count) - mean_vec) * rstd_vec;
           const Vec dy = Vec::loadu(grad_y + offset + j, count);
           const Vec w = weight != nullptr ? Vec::loadu(weight + j, count) : Vec(T(1));
           const Vec g = dy * w;
-          g_sum = g_sum + g;
-          g_xhat_sum = g_xhat_sum + g * x_hat;
+          g_sum[a] = g_sum[a] + g;
+          g_xhat_sum[a] = g_xhat_sum[a] + g * x_hat;
           if (weight_partial != nullptr) {
             (Vec::loadu(weight_partial + j, count) + dy * x_hat).store(weight_partial + j, count);
           }
@@ -357,8 +464,8 @@ void norm_bwd(const T* grad_y, const T* x, const T* weight, const T* bias, const
             value.store(y + offset + j, count);
           }
         });
-        const Vec g_mean(mean != nullptr ? sum_lanes(g_sum) * inv_n : T(0));
-        const Vec g_xhat_mean(sum_lanes(g_xhat_sum) * inv_n);
+        const Vec g_mean(mean != nullptr ? sum_accumulators(g_sum) * inv_n : T(0));
+        const Vec g_xhat_mean(sum_accumulators(g_xhat_sum) * inv_n);
         for_each_vector<T>(n, [&](int64_t j, int64_t count) {
           const Vec x_hat = (Vec::loadu(x + offset + j, count) - mean_vec) * rstd_vec;
           const Vec dy = Vec::loadu(grad_y + offset + j, count);
@@ -369,6 +476,162 @@ void norm_bwd(const T* grad_y, const T* x, const T* weight, const T* bias, const
         });
       }
     }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// dropout_add: the Philox4x32-10 mask of philox.h regenerated in the kernel, eight Philox calls at
+// a time with 256-bit integer instructions in the AVX2 and AVX-512 builds, one at a time in the
+// baseline build. Both give philox.h's words, so the mask does not depend on the build, the
+// thread count or where a thread's range starts.
+//
+// out = x * factor (+ residual), factor = 1 / (1 - p) where kept and 0 where dropped: the product
+// torch's dropout forms (x * mask * scale), so a NaN or inf of x gives NaN at a dropped position,
+// as in torch. The backward is the same kernel on grad_out.
+
+// Elements per vector block: 8 Philox calls of 4 words.
+constexpr int64_t kDropoutBlock = 32;
+
+template <typename T>
+inline T dropout_factor(uint32_t word, uint32_t threshold, T scale) {
+  return word >= threshold ? scale : T(0);
+}
+
+// Elements [4 * group, min(4 * group + 4, end)) one Philox call at a time.
+template <typename T>
+inline void dropout_add_groups(const T* x, const T* residual, T* out, int64_t begin, int64_t end, uint32_t threshold,
+                               T scale, uint64_t seed, uint64_t offset) {
+  for (int64_t group = begin / 4; 4 * group < end; ++group) {
+    const PhiloxBlock words = philox4x32_10(offset + static_cast<uint64_t>(group), seed);
+    for (int j = 0; j < 4; ++j) {
+      const int64_t i = 4 * group + j;
+      if (i >= end) break;
+      T value = x[i] * dropout_factor(words.v[j], threshold, scale);
+      if (residual != nullptr) value += residual[i];
+      out[i] = value;
+    }
+  }
+}
+
+#if MEMOPT_PHILOX_X8
+
+// The per-round keys of philox4x32_10, broadcast to 8 lanes.
+struct PhiloxKeysX8 {
+  __m256i k0[10];
+  __m256i k1[10];
+  explicit PhiloxKeysX8(uint64_t seed) {
+    uint32_t k0_value = static_cast<uint32_t>(seed), k1_value = static_cast<uint32_t>(seed >> 32);
+    for (int round = 0; round < 10; ++round) {
+      k0[round] = _mm256_set1_epi32(static_cast<int>(k0_value));
+      k1[round] = _mm256_set1_epi32(static_cast<int>(k1_value));
+      k0_value += 0x9E3779B9u;
+      k1_value += 0xBB67AE85u;
+    }
+  }
+};
+
+// lo/hi 32 bits of multiplier * c per 32-bit lane (multiplier broadcast).
+inline void mulhilo_x8(__m256i multiplier, __m256i c, __m256i& lo, __m256i& hi) {
+  const __m256i even = _mm256_mul_epu32(multiplier, c);                         // lanes 0, 2, 4, 6
+  const __m256i odd = _mm256_mul_epu32(multiplier, _mm256_srli_epi64(c, 32));  // lanes 1, 3, 5, 7
+  lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+  hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+}
+
+// Keep masks (all ones where kept) of the 32 elements from 4 * group on, in element order:
+// masks[v] holds elements 8v .. 8v + 7.
+inline void dropout_keep_masks_x8(uint64_t counter, const PhiloxKeysX8& keys, uint32_t threshold, __m256i masks[4]) {
+  alignas(32) uint32_t counter_lo[8];
+  alignas(32) uint32_t counter_hi[8];
+  for (int lane = 0; lane < 8; ++lane) {
+    const uint64_t value = counter + static_cast<uint64_t>(lane);
+    counter_lo[lane] = static_cast<uint32_t>(value);
+    counter_hi[lane] = static_cast<uint32_t>(value >> 32);
+  }
+  const __m256i round_a = _mm256_set1_epi32(static_cast<int>(0xD2511F53u));
+  const __m256i round_b = _mm256_set1_epi32(static_cast<int>(0xCD9E8D57u));
+  __m256i c0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(counter_lo));
+  __m256i c1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(counter_hi));
+  __m256i c2 = _mm256_setzero_si256();
+  __m256i c3 = _mm256_setzero_si256();
+  for (int round = 0; round < 10; ++round) {
+    __m256i lo_a, hi_a, lo_b, hi_b;
+    mulhilo_x8(round_a, c0, lo_a, hi_a);
+    mulhilo_x8(round_b, c2, lo_b, hi_b);
+    c0 = _mm256_xor_si256(_mm256_xor_si256(hi_b, c1), keys.k0[round]);
+    c2 = _mm256_xor_si256(_mm256_xor_si256(hi_a, c3), keys.k1[round]);
+    c1 = lo_b;
+    c3 = lo_a;
+  }
+  // word >= threshold (unsigned) <=> max(word, threshold) == word
+  const __m256i limit = _mm256_set1_epi32(static_cast<int>(threshold));
+  const auto keep = [&](__m256i w) { return _mm256_cmpeq_epi32(_mm256_max_epu32(w, limit), w); };
+  const __m256i r0 = keep(c0), r1 = keep(c1), r2 = keep(c2), r3 = keep(c3);  // word j of calls 0..7
+  // Transpose 4 words x 8 calls into element order (element 4 * call + word).
+  const __m256i t0 = _mm256_unpacklo_epi32(r0, r1);  // calls 0, 1 | 4, 5 of words 0, 1
+  const __m256i t1 = _mm256_unpackhi_epi32(r0, r1);  // calls 2, 3 | 6, 7 of words 0, 1
+  const __m256i t2 = _mm256_unpacklo_epi32(r2, r3);
+  const __m256i t3 = _mm256_unpackhi_epi32(r2, r3);
+  const __m256i u0 = _mm256_unpacklo_epi64(t0, t2);  // call 0 | call 4
+  const __m256i u1 = _mm256_unpackhi_epi64(t0, t2);  // call 1 | call 5
+  const __m256i u2 = _mm256_unpacklo_epi64(t1, t3);  // call 2 | call 6
+  const __m256i u3 = _mm256_unpackhi_epi64(t1, t3);  // call 3 | call 7
+  masks[0] = _mm256_permute2x128_si256(u0, u1, 0x20);
+  masks[1] = _mm256_permute2x128_si256(u2, u3, 0x20);
+  masks[2] = _mm256_permute2x128_si256(u0, u1, 0x31);
+  masks[3] = _mm256_permute2x128_si256(u2, u3, 0x31);
+}
+
+// out[0 .. 8) = x * factor (+ residual): eight floats per mask.
+inline void dropout_apply_x8(const float* x, const float* residual, float* out, const __m256i masks[4], float scale) {
+  const __m256i scale_bits = _mm256_castps_si256(_mm256_set1_ps(scale));
+  for (int v = 0; v < 4; ++v) {
+    const __m256 factor = _mm256_castsi256_ps(_mm256_and_si256(masks[v], scale_bits));
+    __m256 value = _mm256_mul_ps(_mm256_loadu_ps(x + 8 * v), factor);
+    if (residual != nullptr) value = _mm256_add_ps(value, _mm256_loadu_ps(residual + 8 * v));
+    _mm256_storeu_ps(out + 8 * v, value);
+  }
+}
+
+// Doubles: each 8-lane mask widens to two 4-lane ones.
+inline void dropout_apply_x8(const double* x, const double* residual, double* out, const __m256i masks[4],
+                             double scale) {
+  const __m256i scale_bits = _mm256_castpd_si256(_mm256_set1_pd(scale));
+  for (int v = 0; v < 8; ++v) {
+    const __m128i half = (v % 2 == 0) ? _mm256_castsi256_si128(masks[v / 2]) : _mm256_extracti128_si256(masks[v / 2], 1);
+    const __m256d factor = _mm256_castsi256_pd(_mm256_and_si256(_mm256_cvtepi32_epi64(half), scale_bits));
+    __m256d value = _mm256_mul_pd(_mm256_loadu_pd(x + 4 * v), factor);
+    if (residual != nullptr) value = _mm256_add_pd(value, _mm256_loadu_pd(residual + 4 * v));
+    _mm256_storeu_pd(out + 4 * v, value);
+  }
+}
+
+#endif  // MEMOPT_PHILOX_X8
+
+// Blocks of 32 elements are split over threads; a block's 8 Philox calls run together, the last,
+// partial block's one at a time.
+template <typename T>
+void dropout_add(const T* x, const T* residual, T* out, int64_t numel, double p, uint64_t seed, uint64_t offset) {
+  const uint32_t threshold = dropout_threshold(p);
+  const T scale = static_cast<T>(1.0 / (1.0 - p));
+  const int64_t blocks = (numel + kDropoutBlock - 1) / kDropoutBlock;
+  at::parallel_for(0, blocks, kGrainElements / kDropoutBlock, [&](int64_t begin, int64_t end) {
+#if MEMOPT_PHILOX_X8
+    const PhiloxKeysX8 keys(seed);
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t start = block * kDropoutBlock;
+      if (start + kDropoutBlock > numel) {
+        dropout_add_groups(x, residual, out, start, numel, threshold, scale, seed, offset);
+        continue;
+      }
+      __m256i masks[4];
+      dropout_keep_masks_x8(offset + static_cast<uint64_t>(start / 4), keys, threshold, masks);
+      dropout_apply_x8(x + start, residual != nullptr ? residual + start : nullptr, out + start, masks, scale);
+    }
+#else
+    dropout_add_groups(x, residual, out, begin * kDropoutBlock, std::min(numel, end * kDropoutBlock), threshold, scale,
+                       seed, offset);
+#endif
   });
 }
 
@@ -461,7 +724,7 @@ void norm_bwd_kernel(const at::Tensor& grad_y, const at::Tensor& x, const at::Te
                      const at::Tensor& grad_x, const at::Tensor& y, const at::Tensor& grad_weight, const at::Tensor& grad_bias) {
   const int64_t n = x.size(-1);
   const int64_t rows = x.numel() / n;
-  const int64_t blocks = std::max<int64_t>(1, std::min(rows, kMaxRowBlocks));
+  const int64_t blocks = norm_row_blocks(rows, n);
   at::Tensor weight_partials = grad_weight.defined() ? partials_for(x, blocks, n) : at::Tensor();
   at::Tensor bias_partials = grad_bias.defined() ? partials_for(x, blocks, n) : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "norm_bwd_cpu", [&] {
@@ -476,6 +739,14 @@ void norm_bwd_kernel(const at::Tensor& grad_y, const at::Tensor& x, const at::Te
     if (grad_bias.defined()) {
       reduce_partials(bias_partials.const_data_ptr<scalar_t>(), blocks, n, grad_bias.mutable_data_ptr<scalar_t>());
     }
+  });
+}
+
+void dropout_add_kernel(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& out, double p, uint64_t seed,
+                        uint64_t offset) {
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "dropout_add_cpu", [&] {
+    dropout_add<scalar_t>(x.const_data_ptr<scalar_t>(), data_or_null<scalar_t>(residual),
+                          out.mutable_data_ptr<scalar_t>(), x.numel(), p, seed, offset);
   });
 }
 

@@ -1,5 +1,6 @@
 // dropout_add: out = residual + dropout(x, p), CUDA kernels. One thread per Philox call (4
-// elements); the mask bits are identical to the CPU kernel's (philox.h).
+// elements, one 8- or 16-byte access per tensor where aligned); the mask bits are identical to the
+// CPU kernel's (philox.h).
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -13,7 +14,17 @@
 namespace memopt {
 namespace {
 
+// The 4 elements of one Philox call, loaded and stored as one 8- or 16-byte access.
 template <typename scalar_t>
+struct alignas(4 * sizeof(scalar_t)) Pack4 {
+  scalar_t v[4];
+};
+
+// out = x * factor (+ residual), factor = scale where kept, 0 where dropped: torch's x * mask *
+// scale, so NaN or inf at a dropped position gives NaN. kAligned: x, residual and out are aligned
+// to Pack4, and every full group of 4 goes through one vector load/store per tensor; the last,
+// partial group (numel % 4 elements) element by element.
+template <typename scalar_t, bool kAligned>
 __global__ void dropout_add_cuda_kernel(const scalar_t* __restrict__ x,
                                         const scalar_t* __restrict__ residual,  // may be null
                                         scalar_t* __restrict__ out, int64_t numel,
@@ -25,16 +36,37 @@ __global__ void dropout_add_cuda_kernel(const scalar_t* __restrict__ x,
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; g < groups; g += stride) {
     const PhiloxBlock words = philox4x32_10(offset + static_cast<uint64_t>(g), seed);
+    if (kAligned && 4 * g + 4 <= numel) {
+      const Pack4<scalar_t> x4 = reinterpret_cast<const Pack4<scalar_t>*>(x)[g];
+      Pack4<scalar_t> r4;
+      if (residual != nullptr) r4 = reinterpret_cast<const Pack4<scalar_t>*>(residual)[g];
+      Pack4<scalar_t> out4;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const acc_t factor = words.v[j] >= threshold ? scale : acc_t(0);
+        acc_t value = static_cast<acc_t>(x4.v[j]) * factor;
+        if (residual != nullptr) value += static_cast<acc_t>(r4.v[j]);
+        out4.v[j] = static_cast<scalar_t>(value);
+      }
+      reinterpret_cast<Pack4<scalar_t>*>(out)[g] = out4;
+      continue;
+    }
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int64_t i = 4 * g + j;
       if (i < numel) {
-        acc_t value = words.v[j] >= threshold ? static_cast<acc_t>(x[i]) * scale : acc_t(0);
+        const acc_t factor = words.v[j] >= threshold ? scale : acc_t(0);
+        acc_t value = static_cast<acc_t>(x[i]) * factor;
         if (residual != nullptr) value += static_cast<acc_t>(residual[i]);
         out[i] = static_cast<scalar_t>(value);
       }
     }
   }
+}
+
+template <typename scalar_t>
+bool pack4_aligned(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % sizeof(Pack4<scalar_t>) == 0;
 }
 
 void launch_dropout_add(const at::Tensor& x, const at::Tensor* residual, at::Tensor& out, double p,
@@ -52,9 +84,14 @@ void launch_dropout_add(const at::Tensor& x, const at::Tensor* residual, at::Ten
   const int blocks = static_cast<int>(std::min<int64_t>((groups + threads - 1) / threads, max_blocks));
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "dropout_add_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    dropout_add_cuda_kernel<scalar_t><<<blocks, threads, 0, at::cuda::getCurrentCUDAStream()>>>(
-        x.const_data_ptr<scalar_t>(), residual ? residual->const_data_ptr<scalar_t>() : nullptr,
-        out.mutable_data_ptr<scalar_t>(), numel, dropout_threshold(p), static_cast<acc_t>(1.0 / (1.0 - p)), seed,
+    const scalar_t* x_data = x.const_data_ptr<scalar_t>();
+    const scalar_t* residual_data = residual ? residual->const_data_ptr<scalar_t>() : nullptr;
+    scalar_t* out_data = out.mutable_data_ptr<scalar_t>();
+    const bool aligned = pack4_aligned<scalar_t>(x_data) && pack4_aligned<scalar_t>(out_data) &&
+                         (residual_data == nullptr || pack4_aligned<scalar_t>(residual_data));
+    const auto kernel = aligned ? dropout_add_cuda_kernel<scalar_t, true> : dropout_add_cuda_kernel<scalar_t, false>;
+    kernel<<<blocks, threads, 0, at::cuda::getCurrentCUDAStream()>>>(
+        x_data, residual_data, out_data, numel, dropout_threshold(p), static_cast<acc_t>(1.0 / (1.0 - p)), seed,
         offset);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });

@@ -1,5 +1,6 @@
 // layer_norm / rms_norm with an optional fused residual add, CUDA kernels. One CTA per row (rows
-// strided over the grid), float accumulation, block reductions with warp shuffles. Parameter
+// strided over the grid), float accumulation, block reductions with warp shuffles; rows that allow
+// it take the vectorized kernels (16-byte accesses, the row held in registers; see below). Parameter
 // gradients: each CTA sums its rows into a float32 partial row, then a second kernel sums the
 // partials in a fixed order, so the result is deterministic.
 #include <ATen/Dispatch.h>
@@ -8,6 +9,8 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <initializer_list>
 #include <tuple>
 
 #include "common.h"
@@ -171,6 +174,240 @@ __global__ void reduce_partials_cuda_kernel(const float* __restrict__ partials, 
   out[j] = static_cast<param_t>(total);
 }
 
+// ---------------------------------------------------------------------------------------------
+// The vectorized path (the design of PyTorch's and Apex's vectorized layer norm): a row is split
+// into chunks of 16 bytes (kVec elements: 4 float32, 8 float16/bfloat16), each read and written
+// with one 16-byte access; thread t of the CTA owns chunks t, t + blockDim.x, ... (at most
+// kChunks, kChunks * kVec = 16 elements) and holds them in registers across the passes, so x is
+// read from memory once per kernel. It runs where n is a multiple of kVec, every row pointer is
+// 16-byte aligned and n <= 1024 * 16; other shapes take the kernels above.
+
+constexpr int kVecBytes = 16;
+constexpr int kVecElementsPerThread = 16;
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+template <typename scalar_t>
+struct VecShape {
+  static constexpr int kVec = kVecBytes / sizeof(scalar_t);
+  static constexpr int kChunks = kVecElementsPerThread / kVec;
+};
+
+template <typename T, int N>
+__device__ __forceinline__ Pack<T, N> load_pack(const T* base, int64_t chunk) {
+  return reinterpret_cast<const Pack<T, N>*>(base)[chunk];
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void store_pack(T* base, int64_t chunk, const Pack<T, N>& pack) {
+  reinterpret_cast<Pack<T, N>*>(base)[chunk] = pack;
+}
+
+template <typename scalar_t, typename param_t>
+__global__ void norm_fwd_vec_cuda_kernel(const scalar_t* __restrict__ x,
+                                         const scalar_t* __restrict__ residual,  // null: no residual
+                                         const param_t* __restrict__ weight,     // null: no weight
+                                         const param_t* __restrict__ bias,       // null: no bias
+                                         scalar_t* __restrict__ y,
+                                         scalar_t* __restrict__ residual_out,  // [rows, n] when residual
+                                         float* __restrict__ mean,  // [rows]; null for RMSNorm
+                                         float* __restrict__ rstd,  // [rows]
+                                         int64_t rows, int64_t n, float eps) {
+  constexpr int kVec = VecShape<scalar_t>::kVec;
+  constexpr int kChunks = VecShape<scalar_t>::kChunks;
+  __shared__ float shared[kMaxWarps];
+  const float inv_n = 1.f / static_cast<float>(n);
+  const int64_t chunks = n / kVec;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int64_t offset = row * n;
+    float v[kChunks][kVec];
+    float sum = 0.f;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int64_t chunk = threadIdx.x + static_cast<int64_t>(c) * blockDim.x;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) v[c][k] = 0.f;
+      if (chunk >= chunks) continue;
+      Pack<scalar_t, kVec> src = load_pack<scalar_t, kVec>(x + offset, chunk);
+      if (residual != nullptr) {
+        const Pack<scalar_t, kVec> res = load_pack<scalar_t, kVec>(residual + offset, chunk);
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          // rounded to scalar_t: the stored sum is what gets normalised (and what the backward reads)
+          src.v[k] = static_cast<scalar_t>(static_cast<float>(src.v[k]) + static_cast<float>(res.v[k]));
+        }
+        store_pack<scalar_t, kVec>(residual_out + offset, chunk, src);
+      }
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        v[c][k] = static_cast<float>(src.v[k]);
+        sum += mean != nullptr ? v[c][k] : v[c][k] * v[c][k];
+      }
+    }
+    float row_mean = 0.f;
+    float square_sum;
+    if (mean != nullptr) {
+      row_mean = block_sum(sum, shared) * inv_n;
+      float squares = 0.f;
+#pragma unroll
+      for (int c = 0; c < kChunks; ++c) {
+        if (threadIdx.x + static_cast<int64_t>(c) * blockDim.x >= chunks) continue;
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          const float centred = v[c][k] - row_mean;
+          squares += centred * centred;
+        }
+      }
+      square_sum = block_sum(squares, shared);
+    } else {
+      square_sum = block_sum(sum, shared);
+    }
+    const float row_rstd = 1.f / sqrtf(square_sum * inv_n + eps);
+    if (threadIdx.x == 0) {
+      if (mean != nullptr) mean[row] = row_mean;
+      rstd[row] = row_rstd;
+    }
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int64_t chunk = threadIdx.x + static_cast<int64_t>(c) * blockDim.x;
+      if (chunk >= chunks) continue;
+      Pack<param_t, kVec> w, b;
+      if (weight != nullptr) w = load_pack<param_t, kVec>(weight, chunk);
+      if (bias != nullptr) b = load_pack<param_t, kVec>(bias, chunk);
+      Pack<scalar_t, kVec> out;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        float value = (v[c][k] - row_mean) * row_rstd;
+        if (weight != nullptr) value *= static_cast<float>(w.v[k]);
+        if (bias != nullptr) value += static_cast<float>(b.v[k]);
+        out.v[k] = static_cast<scalar_t>(value);
+      }
+      store_pack<scalar_t, kVec>(y + offset, chunk, out);
+    }
+  }
+}
+
+// Thread t owns the same chunks in every row, so it sums their parameter gradients over its
+// CTA's rows in registers and writes them once, to its CTA's partial row, at the end (every CTA
+// writes all of its partial row, zeros where it had no rows, so the partials need no memset).
+template <typename scalar_t, typename param_t>
+__global__ void norm_bwd_vec_cuda_kernel(const scalar_t* __restrict__ grad_y, const scalar_t* __restrict__ x,
+                                         const param_t* __restrict__ weight,  // null: no weight
+                                         const param_t* __restrict__ bias,    // only read to rebuild y
+                                         const float* __restrict__ mean,      // null for RMSNorm
+                                         const float* __restrict__ rstd,
+                                         const scalar_t* __restrict__ grad_x_extra,  // null: none
+                                         scalar_t* __restrict__ grad_x,
+                                         scalar_t* __restrict__ y,             // null unless return_y
+                                         float* __restrict__ weight_partials,  // [gridDim.x, n] or null
+                                         float* __restrict__ bias_partials,    // [gridDim.x, n] or null
+                                         int64_t rows, int64_t n) {
+  constexpr int kVec = VecShape<scalar_t>::kVec;
+  constexpr int kChunks = VecShape<scalar_t>::kChunks;
+  __shared__ float shared[2 * kMaxWarps];
+  const float inv_n = 1.f / static_cast<float>(n);
+  const int64_t chunks = n / kVec;
+  float weight_grad[kChunks][kVec];
+  float bias_grad[kChunks][kVec];
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) weight_grad[c][k] = bias_grad[c][k] = 0.f;
+  }
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
+    const int64_t offset = row * n;
+    const float row_mean = mean ? mean[row] : 0.f;
+    const float row_rstd = rstd[row];
+    float x_hat[kChunks][kVec];
+    float g[kChunks][kVec];  // grad_y * weight
+    float g_partial = 0.f;
+    float g_xhat_partial = 0.f;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int64_t chunk = threadIdx.x + static_cast<int64_t>(c) * blockDim.x;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) x_hat[c][k] = g[c][k] = 0.f;
+      if (chunk >= chunks) continue;
+      const Pack<scalar_t, kVec> x_pack = load_pack<scalar_t, kVec>(x + offset, chunk);
+      const Pack<scalar_t, kVec> dy_pack = load_pack<scalar_t, kVec>(grad_y + offset, chunk);
+      Pack<param_t, kVec> w, b;
+      if (weight != nullptr) w = load_pack<param_t, kVec>(weight, chunk);
+      if (y != nullptr && bias != nullptr) b = load_pack<param_t, kVec>(bias, chunk);
+      Pack<scalar_t, kVec> y_pack;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        const float xh = (static_cast<float>(x_pack.v[k]) - row_mean) * row_rstd;
+        const float dy = static_cast<float>(dy_pack.v[k]);
+        const float wk = weight != nullptr ? static_cast<float>(w.v[k]) : 1.f;
+        x_hat[c][k] = xh;
+        g[c][k] = weight != nullptr ? dy * wk : dy;
+        g_partial += g[c][k];
+        g_xhat_partial += g[c][k] * xh;
+        weight_grad[c][k] += dy * xh;
+        bias_grad[c][k] += dy;
+        if (y != nullptr) {
+          float value = weight != nullptr ? xh * wk : xh;
+          if (bias != nullptr) value += static_cast<float>(b.v[k]);
+          y_pack.v[k] = static_cast<scalar_t>(value);
+        }
+      }
+      if (y != nullptr) store_pack<scalar_t, kVec>(y + offset, chunk, y_pack);
+    }
+    const float2 sums = block_sum2(g_partial, g_xhat_partial, shared);
+    const float g_mean = mean ? sums.x * inv_n : 0.f;
+    const float g_xhat_mean = sums.y * inv_n;
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int64_t chunk = threadIdx.x + static_cast<int64_t>(c) * blockDim.x;
+      if (chunk >= chunks) continue;
+      Pack<scalar_t, kVec> extra;
+      if (grad_x_extra != nullptr) extra = load_pack<scalar_t, kVec>(grad_x_extra + offset, chunk);
+      Pack<scalar_t, kVec> dx_pack;
+#pragma unroll
+      for (int k = 0; k < kVec; ++k) {
+        float dx = row_rstd * (g[c][k] - g_mean - x_hat[c][k] * g_xhat_mean);
+        if (grad_x_extra != nullptr) dx += static_cast<float>(extra.v[k]);
+        dx_pack.v[k] = static_cast<scalar_t>(dx);
+      }
+      store_pack<scalar_t, kVec>(grad_x + offset, chunk, dx_pack);
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    const int64_t chunk = threadIdx.x + static_cast<int64_t>(c) * blockDim.x;
+    if (chunk >= chunks) continue;
+    const int64_t base = static_cast<int64_t>(blockIdx.x) * n + chunk * kVec;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      if (weight_partials != nullptr) weight_partials[base + k] = weight_grad[c][k];
+      if (bias_partials != nullptr) bias_partials[base + k] = bias_grad[c][k];
+    }
+  }
+}
+
+bool aligned_16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % kVecBytes == 0; }
+
+// Whether a row of n scalar_t, with these pointers, takes the vectorized kernels; the threads
+// they run with (at least two warps, each thread at most kVecElementsPerThread elements).
+template <typename scalar_t, typename param_t>
+int vec_threads(int64_t n, std::initializer_list<const void*> row_pointers, std::initializer_list<const void*> params) {
+  constexpr int kVec = VecShape<scalar_t>::kVec;
+  constexpr int kChunks = VecShape<scalar_t>::kChunks;
+  if (n % kVec != 0 || n > static_cast<int64_t>(kMaxWarps) * kWarpSize * kVecElementsPerThread) return 0;
+  for (const void* p : row_pointers) {
+    if (!aligned_16(p)) return 0;
+  }
+  for (const void* p : params) {
+    if (p != nullptr && reinterpret_cast<uintptr_t>(p) % sizeof(Pack<param_t, kVec>) != 0) return 0;
+  }
+  const int64_t chunks = n / kVec;
+  const int64_t warps = (chunks + kChunks * kWarpSize - 1) / (kChunks * kWarpSize);
+  return static_cast<int>(std::max<int64_t>(2, std::min<int64_t>(warps, kMaxWarps)) * kWarpSize);
+}
+
 // About four elements per thread, a whole number of warps, at most 1024 threads.
 int threads_for_row(int64_t n) {
   const int64_t warps = (n + 4 * kWarpSize - 1) / (4 * kWarpSize);
@@ -191,17 +428,25 @@ NormFwdResult norm_fwd_cuda(const char* op, bool rms, const at::Tensor& x, const
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor &y = problem.y, &residual_out = problem.residual_out, &mean = problem.mean, &rstd = problem.rstd;
   if (problem.rows == 0) return {y, residual_out, mean, rstd};
-  const int threads = threads_for_row(problem.n);
-  const int64_t blocks = grid_for_rows(problem.rows, threads);
   MEMOPT_DISPATCH_CUDA_FLOATS(x.scalar_type(), "norm_fwd_cuda", [&] {
     dispatch_param_type<scalar_t>(problem.param_dtype, [&](auto* tag) {
       using param_t = std::remove_pointer_t<decltype(tag)>;
-      norm_fwd_cuda_kernel<scalar_t, param_t><<<blocks, threads, 0, at::cuda::getCurrentCUDAStream()>>>(
-          x.const_data_ptr<scalar_t>(), optional_data<scalar_t>(residual), optional_data<param_t>(weight),
-          optional_data<param_t>(bias), y.mutable_data_ptr<scalar_t>(),
-          residual.has_value() ? residual_out.mutable_data_ptr<scalar_t>() : nullptr,
-          rms ? nullptr : mean.mutable_data_ptr<float>(), rstd.mutable_data_ptr<float>(), problem.rows, problem.n,
-          static_cast<float>(eps));
+      const scalar_t* x_data = x.const_data_ptr<scalar_t>();
+      const scalar_t* residual_data = optional_data<scalar_t>(residual);
+      const param_t* weight_data = optional_data<param_t>(weight);
+      const param_t* bias_data = optional_data<param_t>(bias);
+      scalar_t* y_data = y.mutable_data_ptr<scalar_t>();
+      scalar_t* residual_out_data = residual.has_value() ? residual_out.mutable_data_ptr<scalar_t>() : nullptr;
+      float* mean_data = rms ? nullptr : mean.mutable_data_ptr<float>();
+      float* rstd_data = rstd.mutable_data_ptr<float>();
+      const auto stream = at::cuda::getCurrentCUDAStream();
+      const int vec = vec_threads<scalar_t, param_t>(problem.n, {x_data, residual_data, y_data, residual_out_data},
+                                                     {weight_data, bias_data});
+      const int threads = vec > 0 ? vec : threads_for_row(problem.n);
+      const int64_t blocks = grid_for_rows(problem.rows, threads);
+      const auto kernel = vec > 0 ? norm_fwd_vec_cuda_kernel<scalar_t, param_t> : norm_fwd_cuda_kernel<scalar_t, param_t>;
+      kernel<<<blocks, threads, 0, stream>>>(x_data, residual_data, weight_data, bias_data, y_data, residual_out_data,
+                                             mean_data, rstd_data, problem.rows, problem.n, static_cast<float>(eps));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
@@ -221,23 +466,35 @@ NormBwdResult norm_bwd_cuda(const char* op, const at::Tensor& grad_y, const at::
     grad_bias.zero_();
     return {grad_x, grad_weight, grad_bias, y};
   }
-  const int threads = threads_for_row(problem.n);
-  const int64_t blocks = grid_for_rows(problem.rows, threads);
   const auto partial_options = x.options().dtype(at::kFloat);
-  auto weight_partials = weight.has_value() ? at::zeros({blocks, problem.n}, partial_options) : at::Tensor();
-  auto bias_partials = bias.has_value() ? at::zeros({blocks, problem.n}, partial_options) : at::Tensor();
   const auto stream = at::cuda::getCurrentCUDAStream();
   MEMOPT_DISPATCH_CUDA_FLOATS(x.scalar_type(), "norm_bwd_cuda", [&] {
     dispatch_param_type<scalar_t>(problem.param_dtype, [&](auto* tag) {
       using param_t = std::remove_pointer_t<decltype(tag)>;
+      const scalar_t* grad_y_data = grad_y.const_data_ptr<scalar_t>();
+      const scalar_t* x_data = x.const_data_ptr<scalar_t>();
+      const param_t* weight_data = optional_data<param_t>(weight);
+      const param_t* bias_data = optional_data<param_t>(bias);
+      const scalar_t* extra_data = optional_data<scalar_t>(grad_x_extra);
+      scalar_t* grad_x_data = grad_x.mutable_data_ptr<scalar_t>();
+      scalar_t* y_data = return_y ? y.mutable_data_ptr<scalar_t>() : nullptr;
+      const int vec = vec_threads<scalar_t, param_t>(problem.n, {grad_y_data, x_data, extra_data, grad_x_data, y_data},
+                                                     {weight_data, bias_data});
+      const int threads = vec > 0 ? vec : threads_for_row(problem.n);
+      const int64_t blocks = grid_for_rows(problem.rows, threads);
+      // The vectorized kernel writes every entry of its partial rows; the other one adds into them.
+      const auto make_partials = [&] {
+        return vec > 0 ? at::empty({blocks, problem.n}, partial_options) : at::zeros({blocks, problem.n}, partial_options);
+      };
+      at::Tensor weight_partials = weight.has_value() ? make_partials() : at::Tensor();
+      at::Tensor bias_partials = bias.has_value() ? make_partials() : at::Tensor();
       float* weight_partial_data = weight.has_value() ? weight_partials.mutable_data_ptr<float>() : nullptr;
       float* bias_partial_data = bias.has_value() ? bias_partials.mutable_data_ptr<float>() : nullptr;
-      norm_bwd_cuda_kernel<scalar_t, param_t><<<blocks, threads, 0, stream>>>(
-          grad_y.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(), optional_data<param_t>(weight),
-          optional_data<param_t>(bias), mean ? mean->const_data_ptr<float>() : nullptr,
-          rstd.const_data_ptr<float>(), optional_data<scalar_t>(grad_x_extra), grad_x.mutable_data_ptr<scalar_t>(),
-          return_y ? y.mutable_data_ptr<scalar_t>() : nullptr, weight_partial_data, bias_partial_data, problem.rows,
-          problem.n);
+      const auto kernel = vec > 0 ? norm_bwd_vec_cuda_kernel<scalar_t, param_t> : norm_bwd_cuda_kernel<scalar_t, param_t>;
+      kernel<<<blocks, threads, 0, stream>>>(grad_y_data, x_data, weight_data, bias_data,
+                                             mean ? mean->const_data_ptr<float>() : nullptr,
+                                             rstd.const_data_ptr<float>(), extra_data, grad_x_data, y_data,
+                                             weight_partial_data, bias_partial_data, problem.rows, problem.n);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       constexpr int reduce_threads = 256;
       const int64_t reduce_blocks = (problem.n + reduce_threads - 1) / reduce_threads;

@@ -133,3 +133,40 @@ def test_compile_fullgraph(compile_cache):
 def test_bad_input_raises_clear_error(call, match):
     with pytest.raises((ValueError, RuntimeError), match=match):
         call()
+
+
+@pytest.mark.parametrize("device,dtype", device_dtype_params())
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_nan_and_inf_give_nan_at_dropped_positions_like_torch(device, dtype, with_residual):
+    # torch's dropout is a product, x * mask / (1 - p): NaN * 0 and inf * 0 are NaN, so a NaN or
+    # inf that is dropped comes out NaN; one that is kept comes out scaled (inf stays inf).
+    shape, p, seed = (6, 41), 0.5, 2024
+    key = rng_key(seed)
+    keep = dropout_keep_mask(shape, p, seed, 0).to(device)
+    x = torch.randn(shape, device=device, dtype=dtype)
+    x[0], x[1], x[2, ::3] = float("nan"), float("inf"), float("-inf")
+    residual = torch.randn(shape, device=device, dtype=dtype) if with_residual else None
+    grad = torch.randn(shape, device=device, dtype=dtype)
+    grad[3] = float("nan")
+    factor = keep.double() / (1 - p)
+    expected = x.double() * factor + (0 if residual is None else residual.double())
+
+    xg = x.clone().requires_grad_()
+    out = memopt.dropout_add(xg, residual, p, rng_key=key)
+    out.backward(grad)
+    assert (~keep[:3]).any() and keep[:3].any()
+    torch.testing.assert_close(out.double(), expected, equal_nan=True, **tolerances(dtype))
+    assert torch.isnan(out[:2][~keep[:2]]).all()
+    assert torch.isinf(out[1][keep[1]]).all()
+    torch.testing.assert_close(xg.grad.double(), grad.double() * factor, equal_nan=True, **tolerances(dtype))
+    assert torch.isnan(xg.grad[3]).all()
+
+
+def test_vector_blocks_and_tail_match_the_reference_mask():
+    # The CPU kernel regenerates 8 Philox calls (32 elements) at a time and the last partial block
+    # one call at a time; every element's keep bit must be philox.h's, whatever the offset.
+    for numel, offset in ((32 * 37 + 13, 0), (32 * 5, 3), (31, 2**32 - 5)):
+        key = torch.tensor([987654321987, offset], dtype=torch.int64)
+        out = memopt.dropout_add(torch.ones(numel, dtype=torch.float64), None, 0.3, rng_key=key)
+        keep = dropout_keep_mask((numel,), 0.3, 987654321987, offset)
+        assert torch.equal(out != 0, keep)

@@ -539,3 +539,33 @@ def test_cuda_norm_bwd_rejects_stride0_gradient_without_crashing():
     proc = subprocess.run([sys.executable, "-c", _STRIDE0_GRAD_SCRIPT], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"child process died ({proc.returncode}): {proc.stderr[-2000:]}"
     assert "grad_y must be contiguous" in proc.stdout, proc.stdout + proc.stderr[-2000:]
+
+
+@gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [512, 4096, 16384])
+@pytest.mark.parametrize("norm", NORMS)
+def test_cuda_vectorized_and_elementwise_kernels_agree(norm, dtype, n):
+    # Rows of a multiple of 16 bytes with 16-byte aligned pointers take the vectorized kernels (the
+    # row in registers, parameter gradients summed per thread); the same x one element into a
+    # buffer is misaligned and takes the element-wise kernels, forward and backward. Both must match
+    # the float64 reference and each other; 2000 rows is more than the grid holds, so CTAs sum
+    # several rows.
+    rows = 2000
+    tol = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 3e-2, "rtol": 3e-2}
+    aligned = make_inputs((rows, n), "cuda", dtype, "weight_bias", True, param_dtype=torch.float32, norm=norm)
+    check_against_reference(norm, *aligned, tol)
+    x, _, weight, bias = (None if t is None else t.detach() for t in aligned)
+    buffer = torch.empty(rows * n + 1, device="cuda", dtype=dtype)
+    x_shifted = buffer[1:].view(rows, n)
+    x_shifted.copy_(x)
+    assert x.data_ptr() % 16 == 0 and x_shifted.data_ptr() % 16 != 0
+    grad_y = torch.randn_like(x)
+
+    def run(x_in):
+        leaves = [x_in.requires_grad_(), weight.clone().requires_grad_(), None if bias is None else bias.clone().requires_grad_()]
+        (y,) = run_norm(norm, leaves[0], None, leaves[1], leaves[2], 1e-5)
+        return [y] + [g for g in grads_of([y], leaves, [grad_y]) if g is not None]
+
+    for a, b in zip(run(x.clone()), run(x_shifted)):
+        torch.testing.assert_close(b, a, **tol)

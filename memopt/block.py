@@ -25,7 +25,6 @@ from torch import nn
 from memopt import _extension
 from memopt.block_functions import PARAM_NAMES, SUPPORTED_HEAD_DIMS, BlockSpec, TransformerBlockFunction, saved_names
 from memopt.offload import Offload, offload_group
-from memopt.ops import attention as _attention_ops
 from memopt.ops._rng import new_rng_key
 from memopt.policy import check_offload, check_policy
 
@@ -269,12 +268,11 @@ class FusedCheckpointBlock(_TransformerBlockBase):
         batch_first: input layout, ``(B, S, d_model)`` when True, else ``(S, B, d_model)`` (as
             ``nn.TransformerEncoderLayer(batch_first=False)``; costs a transpose copy).
 
-    ``forward(x, attn_mask=None, *, is_causal=False, src_mask=None, src_key_padding_mask=None)``
-    (the last two are ``nn.TransformerEncoderLayer``'s names, see :meth:`forward`; :meth:`from_torch`
-    and :meth:`supports` convert torch layers): ``attn_mask`` may be None or a causal
+    ``forward(x, attn_mask=None, *, is_causal=False)``: ``attn_mask`` may be None or a causal
     ``(S, S)`` mask (bool True above the diagonal, or float ``-inf`` above the diagonal and 0
     elsewhere); it is checked on the host (one device sync) unless ``is_causal=True`` vouches
-    for it. Other masks raise ``ValueError``.
+    for it. Other masks raise ``ValueError``. :meth:`from_torch` and :meth:`supports` convert
+    ``nn.TransformerEncoderLayer`` s (:mod:`memopt.torch_interop`).
     """
 
     def __init__(
@@ -315,40 +313,18 @@ class FusedCheckpointBlock(_TransformerBlockBase):
     def config(self) -> dict:
         return {**super().config(), "policy": self.policy}
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        *,
-        is_causal: bool = False,
-        src_mask: torch.Tensor | None = None,
-        src_key_padding_mask: torch.Tensor | None = None,
-    ):
-        """``x`` (B, S, d_model) (``(S, B, d_model)`` when ``batch_first=False``) -> same shape.
-
-        ``src_mask`` and ``src_key_padding_mask`` are ``nn.TransformerEncoderLayer``'s names, so
-        that the block runs inside an ``nn.TransformerEncoder``: ``src_mask`` is ``attn_mask``
-        (pass one of them), ``src_key_padding_mask`` must be None. An unbatched ``(S, d_model)``
-        input is taken as a batch of one, as the torch layer does.
-        """
-        if "_torch_fallback" in self.__dict__ and self._compute_dtype(x) not in _attention_ops.supported_dtypes(x.device):
-            return _run_torch_fallback(self, x, attn_mask, is_causal, src_mask, src_key_padding_mask)
-        attn_mask = _torch_layer_mask(attn_mask, src_mask, src_key_padding_mask, x)
-        if x.dim() == 2:
-            return self.forward(x.unsqueeze(1 - int(self.batch_first)), attn_mask, is_causal=is_causal).squeeze(
-                1 - int(self.batch_first)
-            )
+    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, *, is_causal: bool = False):
+        """``x`` (B, S, d_model) (``(S, B, d_model)`` when ``batch_first=False``) -> same shape."""
         x_bf = _to_batch_first(self, x)
         batch, seq, _ = x_bf.shape
         causal = self._resolve_causal(attn_mask, is_causal, seq)
         _extension.require_cuda_kernels("FusedCheckpointBlock", x)
-        compute_dtype = self._compute_dtype(x)
         drop = self.dropout if self.training else 0.0
         spec = BlockSpec(
             policy=self.policy,
             norm=self.norm, norm_first=self.norm_first, activation=self.activation,
             n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, causal=causal,
-            eps=self.eps, attention_dropout=drop, residual_dropout=drop, compute_dtype=compute_dtype,
+            eps=self.eps, attention_dropout=drop, residual_dropout=drop, compute_dtype=compute_dtype(x),
         )  # fmt: skip
         rng_key = new_rng_key() if spec.uses_rng else None
         params = [_param(self, name) for name in PARAM_NAMES]
@@ -360,13 +336,6 @@ class FusedCheckpointBlock(_TransformerBlockBase):
             y = TransformerBlockFunction.apply(spec, x_flat, rng_key, batch, seq, *params)
         y = y.view(batch, seq, self.d_model)
         return y if self.batch_first else y.transpose(0, 1)
-
-    @staticmethod
-    def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-        # The matmuls and attention run in the autocast dtype under autocast, else in x's.
-        if torch.is_autocast_enabled(x.device.type):
-            return torch.get_autocast_dtype(x.device.type)
-        return x.dtype
 
     def to_eager(self) -> EagerTransformerBlock:
         """An :class:`EagerTransformerBlock` with this block's configuration and weights."""
@@ -382,269 +351,33 @@ class FusedCheckpointBlock(_TransformerBlockBase):
 
     @classmethod
     def supports(cls, layer: nn.Module, *, allow_autocast: bool = False) -> bool:
-        """Whether :meth:`from_torch` reproduces ``layer`` exactly, in training and in eval mode.
+        """Whether :meth:`from_torch` reproduces ``layer`` exactly: :func:`memopt.torch_interop.supports`."""
+        from memopt import torch_interop
 
-        With ``allow_autocast=True``, float32 layers on a device where attention runs only in a
-        half type (CUDA) are accepted too: the block then reproduces the layer under
-        ``torch.autocast`` only. ``memopt.wrap`` swaps such layers and lets the block run the
-        torch layer itself (checkpointed) for calls outside autocast.
-
-        True for an ``nn.TransformerEncoderLayer`` (its own ``forward``, no hooks) with relu or
-        gelu activation (function or module), either ``norm_first``, either ``batch_first``,
-        ``head_dim`` in ``SUPPORTED_HEAD_DIMS``, biases on all of its linears and norms or on none,
-        affine LayerNorms with one eps, every parameter of one dtype on one device that attention
-        takes there (``memopt.ops.attention.supported_dtypes``: fp16/bf16 on CUDA, so fp32 layers
-        meant for autocast are not supported), and **every dropout probability 0**: torch's layer has a fourth dropout site (between the
-        activation and ``linear2``) that the block lacks, and its dropout masks come from another
-        RNG, so with dropout > 0 training would differ. ``memopt.wrap`` checkpoints such layers
-        as they are instead. Not checked here, raised at call time instead: attention masks other
-        than causal ones and ``src_key_padding_mask`` (see :meth:`forward`).
-        """
-        return _unsupported_reason(layer, allow_autocast=allow_autocast) is None
+        return torch_interop.supports(layer, allow_autocast=allow_autocast)
 
     @classmethod
     def from_torch(
         cls, layer: nn.TransformerEncoderLayer, policy: str = "selective", *, share_parameters: bool = False
     ) -> "FusedCheckpointBlock":
-        """A block with ``layer``'s configuration and weights.
+        """A block with ``layer``'s configuration and weights: :func:`memopt.torch_interop.from_torch`."""
+        from memopt import torch_interop
 
-        ``layer`` is an ``nn.TransformerEncoderLayer`` with relu or gelu activation, norm_first
-        True or False, batch_first True or False (the block keeps that layout: it takes the same
-        input as ``layer``). In eval mode or with dropout 0 the outputs match the layer's. In
-        training the block applies ``layer``'s dropout at its three sites (attention
-        probabilities, both residual branches) but not inside the FFN, where torch's layer has a
-        fourth dropout: there is no dropout between the activation and fc2
-        (:meth:`supports` is True only for layers the block reproduces exactly).
-
-        Args:
-            layer: the torch layer.
-            policy: the block's recompute policy.
-            share_parameters: when True the block's parameters *are* ``layer``'s ``nn.Parameter``
-                objects (``qkv.weight`` is ``self_attn.in_proj_weight``, ``fc1`` is ``linear1``, ...),
-                so training the block trains ``layer`` and no memory is copied; when False they
-                are copies.
-        """
-        if not isinstance(layer, nn.TransformerEncoderLayer):
-            raise TypeError(f"FusedCheckpointBlock.from_torch: layer must be an nn.TransformerEncoderLayer, got {type(layer).__name__}")
-        attn = layer.self_attn
-        if not attn._qkv_same_embed_dim:
-            raise ValueError("FusedCheckpointBlock.from_torch: layer.self_attn must have kdim == vdim == embed_dim")
-        activation = _torch_activation_name(layer.activation)
-        bias = layer.linear1.bias is not None
-        weight = attn.in_proj_weight
-        block = cls(
-            attn.embed_dim, attn.num_heads, layer.linear1.out_features, dropout=layer.dropout.p,
-            activation=activation, norm="layernorm", norm_first=layer.norm_first, bias=bias,
-            eps=layer.norm1.eps, batch_first=attn.batch_first, policy=policy,
-            # Shared parameters replace the block's own: build those on "meta" (no memory).
-            device="meta" if share_parameters else weight.device, dtype=weight.dtype,
-        )  # fmt: skip
-        state = {
-            "qkv.weight": attn.in_proj_weight, "out_proj.weight": attn.out_proj.weight,
-            "fc1.weight": layer.linear1.weight, "fc2.weight": layer.linear2.weight,
-            "norm1.weight": layer.norm1.weight, "norm2.weight": layer.norm2.weight,
-        }  # fmt: skip
-        if bias:
-            state.update({
-                "qkv.bias": attn.in_proj_bias, "out_proj.bias": attn.out_proj.bias,
-                "fc1.bias": layer.linear1.bias, "fc2.bias": layer.linear2.bias,
-                "norm1.bias": layer.norm1.bias, "norm2.bias": layer.norm2.bias,
-            })  # fmt: skip
-        if share_parameters:
-            missing = [name for name, param in state.items() if not isinstance(param, nn.Parameter)]
-            if missing:
-                raise ValueError(f"FusedCheckpointBlock.from_torch: share_parameters=True needs nn.Parameters, but layer's {missing} are not")
-            for name, param in state.items():
-                module, attr = name.split(".")
-                setattr(getattr(block, module), attr, param)
-        else:
-            block.load_state_dict({k: v.detach() for k, v in state.items()})
-        return block.train(layer.training)
-
-    # -- what nn.TransformerEncoder reads from its layers --------------------------------------
-    # nn.TransformerEncoder.__init__/forward inspect layers[0] (self_attn.batch_first always; the
-    # rest for their nested-tensor fast path). These read-only views answer from the block's own
-    # parameters without registering any module twice.
-
-    @property
-    def self_attn(self) -> "_TorchSelfAttentionView":
-        return _TorchSelfAttentionView(self)
-
-    @property
-    def linear1(self) -> nn.Linear:
-        return self.fc1
-
-    @property
-    def linear2(self) -> nn.Linear:
-        return self.fc2
-
-    @property
-    def activation_relu_or_gelu(self) -> bool:
-        return self.activation in ("relu", "gelu")
+        return torch_interop.from_torch(layer, policy, share_parameters=share_parameters)
 
 
-class _TorchSelfAttentionView:
-    """The attributes of ``nn.MultiheadAttention`` that ``nn.TransformerEncoder`` reads."""
-
-    __slots__ = ("_block",)
-
-    def __init__(self, block: FusedCheckpointBlock):
-        self._block = block
-
-    @property
-    def batch_first(self) -> bool:
-        return self._block.batch_first
-
-    @property
-    def _qkv_same_embed_dim(self) -> bool:
-        return True
-
-    @property
-    def embed_dim(self) -> int:
-        return self._block.d_model
-
-    @property
-    def num_heads(self) -> int:
-        return self._block.n_heads
-
-    @property
-    def in_proj_weight(self) -> torch.Tensor:
-        return self._block.qkv.weight
-
-    @property
-    def in_proj_bias(self) -> torch.Tensor | None:
-        return self._block.qkv.bias
-
-    @property
-    def out_proj(self) -> nn.Linear:
-        return self._block.out_proj
-
-
-def _torch_layer_mask(attn_mask, src_mask, src_key_padding_mask, x: torch.Tensor):
-    """The attention mask of a call that may use ``nn.TransformerEncoderLayer``'s argument names."""
-    if src_key_padding_mask is not None:
-        raise ValueError(
-            "FusedCheckpointBlock: src_key_padding_mask must be None (padding masks are not supported); "
-            "use memopt.unwrap or a model without padding"
-        )
-    if x.is_nested:
-        raise ValueError(
-            "FusedCheckpointBlock: x is a nested tensor; nn.TransformerEncoder makes one from "
-            "src_key_padding_mask in inference, and padding masks are not supported"
-        )
-    return _merged_mask(attn_mask, src_mask)
-
-
-def _merged_mask(attn_mask, src_mask):
-    """The one attention mask of a call that passed ``attn_mask`` or its torch name ``src_mask``."""
-    if src_mask is not None:
-        if attn_mask is not None:
-            raise ValueError("FusedCheckpointBlock: pass attn_mask or src_mask (its nn.TransformerEncoderLayer name), not both")
-        return src_mask
-    return attn_mask
-
-
-def _unsupported_reason(layer: nn.Module, allow_autocast: bool = False) -> str | None:
-    """Why :meth:`FusedCheckpointBlock.from_torch` would not reproduce ``layer`` exactly, or None."""
-    base = nn.TransformerEncoderLayer
-    if not isinstance(layer, base):
-        return f"not an nn.TransformerEncoderLayer ({type(layer).__name__})"
-    if any(getattr(type(layer), name) is not getattr(base, name) for name in ("forward", "_sa_block", "_ff_block")):
-        return f"{type(layer).__name__} overrides nn.TransformerEncoderLayer's forward"
-    if "forward" in layer.__dict__:
-        return "its forward was replaced on the instance"
-    if any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks for m in layer.modules()):
-        return "it has module hooks, which the block would not run"
-    attn = layer.self_attn
-    if type(attn) is not nn.MultiheadAttention or not attn._qkv_same_embed_dim:
-        return "self_attn is not a plain nn.MultiheadAttention with kdim == vdim == embed_dim"
-    if attn.bias_k is not None or attn.add_zero_attn:
-        return "self_attn has add_bias_kv or add_zero_attn"
-    head_dim = attn.embed_dim // attn.num_heads
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        return f"head_dim {head_dim} is not one of {SUPPORTED_HEAD_DIMS}"
-    try:
-        _torch_activation_name(layer.activation)
-    except ValueError:
-        return f"activation {layer.activation!r} is not relu or gelu"
-    norms = (layer.norm1, layer.norm2)
-    if any(type(n) is not nn.LayerNorm or not n.elementwise_affine or tuple(n.normalized_shape) != (attn.embed_dim,) for n in norms):
-        return "norm1/norm2 are not affine nn.LayerNorm(d_model)"
-    if layer.norm1.eps != layer.norm2.eps:
-        return "norm1 and norm2 have different eps"
-    biases = (attn.in_proj_bias, attn.out_proj.bias, layer.linear1.bias, layer.linear2.bias, layer.norm1.bias, layer.norm2.bias)
-    if len({b is None for b in biases}) != 1:
-        return "some of its linears and norms have a bias and some do not"
-    dropouts = (attn.dropout, layer.dropout.p, layer.dropout1.p, layer.dropout2.p)
-    if any(p > 0 for p in dropouts):
-        return f"dropout > 0 ({dropouts}): torch's FFN-internal dropout and RNG differ from the block's"
-    params = list(layer.parameters())
-    if len({(p.dtype, p.device) for p in params}) != 1:
-        return "its parameters are not all of one dtype on one device"
-    allowed = _attention_ops.supported_dtypes(params[0].device)
-    runs_under_autocast = params[0].dtype == torch.float32 and bool(set(allowed) & {torch.float16, torch.bfloat16})
-    if params[0].dtype not in allowed and not (allow_autocast and runs_under_autocast):
-        # fp32 layers on CUDA included: the block would need autocast to run at all.
-        return f"its dtype {params[0].dtype} is not one attention takes on {params[0].device} {allowed}"
-    return None
-
-
-def shared_parameter_names(block: "FusedCheckpointBlock", layer: nn.Module) -> dict[str, str]:
-    """``{block parameter name: layer parameter name}`` for a block made by
-    ``from_torch(layer, share_parameters=True)``: the two names of each shared ``nn.Parameter``."""
-    layer_names = {id(p): name for name, p in layer.named_parameters()}
-    names = {}
-    for block_name, p in block.named_parameters():
-        if id(p) not in layer_names:
-            raise ValueError(f"memopt: block parameter {block_name!r} is not one of the layer's")
-        names[block_name] = layer_names[id(p)]
-    return names
-
-
-def attach_torch_fallback(block: "FusedCheckpointBlock", layer: nn.TransformerEncoderLayer) -> None:
-    """Let ``block`` (made by ``from_torch(layer, share_parameters=True)``) run ``layer``'s
-    forward, checkpointed under the block's policy, for calls whose compute dtype attention does
-    not take on the device (a float32 layer on CUDA outside ``torch.autocast``).
-
-    The layer runs on the block's *current* parameters (``torch.func.functional_call``): FSDP2
-    and other wrappers that replace a module's parameters replace the block's, and gradients
-    must reach those. The layer is held outside the module tree (no second set of names in the
-    state_dict); ``copy.deepcopy`` copies it with the block.
-    """
-    object.__setattr__(block, "_torch_fallback", layer)
-    object.__setattr__(block, "_torch_fallback_names", shared_parameter_names(block, layer))
-
-
-def _run_torch_fallback(block, x, attn_mask, is_causal, src_mask, src_key_padding_mask):
-    from memopt.checkpoint import checkpoint
-
-    layer = block._torch_fallback
-    params = {layer_name: block.get_parameter(name) for name, layer_name in block._torch_fallback_names.items()}
-
-    def layer_forward(x, **kwargs):
-        return torch.func.functional_call(layer, params, (x,), kwargs)
-
-    return checkpoint(
-        layer_forward, x, policy=block.policy, src_mask=_merged_mask(attn_mask, src_mask), src_key_padding_mask=src_key_padding_mask, is_causal=is_causal
-    )
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a block's matmuls and attention run in for input ``x``: the autocast dtype
+    under autocast, else ``x``'s."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
 
 
 def _param(block: nn.Module, name: str) -> torch.Tensor | None:
     """The parameter ``name`` (``"norm1.bias"``) of ``block``, None when the block has none."""
     module, attr = name.split(".")
     return getattr(getattr(block, module), attr, None)
-
-
-def _torch_activation_name(activation) -> str:
-    if activation is F.relu or isinstance(activation, nn.ReLU):
-        return "relu"
-    if activation is F.gelu:
-        return "gelu"
-    if isinstance(activation, nn.GELU):
-        return "gelu_tanh" if activation.approximate == "tanh" else "gelu"
-    raise ValueError(
-        f"FusedCheckpointBlock.from_torch: layer.activation must be relu or gelu (function or module), got {activation!r}"
-    )
 
 
 # ----------------------------------------------------------------------------------------------

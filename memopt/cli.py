@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 from memopt.estimate import ATTENTIONS, OPTIMIZER_STATES, PRECISIONS, PRESETS, ModelConfig, _config_estimate
-from memopt.estimate import max_micro_batch, max_seq_len, registered_policies
+from memopt.estimate import choice_label, fit_choices, max_micro_batch, max_seq_len, registered_policies
 
 __all__ = ["main"]
 
@@ -46,6 +46,7 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--low-dtype", choices=("bf16", "fp16"), default="bf16")
     est.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adam")
     est.add_argument("--policy", default="eager", help=f"activation policy: {', '.join(registered_policies())}")
+    est.add_argument("--offload", action="store_true", help="what a memopt policy (none, selective, full) saves lives in host memory")
     est.add_argument("--attention", choices=ATTENTIONS, default="math")
     est.add_argument("--dropout", type=float, default=0.1)
     est.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
@@ -72,7 +73,7 @@ def _config_from(args) -> ModelConfig:
     if missing:
         raise ValueError(f"missing {', '.join(missing)} (or give --preset)")
     return ModelConfig(**fields, precision=args.precision, low_dtype=args.low_dtype, optimizer=args.optimizer,
-                       policy=args.policy, attention=args.attention, dropout=args.dropout, device=args.device)
+                       policy=args.policy, offload=args.offload, attention=args.attention, dropout=args.dropout, device=args.device)
 
 
 def _estimate(args) -> int:
@@ -84,9 +85,11 @@ def _estimate(args) -> int:
             raise ValueError(f"--memory-gib must be a positive finite number of GiB, got {args.memory_gib:g}")
         memory = int(args.memory_gib * 2**30)
         fits = {}
-        for policy in registered_policies():
-            fits[policy] = {"max_micro_batch": max_micro_batch(memory, cfg, policy=policy),
-                            "max_seq_len": max_seq_len(memory, cfg, policy=policy)}
+        for policy, offload in fit_choices():
+            fits[choice_label(policy, offload)] = {
+                "max_micro_batch": max_micro_batch(memory, cfg, policy=policy, offload=offload),
+                "max_seq_len": max_seq_len(memory, cfg, policy=policy, offload=offload),
+            }
         out["memory_bytes"] = memory
         out["fits"] = fits
     if args.json:
@@ -96,7 +99,7 @@ def _estimate(args) -> int:
     if args.memory_gib is not None:
         print(f"\nin {args.memory_gib:g} GiB:")
         for policy, f in out["fits"].items():
-            print(f"  policy {policy:<11} max micro-batch {f['max_micro_batch']:>6}   "
+            print(f"  policy {policy:<19} max micro-batch {f['max_micro_batch']:>6}   "
                   f"max seq (at micro-batch {cfg.micro_batch}) {f['max_seq_len']:>8}")
     return 0
 

@@ -60,9 +60,9 @@ activation element on CPU (the CPU path multiplies by a saved float noise tensor
 ``device`` field picks which.
 
 Other policies plug in through :func:`register_policy_formula`; memopt's
-``FusedCheckpointBlock`` policies (``"none"``, ``"selective"``, ``"full"``, ``"offload"``) come
-from ``memopt.block.saved_bytes_per_token`` and raise ``NotImplementedError`` when that module
-is not in the build.
+``FusedCheckpointBlock`` policies (``"none"``, ``"selective"``, ``"full"``) come from
+``memopt.block.saved_bytes_per_token``, and with ``offload=True`` what they save is counted in
+host memory (``Estimate.host_bytes``) instead of on the device, one layer's set excepted.
 
 The peak comes at the start of backward: everything saved is alive, and then first the loss
 transient and later, once it is freed, one layer's backward transient; so the total counts the
@@ -82,6 +82,8 @@ from typing import Callable
 
 import torch
 
+from memopt.block import saved_bytes_per_token
+from memopt.policy import POLICIES, check_policy
 from memopt.saved import SavedTensorCounter
 
 __all__ = [
@@ -150,6 +152,8 @@ class ModelConfig:
         dtype: the full-precision dtype (``torch.float32``; ``torch.float64`` for tests).
         optimizer: ``"sgd"``, ``"sgd_momentum"``, ``"adam"`` or ``"adamw"``.
         policy: activation policy, a name in :func:`registered_policies`.
+        offload: whether what a memopt policy (``"none"``, ``"selective"``, ``"full"``) saves
+            lives in host memory (the block's ``offload=True``); False for other policies.
         attention: ``"math"`` (matmul + softmax, O(seq^2) saved) or ``"flash"`` (a recompute
             kernel such as SDPA flash: O(seq) saved).
         dropout: dropout probability of the attention, residual and embedding dropouts.
@@ -168,6 +172,7 @@ class ModelConfig:
     dtype: torch.dtype = torch.float32
     optimizer: str = "adam"
     policy: str = "eager"
+    offload: bool = False
     attention: str = "math"
     dropout: float = 0.1
     device: str = "cuda"
@@ -187,6 +192,15 @@ class ModelConfig:
         object.__setattr__(self, "dtype", _as_dtype(self.dtype, "dtype"))
         if not isinstance(self.policy, str):
             raise ValueError(f"policy must be a str, one of {registered_policies()}, got {self.policy!r}")
+        if self.policy == "offload":
+            check_policy(self.policy, "ModelConfig")  # raises, saying what to write instead
+        if not isinstance(self.offload, bool):
+            raise ValueError(f"offload must be a bool, got {self.offload!r}")
+        if self.offload and self.policy not in POLICIES:
+            raise ValueError(
+                f"offload=True applies to memopt's policies {list(POLICIES)} (what they save goes to host "
+                f"memory), not to policy {self.policy!r}"
+            )
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if not isinstance(self.optimizer, str) or self.optimizer not in OPTIMIZER_STATES:
@@ -329,25 +343,15 @@ def _checkpoint_layer(cfg: ModelConfig) -> dict[str, int]:
 
 def _block_policy(policy: str) -> PolicyFormula:
     def formula(cfg: ModelConfig) -> dict[str, int]:
-        try:
-            from memopt.block import saved_bytes_per_token
-        except ImportError as err:
-            raise NotImplementedError(
-                f"policy {policy!r} is a memopt.FusedCheckpointBlock policy; its formula comes from "
-                f"memopt.block.saved_bytes_per_token, which this build does not have ({err}). "
-                f"Use policy='eager' or 'checkpoint', or register_policy_formula({policy!r}, fn)."
-            ) from None
         # The block's formula is for a block whose parameters and input have one dtype (no
         # autocast) and leaves the block input out; the input is added here as for every policy.
         tokens = cfg.micro_batch * cfg.seq_len
-        # The estimator's "offload" is the block's policy="selective" with offload=True.
-        block_policy = "selective" if policy == "offload" else policy
-        per_token = saved_bytes_per_token(block_policy, d_model=cfg.d_model, n_heads=cfg.n_heads, d_ff=cfg.d_ff,
+        per_token = saved_bytes_per_token(policy, d_model=cfg.d_model, n_heads=cfg.n_heads, d_ff=cfg.d_ff,
                                           dtype=cfg.dtype if cfg.precision == "fp32" else cfg.low_dtype)
         saved = int(per_token) * tokens
         out = {"layer_input": tokens * cfg.d_model * cfg.residual_bytes,
                "rng_key": 16 if cfg.dropout > 0 else 0, "attention_scores": 0}
-        if policy == "offload":
+        if cfg.offload:
             # The saved set lives in host memory; one layer's copy is on the device while it is
             # produced or brought back for its backward.
             out["host_block_saved"] = saved
@@ -361,7 +365,7 @@ def _block_policy(policy: str) -> PolicyFormula:
 
 register_policy_formula("eager", _eager_layer)
 register_policy_formula("checkpoint", _checkpoint_layer)
-for _name in ("none", "selective", "full", "offload"):
+for _name in POLICIES:
     register_policy_formula(_name, _block_policy(_name))
 
 
@@ -625,36 +629,58 @@ def check_memory_bytes(memory_bytes, name: str = "memory_bytes") -> None:
         raise ValueError(f"{name} must be a positive finite number of bytes, got {memory_bytes!r}")
 
 
-def _check_search(config, policy, upper) -> None:
+def _check_search(config, policy, offload, upper) -> None:
     if not isinstance(config, ModelConfig):
         raise TypeError(f"config must be a memopt.ModelConfig, got {type(config).__name__}")
     if policy is not None and not isinstance(policy, str):
         raise TypeError(f"policy must be a str (one of {registered_policies()}) or None, got {policy!r}")
+    if offload is not None and not isinstance(offload, bool):
+        raise TypeError(f"offload must be a bool or None, got {offload!r}")
     if not _is_int(upper) or upper <= 0:
         raise ValueError(f"upper must be a positive int, got {upper!r}")
 
 
+def _searched(config: ModelConfig, policy: str | None, offload: bool | None) -> ModelConfig:
+    changes = {k: v for k, v in (("policy", policy), ("offload", offload)) if v is not None}
+    return config.replace(**changes) if changes else config
+
+
 def max_micro_batch(memory_bytes: int, config: ModelConfig, *, policy: str | None = None,
-                    upper: int = 1 << 20) -> int:
-    """Largest micro-batch whose :func:`estimate` total fits in ``memory_bytes`` (0: none does)."""
+                    offload: bool | None = None, upper: int = 1 << 20) -> int:
+    """Largest micro-batch whose :func:`estimate` total fits in ``memory_bytes`` (0: none does).
+
+    ``policy`` and ``offload``, when given, replace ``config``'s."""
     check_memory_bytes(memory_bytes)
-    _check_search(config, policy, upper)
-    base = config.replace(policy=policy) if policy else config
+    _check_search(config, policy, offload, upper)
+    base = _searched(config, policy, offload)
     return _largest_fitting(memory_bytes, lambda b: _config_estimate(base.replace(micro_batch=b)).total_bytes
                             <= memory_bytes, upper)
 
 
 def max_seq_len(memory_bytes: int, config: ModelConfig, *, policy: str | None = None,
-                upper: int = 1 << 22) -> int:
+                offload: bool | None = None, upper: int = 1 << 22) -> int:
     """Largest sequence length whose :func:`estimate` total fits in ``memory_bytes`` (0: none).
 
-    The learned position table grows with ``seq_len`` too, as it would in the model.
+    ``policy`` and ``offload``, when given, replace ``config``'s. The learned position table
+    grows with ``seq_len`` too, as it would in the model.
     """
     check_memory_bytes(memory_bytes)
-    _check_search(config, policy, upper)
-    base = config.replace(policy=policy) if policy else config
+    _check_search(config, policy, offload, upper)
+    base = _searched(config, policy, offload)
     return _largest_fitting(memory_bytes, lambda s: _config_estimate(base.replace(seq_len=s)).total_bytes
                             <= memory_bytes, upper)
+
+
+def fit_choices() -> list[tuple[str, bool]]:
+    """The ``(policy, offload)`` pairs the fit tables (``memopt estimate --memory-gib``,
+    :func:`memopt.diagnose_oom`) try: every registered policy on the device, and memopt's
+    ``"selective"`` offloaded."""
+    return [(policy, False) for policy in registered_policies()] + [("selective", True)]
+
+
+def choice_label(policy: str, offload: bool) -> str:
+    """How a fit table names a ``(policy, offload)`` pair: ``"selective"``, ``"selective, offload"``."""
+    return f"{policy}, offload" if offload else policy
 
 
 PRESETS = {

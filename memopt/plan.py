@@ -26,7 +26,8 @@ from memopt.checkpoint import checkpoint
 from memopt.offload import Offload, default_offload, is_parameter_like
 from memopt.policy import POLICIES, check_offload, check_policy
 from memopt.saved import SavedTensorCounter, storage_key
-from memopt.wrap import LayerSelector, find_layers, is_wrapped, swap_for_fused_block, unwrap, wrap
+from memopt.torch_interop import swap_for_fused_block
+from memopt.wrap import LayerSelector, find_layers, is_wrapped, unwrap, wrap
 
 Choice = tuple[str, bool]
 """One layer's choice: ``(policy, offload)``, a name from :data:`memopt.policy.POLICIES` and

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from memopt.estimate import ModelConfig, check_memory_bytes, estimate, max_micro_batch, registered_policies
+from memopt.estimate import ModelConfig, check_memory_bytes, choice_label, estimate, fit_choices, max_micro_batch
 
 __all__ = ["MemoryReport", "OOMDiagnosis", "diagnose_oom", "memory_report"]
 
@@ -124,8 +124,8 @@ class OOMDiagnosis:
         memory_bytes: the memory the estimate was held against.
         estimated_bytes: the estimator's total for ``config``.
         largest: the three largest consumers ``(name, bytes)`` per the estimator.
-        fits: ``{policy: largest micro-batch that fits}`` for every registered policy whose
-            formula is available (0: none fits).
+        fits: ``{choice: largest micro-batch that fits}`` for every ``(policy, offload)`` of
+            ``memopt.estimate.fit_choices()``, named by ``choice_label`` (0: none fits).
         suggestions: readable advice, largest saving first.
     """
 
@@ -173,11 +173,11 @@ def diagnose_oom(exc: BaseException, config: ModelConfig | None = None, memory_b
     est = estimate(config)
     diag.memory_bytes, diag.estimated_bytes = int(memory_bytes), est.total_bytes
     diag.largest = est.largest(3)
-    for policy in registered_policies():
-        diag.fits[policy] = max_micro_batch(memory_bytes, config, policy=policy)
+    for policy, offload in fit_choices():
+        diag.fits[choice_label(policy, offload)] = max_micro_batch(memory_bytes, config, policy=policy, offload=offload)
     current = config.micro_batch
     fitting_now = [p for p, b in diag.fits.items() if b >= current]
-    if diag.fits.get(config.policy, 0) >= current:
+    if diag.fits.get(choice_label(config.policy, config.offload), 0) >= current:
         diag.suggestions.append(
             f"the estimate fits ({est.total_bytes / _GiB:.2f} GiB): look for memory outside the model "
             "(other processes, fragmentation: memopt.memory_report(), tensors kept across steps)")

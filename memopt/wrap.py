@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
-from memopt.block import FusedCheckpointBlock
 from memopt.checkpoint import checkpoint
 from memopt.offload import Offload
 from memopt.policy import check_offload, check_policy
+from memopt.torch_interop import swap_for_fused_block
 
 if TYPE_CHECKING:
     from memopt.plan import Plan
@@ -154,68 +154,6 @@ def _per_layer(names: Sequence[str], value, what: str, one: str, is_one: Callabl
     return [check(v, "memopt.wrap", f"{what} for layer {name!r}") for name, v in zip(names, chosen)]
 
 
-# -- the fused-block extension point --------------------------------------------------------
-
-
-def swap_for_fused_block(layer: nn.Module, policy: str) -> nn.Module | None:
-    """An equivalent ``memopt.FusedCheckpointBlock`` for ``layer``, or None to checkpoint it as is.
-
-    Used for an ``nn.TransformerEncoderLayer`` that the block reproduces exactly (``FusedCheckpointBlock.supports(layer, allow_autocast=True)``:
-    relu/gelu, head_dim the attention kernels take, all dropout 0, ...). The block shares the
-    layer's ``nn.Parameter`` objects, so training it trains the layer and ``unwrap`` can put the
-    layer back. A float32 layer on CUDA is swapped too: its block runs under ``torch.autocast``
-    and hands calls outside autocast to the layer itself, checkpointed with the same policy.
-    """
-    if not isinstance(layer, nn.TransformerEncoderLayer):
-        return None
-    supports = FusedCheckpointBlock.supports
-    if not supports(layer, allow_autocast=True):
-        return None
-    block = FusedCheckpointBlock.from_torch(layer, policy=policy, share_parameters=True)
-    _keep_state_dict_names(block, layer)
-    if not supports(layer):
-        # A float32 layer on CUDA: the block runs under autocast, the layer itself otherwise.
-        from memopt.block import attach_torch_fallback
-
-        attach_torch_fallback(block, layer)
-    return block
-
-
-class _LayerStateDictNames:
-    """A state-dict hook that gives a swapped-in block its torch layer's parameter names: when
-    saving (``loading=False``) or loading. A callable object, not a closure, so that a wrapped
-    model pickles."""
-
-    def __init__(self, block: nn.Module, layer: nn.Module, loading: bool):
-        from memopt.block import shared_parameter_names
-
-        self.to_layer = shared_parameter_names(block, layer)
-        self.layer_order = [name for name, _ in layer.named_parameters()]
-        self.loading = loading
-
-    def __call__(self, module, state_dict, prefix, *args) -> None:
-        if self.loading:
-            for name, layer_name in self.to_layer.items():
-                if prefix + layer_name in state_dict:
-                    state_dict[prefix + name] = state_dict.pop(prefix + layer_name)
-            return
-        # The block's entries are the last ones (a module's hook runs after its subtree):
-        # re-added under the layer's names, in the layer's order.
-        values = {
-            self.to_layer[name]: state_dict.pop(prefix + name) for name in self.to_layer if prefix + name in state_dict
-        }
-        for name in self.layer_order:
-            if name in values:
-                state_dict[prefix + name] = values[name]
-
-
-def _keep_state_dict_names(block: nn.Module, layer: nn.Module) -> None:
-    """Give a swapped-in ``block`` ``layer``'s state_dict names (both ways: saving and loading),
-    so that a checkpoint saved while wrapped loads into the unwrapped model and back."""
-    block.register_state_dict_post_hook(_LayerStateDictNames(block, layer, loading=False))
-    block.register_load_state_dict_pre_hook(_LayerStateDictNames(block, layer, loading=True))
-
-
 # -- wrap / unwrap --------------------------------------------------------------------------
 
 
@@ -298,8 +236,9 @@ def wrap(
         plan: a :class:`memopt.Plan` (from :func:`memopt.plan`, possibly edited) to apply.
 
     An ``nn.TransformerEncoderLayer`` that does not offload is replaced by a
+    ``memopt.torch_interop.FusedTransformerEncoderLayer``: the torch layer's call run by a
     ``memopt.FusedCheckpointBlock`` with its policy, sharing its parameters, when the block
-    reproduces it exactly (``FusedCheckpointBlock.supports``: relu/gelu, a head_dim the attention
+    reproduces it exactly (``memopt.torch_interop.supports``: relu/gelu, a head_dim the attention
     kernels take, every dropout 0, no hooks); other layers, and offloading ones, run the layer's
     own forward through :func:`memopt.checkpoint`, and ``("none", False)`` leaves them as they are.
 

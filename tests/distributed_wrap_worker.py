@@ -5,7 +5,7 @@ gradient against a single-process, unwrapped run on the whole batch:
 
 * a memopt-wrapped ``nn.TransformerEncoder`` whose layers memopt checkpoints as they are
   (head_dim 8, which the fused block does not take) and one whose layers it swaps for
-  ``FusedCheckpointBlock`` (head_dim 16);
+  ``memopt.torch_interop.FusedTransformerEncoderLayer`` (a fused block, head_dim 16);
 * a ``FusedCheckpointStack``;
 * the offload policy (of ``wrap`` and of the block, with an engine that takes CPU tensors), also
   with gradient accumulation under DDP's ``no_sync``.
@@ -107,12 +107,12 @@ def main():
     loss_of(model, local).backward()
     check("fsdp2-shard-then-wrap-full", model, reference, full_tensor=True)
 
-    # Layers swapped for FusedCheckpointBlock (head_dim 16), under DDP and FSDP2.
+    # Layers swapped for a FusedCheckpointBlock (head_dim 16), under DDP and FSDP2.
     torch.manual_seed(0)
     swappable = Net(heads=2)
     swapped_reference = reference_grads(swappable, batch)
     model, names = wrap_keeping_names(copy.deepcopy(swappable), policy="selective")
-    assert all(isinstance(layer, memopt.FusedCheckpointBlock) for layer in model.encoder.layers)
+    assert all(isinstance(layer, memopt.torch_interop.FusedTransformerEncoderLayer) for layer in model.encoder.layers)
     ddp = DistributedDataParallel(model)
     loss_of(ddp, local).backward()
     check("ddp-swapped-selective", ddp, swapped_reference, names=names)

@@ -38,6 +38,7 @@ def test_estimate_flags_and_memory_fit(capsys):
     assert out["total_bytes"] == memopt.estimate(cfg).total_bytes
     assert out["fits"]["eager"]["max_micro_batch"] == memopt.max_micro_batch(2**30, cfg)
     assert out["fits"]["checkpoint"]["max_micro_batch"] > out["fits"]["eager"]["max_micro_batch"]
+    assert out["fits"]["selective, offload"]["max_micro_batch"] >= out["fits"]["selective"]["max_micro_batch"]
 
 
 def test_estimate_table_output(capsys):

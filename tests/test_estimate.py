@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +9,7 @@ import torch.utils.checkpoint
 
 import memopt
 from tests.helpers import gpu
+from memopt.block import saved_bytes_per_token
 from memopt.estimate import _POLICY_FORMULAS, ModelConfig, register_policy_formula, registered_policies
 from tests.gpt_reference import EagerBlock, EagerGPT
 
@@ -222,35 +220,27 @@ def test_registry_plugs_in_a_policy():
         _POLICY_FORMULAS.pop("test-policy")
 
 
-def test_block_policies_need_memopt_block():
-    if importlib.util.find_spec("memopt.block") is None:
-        with pytest.raises(NotImplementedError, match="memopt.block.saved_bytes_per_token"):
-            memopt.estimate(ModelConfig(**SMALL, policy="selective"))
-    else:
-        assert memopt.estimate(ModelConfig(**SMALL, policy="selective")).total_bytes > 0
-
-
-def test_block_policies_call_memopt_block_with_its_signature(monkeypatch):
-    """A stand-in with the signature of memopt.block.saved_bytes_per_token (FusedCheckpointBlock)."""
-    import types
-
-    calls = []
-
-    def saved_bytes_per_token(policy, d_model, n_heads, d_ff=None, *, n_kv_heads=None, activation="gelu",
-                              norm="layernorm", norm_first=True, dtype=torch.float32):
-        calls.append((policy, d_model, n_heads, d_ff, dtype))
-        return 10 * d_model
-
-    monkeypatch.setitem(sys.modules, "memopt.block", types.SimpleNamespace(saved_bytes_per_token=saved_bytes_per_token))
+def test_block_policies_use_the_blocks_saved_bytes_and_offload_moves_them_to_host():
     cfg = ModelConfig(**SMALL, policy="selective", precision="pure")
-    est = memopt.estimate(cfg)
-    assert calls[0] == ("selective", 64, 4, 256, torch.bfloat16)
     tokens = cfg.micro_batch * cfg.seq_len
-    assert est.breakdown["activations"] == cfg.n_layers * (tokens * 64 * 2 + tokens * 640 + 16)
+    # FusedCheckpointBlock's per-token bytes (counted against the block in tests/test_block.py).
+    per_token = saved_bytes_per_token("selective", 64, 4, 256, dtype=torch.bfloat16)
+    layer_input = tokens * 64 * 2  # bf16 residual stream
+    est = memopt.estimate(cfg)
+    assert est.breakdown["activations"] == cfg.n_layers * (layer_input + tokens * per_token + 16)
     assert est.host_bytes == 0
-    offload = memopt.estimate(cfg.replace(policy="offload"))
-    assert offload.host_bytes == cfg.n_layers * tokens * 640
-    assert offload.breakdown["activations"] == cfg.n_layers * (tokens * 64 * 2 + 16)
+    offloaded = memopt.estimate(cfg.replace(offload=True))
+    assert offloaded.host_bytes == cfg.n_layers * tokens * per_token
+    assert offloaded.breakdown["activations"] == cfg.n_layers * (layer_input + 16)
+
+
+def test_offload_is_not_a_policy():
+    with pytest.raises(ValueError, match="write policy='selective', offload=True"):
+        ModelConfig(**SMALL, policy="offload")
+    with pytest.raises(ValueError, match="offload=True applies to memopt's policies"):
+        ModelConfig(**SMALL, policy="eager", offload=True)
+    with pytest.raises(ValueError, match="offload must be a bool"):
+        ModelConfig(**SMALL, policy="selective", offload="yes")
 
 
 @pytest.mark.parametrize("field,value,match", [

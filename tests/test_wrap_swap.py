@@ -1,9 +1,10 @@
-"""memopt.wrap swaps nn.TransformerEncoderLayer for a FusedCheckpointBlock that shares its
-parameters: equal outputs and gradients, shared training, exact unwrap, fewer saved bytes, and
+"""memopt.wrap swaps nn.TransformerEncoderLayer for a FusedTransformerEncoderLayer (running a
+FusedCheckpointBlock) that shares its parameters: equal outputs and gradients, shared training, exact unwrap, fewer saved bytes, and
 fallback to checkpointing for layers the block cannot reproduce."""
 
 import copy
 import importlib
+import inspect
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from torch import nn
 import memopt
 from memopt.block import saved_bytes_per_layer
 from memopt.ops.attention import cpu_backend
+from memopt.torch_interop import FusedTransformerEncoderLayer
 
 from helpers import gpu
 
@@ -81,8 +83,8 @@ def test_swapped_encoder_matches_plain(policy, batch_first, norm_first, activati
     original_params = dict(model.named_parameters())
 
     memopt.wrap(model, policy=policy)
-    assert all(type(layer) is memopt.FusedCheckpointBlock for layer in model.layers)
-    assert [layer.policy for layer in model.layers] == [policy] * 2
+    assert all(type(layer) is FusedTransformerEncoderLayer for layer in model.layers)
+    assert [layer.block.policy for layer in model.layers] == [policy] * 2
     assert wrap_module.wrapped_policies(model) == {"layers.0": policy, "layers.1": policy}
     _assert_same_step(_step(model, x, original_params), expected)
 
@@ -92,7 +94,7 @@ def test_blocks_share_the_layers_parameters():
     originals = list(model.layers)
     n_params = len(list(model.parameters()))
     memopt.wrap(model, policy="selective")
-    for block, layer in zip(model.layers, originals):
+    for block, layer in zip((swapped.block for swapped in model.layers), originals):
         attn = layer.self_attn
         pairs = [
             (block.qkv.weight, attn.in_proj_weight), (block.qkv.bias, attn.in_proj_bias),
@@ -135,7 +137,7 @@ def test_checkpoint_saved_while_wrapped_loads_into_the_plain_model_and_back(bias
     )  # fmt: skip
     plain = copy.deepcopy(model)
     memopt.wrap(model, policy="selective")
-    assert isinstance(model.layers[0], memopt.FusedCheckpointBlock)
+    assert isinstance(model.layers[0], FusedTransformerEncoderLayer)
     with torch.no_grad():
         for p in model.parameters():
             p.add_(torch.randn_like(p))  # "training" while wrapped
@@ -159,7 +161,7 @@ def test_wrapped_model_with_swapped_blocks_pickles(tmp_path):
     memopt.wrap(model, policy="selective")
     torch.save(model, tmp_path / "model.pt")
     loaded = torch.load(tmp_path / "model.pt", weights_only=False)
-    assert isinstance(loaded.layers[0], memopt.FusedCheckpointBlock)
+    assert isinstance(loaded.layers[0], FusedTransformerEncoderLayer)
     assert list(loaded.state_dict()) == list(plain.state_dict())
     x = _input()
     torch.testing.assert_close(loaded(x), plain(x), **F64_TOL)
@@ -173,7 +175,7 @@ def test_unwrap_restores_layers_and_state_dict():
     plain = copy.deepcopy(model)
     originals = list(model.layers)
     memopt.wrap(model, policy="full")
-    assert isinstance(model.layers[0], memopt.FusedCheckpointBlock)
+    assert isinstance(model.layers[0], FusedTransformerEncoderLayer)
     assert list(model.state_dict()) == list(plain.state_dict())  # the layer's names, while wrapped too
     memopt.unwrap(model)
     assert all(a is b for a, b in zip(model.layers, originals))
@@ -215,9 +217,12 @@ def test_padding_mask_and_other_masks_raise():
         model(x, src_key_padding_mask=padding)
     with pytest.raises(ValueError, match="attn_mask must be causal"):
         model(x, mask=torch.zeros(SEQ, SEQ, dtype=torch.bool).fill_diagonal_(True))
-    block = model.layers[0]
-    with pytest.raises(ValueError, match="not both"):
-        block(x, torch.zeros(SEQ, SEQ), src_mask=torch.zeros(SEQ, SEQ))
+    # The swapped layer takes the torch layer's call: the second positional argument is src_mask.
+    swapped = model.layers[0]
+    parameters = inspect.signature(type(swapped).forward).parameters
+    assert list(parameters) == list(inspect.signature(nn.TransformerEncoderLayer.forward).parameters)
+    with pytest.raises(ValueError, match="attn_mask must be causal"):
+        swapped(x, torch.zeros(SEQ, SEQ))
 
 
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
@@ -290,7 +295,7 @@ def test_offloading_layers_are_not_swapped():
     original_params = dict(model.named_parameters())
     memopt.wrap(model, policy="full", offload={0: True})
     assert type(model.layers[0]) is nn.TransformerEncoderLayer
-    assert isinstance(model.layers[1], memopt.FusedCheckpointBlock)
+    assert isinstance(model.layers[1], FusedTransformerEncoderLayer)
     _assert_same_step(_step(model, x, original_params), expected)
 
 
@@ -343,14 +348,15 @@ def test_from_torch_copies_unless_sharing():
     torch.testing.assert_close(shared(x), layer(x), **F64_TOL)
 
 
-def test_encoder_reads_from_the_block():
-    block = memopt.FusedCheckpointBlock.from_torch(_layer(batch_first=True), share_parameters=True)
-    attn = block.self_attn
+def test_encoder_reads_from_the_swapped_layer():
+    swapped = memopt.torch_interop.swap_for_fused_block(_layer(batch_first=True), "selective")
+    block, attn = swapped.block, swapped.self_attn
     assert attn.batch_first and attn._qkv_same_embed_dim and attn.num_heads == HEADS and attn.embed_dim == D_MODEL
     assert attn.in_proj_weight is block.qkv.weight and attn.out_proj is block.out_proj
-    assert block.linear1 is block.fc1 and block.linear2 is block.fc2 and block.activation_relu_or_gelu
-    # The views register nothing: the block's parameters are its twelve own.
-    assert len(dict(block.named_parameters())) == 12
+    assert swapped.linear1 is block.fc1 and swapped.linear2 is block.fc2 and swapped.activation_relu_or_gelu
+    assert swapped.norm1 is block.norm1 and swapped.norm2 is block.norm2
+    # The views register nothing: the parameters are the block's twelve own.
+    assert len(dict(swapped.named_parameters())) == 12
 
 
 @pytest.mark.parametrize("policy", ["selective", "full"])
@@ -372,7 +378,7 @@ def test_plan_predicts_the_swapped_blocks_bytes():
     measured = {}
     for policy in ("none", "selective", "full"):
         memopt.wrap(model, policy=policy)
-        assert all(type(layer) is memopt.FusedCheckpointBlock for layer in model.layers)
+        assert all(type(layer) is FusedTransformerEncoderLayer for layer in model.layers)
         with memopt.SavedTensorCounter(exclude=exclude) as counter:
             model(x.clone().requires_grad_())
         measured[policy] = counter.total_bytes
@@ -401,10 +407,10 @@ def attention_takes_half_types_only(monkeypatch):
     layer path (swapped, block under autocast, torch layer otherwise) runs here."""
     import types
 
-    import memopt.block as block_module
+    import memopt.torch_interop as torch_interop
 
     half_only = types.SimpleNamespace(supported_dtypes=lambda device: (torch.float16, torch.bfloat16))
-    monkeypatch.setattr(block_module, "_attention_ops", half_only)
+    monkeypatch.setattr(torch_interop, "_attention_ops", half_only)
 
 
 def _float32_encoder(norm_first=True):
@@ -435,7 +441,7 @@ def test_float32_swap_runs_the_torch_layer_outside_autocast(attention_takes_half
     expected = _step(plain, x, dict(plain.named_parameters()))
     originals = list(model.layers)
     memopt.wrap(model, policy=policy)
-    assert all(isinstance(layer, memopt.FusedCheckpointBlock) for layer in model.layers)
+    assert all(isinstance(layer, FusedTransformerEncoderLayer) for layer in model.layers)
     # Outside autocast the block hands the call to the float32 torch layer, checkpointed:
     # bit-identical to the plain model, and saving less than it.
     got = _step(model, x, _layer_params_by_plain_name(originals))
@@ -461,8 +467,8 @@ def test_float32_swap_runs_the_block_under_autocast(attention_takes_half_types_o
     originals = list(model.layers)
     memopt.wrap(model, policy="selective")
     calls = []
-    model.layers[0].register_forward_hook(lambda module, args, out: calls.append(type(module).__name__))
-    fallback = model.layers[0]._torch_fallback
+    model.layers[0].block.register_forward_hook(lambda module, args, out: calls.append(type(module).__name__))
+    fallback = model.layers[0].torch_layer
     fallback.register_forward_pre_hook(lambda module, args: calls.append("torch layer"))
     with torch.autocast("cpu", dtype=torch.bfloat16):
         got = _step(model, x, _layer_params_by_plain_name(originals))
@@ -474,11 +480,11 @@ def test_float32_swap_runs_the_block_under_autocast(attention_takes_half_types_o
 def test_float32_swap_survives_deepcopy(attention_takes_half_types_only):
     model = memopt.wrap(_float32_encoder(), policy="full")
     twin = copy.deepcopy(model)
-    block, twin_block = model.layers[0], twin.layers[0]
+    swapped, twin_swapped = model.layers[0], twin.layers[0]
     # The copy's fallback layer shares the copy's parameters, not the original's.
-    assert twin_block._torch_fallback is not block._torch_fallback
-    assert twin_block._torch_fallback.linear1.weight is twin_block.fc1.weight
-    assert twin_block.fc1.weight is not block.fc1.weight
+    assert twin_swapped.torch_layer is not swapped.torch_layer
+    assert twin_swapped.torch_layer.linear1.weight is twin_swapped.block.fc1.weight
+    assert twin_swapped.block.fc1.weight is not swapped.block.fc1.weight
     x = torch.randn(BATCH, SEQ, D_MODEL)
     torch.testing.assert_close(twin(x), model(x), atol=0, rtol=0)
 
@@ -493,7 +499,7 @@ def test_gpu_float32_encoder_swapped_runs_fused_under_autocast_and_torch_outside
     with torch.autocast("cuda", dtype=torch.bfloat16):
         expected_bf16 = _step(plain, x, dict(plain.named_parameters()))
     memopt.wrap(model, policy="selective")
-    assert all(isinstance(layer, memopt.FusedCheckpointBlock) for layer in model.layers)
+    assert all(isinstance(layer, FusedTransformerEncoderLayer) for layer in model.layers)
     params = _layer_params_by_plain_name(originals)
     got_fp32 = _step(model, x, params)
     # The torch layer ran: the same forward ops, exactly; gradients to the tolerance of CUDA's
@@ -510,14 +516,14 @@ def test_float32_fallback_uses_the_blocks_current_parameters(attention_takes_hal
     # block's current ones, and gradients must reach them.
     model = memopt.wrap(_float32_encoder(), policy="full")
     reference = copy.deepcopy(model)
-    block = model.layers[0]
-    replaced = nn.Parameter(block.fc1.weight.detach() * 2)
-    block.fc1.weight = replaced
+    swapped = model.layers[0]
+    replaced = nn.Parameter(swapped.block.fc1.weight.detach() * 2)
+    swapped.block.fc1.weight = replaced
     with torch.no_grad():
-        reference.layers[0].fc1.weight.mul_(2)
+        reference.layers[0].block.fc1.weight.mul_(2)
     x = torch.randn(BATCH, SEQ, D_MODEL)
     out = model(x)
     torch.testing.assert_close(out, reference(x), atol=0, rtol=0)
     out.square().mean().backward()
     assert replaced.grad is not None and replaced.grad.abs().sum() > 0
-    assert block._torch_fallback.linear1.weight.grad is None
+    assert swapped.torch_layer.linear1.weight.grad is None

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import memopt
-from bench.model import GPTBlock, LayerStack, fused_state_dict_from_eager
+from bench.model import LayerStack, gpt_block
 from memopt.policy import POLICIES
 
 FUSED_CHOICES = tuple((policy, False) for policy in POLICIES) + (("selective", True),)
@@ -27,7 +27,7 @@ offloaded (the row ``memopt-offload``)."""
 class BuildContext:
     """What a configuration needs to build its model."""
 
-    reference_blocks: list[GPTBlock]
+    reference_blocks: list[memopt.EagerTransformerBlock]
     d_model: int
     n_heads: int
     d_ff: int
@@ -63,11 +63,11 @@ class BenchConfig:
     tracks_memory: bool = True
 
 
-def eager_blocks(ctx: BuildContext, attention: str) -> list[GPTBlock]:
+def eager_blocks(ctx: BuildContext, attention: str) -> list[memopt.EagerTransformerBlock]:
     """Copies of the reference blocks with the context's dropout, attention, device and dtype."""
     blocks = []
     for ref in ctx.reference_blocks:
-        block = GPTBlock(ctx.d_model, ctx.n_heads, ctx.d_ff, ctx.dropout, attention=attention)
+        block = gpt_block(ctx.d_model, ctx.n_heads, ctx.d_ff, ctx.dropout, attention=attention)
         block.load_state_dict(ref.state_dict())
         blocks.append(block.to(device=ctx.device, dtype=ctx.dtype))
     return blocks
@@ -93,7 +93,7 @@ def fused_stack(ctx: BuildContext, policy: str, offload: bool = False) -> nn.Mod
             policy=policy,
             offload=offload,
         )
-        block.load_state_dict(fused_state_dict_from_eager(ref.state_dict()))
+        block.load_state_dict(ref.state_dict())
         blocks.append(block.to(device=ctx.device, dtype=ctx.dtype))
     return LayerStack(blocks, "none").train()
 

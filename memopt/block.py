@@ -18,6 +18,8 @@ output projection, FFN output). There is no dropout inside the FFN.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -175,13 +177,26 @@ def _to_batch_first(block, x: torch.Tensor) -> torch.Tensor:
 # The eager reference.
 
 
+EAGER_ATTENTIONS = ("sdpa", "math")
+
+
 class EagerTransformerBlock(_TransformerBlockBase):
-    """The block in plain PyTorch ops (``F.layer_norm``, ``F.linear``, SDPA): reference and baseline.
+    """The block in plain PyTorch ops (``F.layer_norm``, ``F.linear``, SDPA): the one eager
+    reference of memopt, for the tests, the benchmarks (``python -m bench``'s eager rows) and the docs.
 
     Same constructor, parameters and ``forward`` as :class:`FusedCheckpointBlock`, minus the
-    policy. Attention uses ``F.scaled_dot_product_attention`` (its dropout masks differ from
-    memopt's Philox masks, so with dropout > 0 only distributions match).
+    policy, plus ``attention``: ``"sdpa"`` (``F.scaled_dot_product_attention``, default) or
+    ``"math"`` (matmul, mask, softmax, dropout, matmul: what a hand-written block saves). Their
+    dropout masks differ from memopt's Philox masks, so with dropout > 0 only distributions match.
     """
+
+    def __init__(self, *args, attention: str = "sdpa", **kwargs):
+        super().__init__(*args, **kwargs)
+        _check_choice(attention, EAGER_ATTENTIONS, "attention", type(self).__name__)
+        self.attention = attention
+
+    def config(self) -> dict:
+        return {**super().config(), "attention": self.attention}
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, *, is_causal: bool = False):
         """``x`` (B, S, d_model) (``(S, B, d_model)`` when ``batch_first=False``) -> same shape."""
@@ -201,12 +216,18 @@ class EagerTransformerBlock(_TransformerBlockBase):
     def _attention(self, x, causal: bool):
         batch, seq, _ = x.shape
         heads = self.qkv(x).view(batch, seq, self.n_heads + 2 * self.n_kv_heads, self.head_dim)
-        q, k, v = heads.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-            dropout_p=self.dropout if self.training else 0.0, is_causal=causal,
-            enable_gqa=self.n_kv_heads != self.n_heads,
-        )  # fmt: skip
+        q, k, v = (t.transpose(1, 2) for t in heads.split([self.n_heads, self.n_kv_heads, self.n_kv_heads], dim=2))
+        p = self.dropout if self.training else 0.0
+        if self.attention == "sdpa":
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=causal, enable_gqa=self.n_kv_heads != self.n_heads)
+        else:
+            group = self.n_heads // self.n_kv_heads
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+            scores = torch.matmul(q, k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+            if causal:
+                hidden = torch.ones(seq, seq, dtype=torch.bool, device=x.device).triu(1)
+                scores = scores.masked_fill(hidden, float("-inf"))
+            out = torch.matmul(F.dropout(torch.softmax(scores, dim=-1), p, self.training), v)
         return self.out_proj(out.transpose(1, 2).reshape(batch, seq, self.d_model))
 
     def _ffn(self, x):
@@ -224,7 +245,8 @@ class EagerTransformerBlock(_TransformerBlockBase):
 
     def to_fused(self, policy: str = "selective") -> "FusedCheckpointBlock":
         """A :class:`FusedCheckpointBlock` with this block's configuration and weights."""
-        block = FusedCheckpointBlock(**self.config(), policy=policy, **self._factory())
+        config = {k: v for k, v in self.config().items() if k != "attention"}
+        block = FusedCheckpointBlock(**config, policy=policy, **self._factory())
         block.load_state_dict(self.state_dict())
         return block
 

@@ -13,7 +13,7 @@ from torch import nn
 import memopt
 from bench import compare, configs, plot
 from bench.memory import LiveTensorTracker
-from bench.model import FUSED_BLOCK_PARAMETER_NAMES, GPTBlock, LayerStack, fused_state_dict_from_eager
+from bench.model import LayerStack, gpt_block
 from helpers import gpu, installed_triton_version
 
 TINY = replace(compare.PRESETS["tiny"], device="cpu")
@@ -175,7 +175,7 @@ def test_live_tensor_tracker_counts_what_forward_leaves_for_backward():
 
 
 def test_layer_stack_checkpoint_modes_match_eager_gradients():
-    blocks = [GPTBlock(32, 2, 64, dropout=0.0, attention="sdpa") for _ in range(2)]
+    blocks = [gpt_block(32, 2, 64, dropout=0.0, attention="sdpa") for _ in range(2)]
     x = torch.randn(2, 8, 32)
     grads = {}
     for mode in ("none", "full", "selective"):
@@ -189,8 +189,8 @@ def test_layer_stack_checkpoint_modes_match_eager_gradients():
 
 
 def test_math_and_sdpa_attention_agree_with_float64_reference():
-    block = GPTBlock(32, 4, 64, dropout=0.0, attention="math").double()
-    sdpa = GPTBlock(32, 4, 64, dropout=0.0, attention="sdpa").double()
+    block = gpt_block(32, 4, 64, dropout=0.0, attention="math").double()
+    sdpa = gpt_block(32, 4, 64, dropout=0.0, attention="sdpa").double()
     sdpa.load_state_dict(block.state_dict())
     x = torch.randn(2, 9, 32, dtype=torch.float64)
     # Causality: changing the last position must not change earlier outputs.
@@ -201,13 +201,13 @@ def test_math_and_sdpa_attention_agree_with_float64_reference():
     torch.testing.assert_close(sdpa(x), y)
 
 
-def test_fused_state_dict_mapping_names_the_keys_that_differ():
-    state = GPTBlock(32, 2, 64).state_dict()
-    assert list(fused_state_dict_from_eager(state)) == list(FUSED_BLOCK_PARAMETER_NAMES)
-    del state["qkv.bias"]
-    state["attn.in_proj_weight"] = torch.zeros(1)
-    with pytest.raises(KeyError, match=r"missing \['qkv.bias'\], unexpected \['attn.in_proj_weight'\]"):
-        fused_state_dict_from_eager(state)
+def test_eager_state_dict_loads_into_the_fused_block_as_is():
+    """The harness initialises every configuration from one eager state dict."""
+    eager = gpt_block(32, 2, 64).double().eval()
+    fused = memopt.FusedCheckpointBlock(32, 2, 64, causal=True, policy="none").double().eval()
+    fused.load_state_dict(eager.state_dict())
+    x = torch.randn(2, 8, 32, dtype=torch.float64)
+    torch.testing.assert_close(fused(x), eager(x), rtol=1e-10, atol=1e-10)
 
 
 def test_quantile_interpolates_like_numpy():

@@ -11,7 +11,7 @@ import memopt
 from tests.helpers import gpu
 from memopt.block import saved_bytes_per_token
 from memopt.estimate import _POLICY_FORMULAS, ModelConfig, register_policy_formula, registered_policies
-from tests.gpt_reference import EagerBlock, EagerGPT
+from tests.gpt_reference import EagerGPT, eager_block
 
 SMALL = dict(n_layers=2, d_model=64, n_heads=4, vocab_size=101, seq_len=48, micro_batch=3)
 
@@ -28,7 +28,7 @@ def _counted(fn, module, *args):
 @pytest.mark.parametrize("d_ff", [None, 200])
 def test_eager_layer_formula_matches_counted_bytes(dtype, dropout, d_ff):
     cfg = ModelConfig(**SMALL, d_ff=d_ff, dtype=dtype, dropout=dropout, device="cpu")
-    block = EagerBlock(cfg.d_model, cfg.n_heads, cfg.d_ff, dropout, cfg.seq_len).to(dtype)
+    block = eager_block(cfg.d_model, cfg.n_heads, cfg.d_ff, dropout, cfg.seq_len).to(dtype)
     x = torch.randn(cfg.micro_batch, cfg.seq_len, cfg.d_model, dtype=dtype, requires_grad=True)
     counted = _counted(block, block, x)
     est = memopt.estimate(cfg)
@@ -62,7 +62,7 @@ def test_checkpoint_formula_exact():
     sees exactly what the policy keeps (the non-reentrant variant keeps the same tensor outside
     autograd's saved-tensor hooks)."""
     cfg = ModelConfig(**SMALL, policy="checkpoint", device="cpu")
-    blocks = torch.nn.ModuleList(EagerBlock(cfg.d_model, cfg.n_heads, cfg.d_ff, 0.1, cfg.seq_len)
+    blocks = torch.nn.ModuleList(eager_block(cfg.d_model, cfg.n_heads, cfg.d_ff, 0.1, cfg.seq_len)
                                  for _ in range(cfg.n_layers))
     x = torch.randn(cfg.micro_batch, cfg.seq_len, cfg.d_model, requires_grad=True)
 
@@ -82,7 +82,7 @@ def test_flash_formula_matches_counted_sdpa_block():
     """SDPA's CPU flash kernel (taken without dropout) saves q, k, v, its output and a fp32
     log-sum-exp per row: the attention="flash" formula, exactly."""
     cfg = ModelConfig(**SMALL, dropout=0.0, attention="flash", device="cpu")
-    block = EagerBlock(cfg.d_model, cfg.n_heads, cfg.d_ff, 0.0, cfg.seq_len, sdpa=True)
+    block = eager_block(cfg.d_model, cfg.n_heads, cfg.d_ff, 0.0, cfg.seq_len, sdpa=True)
     x = torch.randn(cfg.micro_batch, cfg.seq_len, cfg.d_model, requires_grad=True)
     per_layer = sum(v for k, v in memopt.estimate(cfg).per_layer.items() if k != "workspace")
     assert per_layer == _counted(block, block, x)

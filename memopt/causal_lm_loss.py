@@ -12,8 +12,8 @@ passed; Gemma-2/3's ``final_logit_softcapping`` becomes ``logit_softcap``.
 
 Hugging Face offers no public hook that skips the LM head, so the model's own forward runs with
 ``labels=None`` and ``logits_to_keep=1`` (the LM head then makes ``(batch, 1, vocab)`` logits,
-the smallest public choice), and a forward hook on ``model.base_model`` takes its
-``last_hidden_state``. On the first call with labels, those last-position logits are compared
+the smallest public choice), and a forward hook on the decoder (``model.get_decoder()``) takes
+its ``last_hidden_state``. On the first call with labels, those last-position logits are compared
 with the LM head applied to the captured hidden state (softcapped as the config says): a model
 that does anything else between its base model and its logits (a rescaling this module does not
 know of) gets an error rather than a wrong loss.
@@ -124,38 +124,59 @@ def chosen_loss(model: nn.Module, loss: str | None) -> nn.Module | None:
     return None
 
 
+def _decoder(model: nn.Module) -> nn.Module:
+    """The module whose output's ``last_hidden_state`` feeds the LM head: ``get_decoder()``
+    (OPT's is ``model.model.decoder``, not the base model), else ``base_model``."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    return decoder if isinstance(decoder, nn.Module) and decoder is not model else model.base_model
+
+
+class _CaptureHidden:
+    """A forward hook on the decoder that records its last hidden state while a chunked call runs."""
+
+    __slots__ = ("owner",)
+
+    def __init__(self, owner: "_ChunkedLossForward"):
+        self.owner = owner
+
+    def __call__(self, module, inputs, output) -> None:
+        if self.owner.capturing:
+            hidden = getattr(output, "last_hidden_state", None)
+            self.owner.captured.append(output[0] if hidden is None else hidden)
+
+
 class _ChunkedLossForward:
     """The forward installed on a causal LM: the chunked loss when called with labels, the
     model's own forward otherwise. An object holding the model, not a closure, so that a wrapped
-    model pickles and deep-copies."""
+    model pickles and deep-copies (the copy's forward points at the copied model)."""
 
-    __slots__ = ("model", "previous_forward", "checked")
+    __slots__ = ("model", "previous_forward", "parameter_names", "hook", "capturing", "captured", "checked")
 
     def __init__(self, model: nn.Module, previous_forward):
         self.model = model
         # The instance-level forward the model had before, or None for its class's forward.
         self.previous_forward = previous_forward
+        # The forward's parameters in order, to find labels passed positionally (read once
+        # here: inspect.signature is not for torch.compile to trace).
+        signature = inspect.signature(type(model).forward)
+        self.parameter_names = [
+            p.name for p in list(signature.parameters.values())[1:]
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]  # fmt: skip
+        self.capturing = False
+        self.captured: list[torch.Tensor] = []
         # Whether the last-position logits have been compared with the LM head once.
         self.checked = False
-
-    def __deepcopy__(self, memo):
-        import copy
-
-        copied = _ChunkedLossForward(copy.deepcopy(self.model, memo), copy.deepcopy(self.previous_forward, memo))
-        copied.checked = self.checked
-        return copied
-
-    def _original(self):
-        return self.previous_forward or functools.partial(type(self.model).forward, self.model)
+        self.hook = _decoder(model).register_forward_hook(_CaptureHidden(self))
 
     def __call__(self, *args, **kwargs):
-        original = self._original()
-        arguments = inspect.signature(type(self.model).forward).bind(self.model, *args, **kwargs).arguments
-        arguments.pop("self", None)
-        if arguments.get("labels") is None:
+        original = self.previous_forward or functools.partial(type(self.model).forward, self.model)
+        if len(args) > len(self.parameter_names):
+            return original(*args, **kwargs)  # let the model's forward raise its own TypeError
+        call = dict(zip(self.parameter_names, args))
+        call.update(kwargs)
+        if call.get("labels") is None:
             return original(*args, **kwargs)
-        call = {name: value for name, value in arguments.items() if name != "kwargs"}
-        call.update(arguments.get("kwargs", {}))
         return self._chunked(original, call)
 
     def _chunked(self, original, call: dict):
@@ -167,6 +188,7 @@ class _ChunkedLossForward:
                 "memopt.wrap: logits_to_keep with labels is not supported under loss='chunked' (the loss "
                 "covers every position); pass loss='plain'"
             )
+        # As Hugging Face's can_return_tuple decides it.
         return_dict = call.pop("return_dict", None)
         if return_dict is None:
             return_dict = getattr(model.config, "return_dict", True)
@@ -175,27 +197,25 @@ class _ChunkedLossForward:
         ignore_index = call.get("ignore_index", -100)
         shift_labels = call.get("shift_labels")
 
-        captured: list[torch.Tensor] = []
-
-        def capture(module, inputs, output):
-            hidden = getattr(output, "last_hidden_state", None)
-            captured.append(output[0] if hidden is None else hidden)
-
-        handle = model.base_model.register_forward_hook(capture)
+        self.captured = []
+        self.capturing = True
         try:
             output = original(**call, labels=None, logits_to_keep=1, return_dict=True)
         finally:
-            handle.remove()
+            self.capturing = False
+        captured, self.captured = self.captured, []
         if len(captured) != 1:
             raise RuntimeError(
-                f"memopt.wrap: loss='chunked' expected {type(model).__name__}.base_model to run once per "
+                f"memopt.wrap: loss='chunked' expected {type(_decoder(model)).__name__} to run once per "
                 f"forward, it ran {len(captured)} times; pass loss='plain'"
             )
         hidden = captured[0]
         head = model.get_output_embeddings()
         # Read where the forwards read it (Gemma-2's and Gemma-3's self.config).
         softcap = getattr(model.config, "final_logit_softcapping", None)
-        if not self.checked:
+        # The check needs a data-dependent branch, which a compiled graph cannot take: a model
+        # compiled before any eager call with labels is checked at its first eager one.
+        if not self.checked and not torch.compiler.is_compiling():
             self._check_last_logits(hidden, head, softcap, output.logits)
             self.checked = True
 
@@ -209,19 +229,16 @@ class _ChunkedLossForward:
                 f"memopt.wrap: labels of shape {tuple(labels.shape)} do not match the hidden states' "
                 f"{tuple(hidden.shape[:-1])} (batch, seq)"
             )
-        if num_items_in_batch is None:
-            loss = linear_cross_entropy(
-                hidden, head.weight, target, bias=head.bias, ignore_index=ignore_index, logit_softcap=softcap
-            )
-        else:
-            loss = linear_cross_entropy(
-                hidden, head.weight, target, bias=head.bias, ignore_index=ignore_index,
-                reduction="sum", logit_softcap=softcap,
-            )  # fmt: skip
+        reduction = "mean" if num_items_in_batch is None else "sum"
+        loss = linear_cross_entropy(
+            hidden, head.weight, target, bias=head.bias, ignore_index=ignore_index, reduction=reduction,
+            logit_softcap=softcap,
+        )  # fmt: skip
+        if num_items_in_batch is not None:
             if torch.is_tensor(num_items_in_batch):
                 num_items_in_batch = num_items_in_batch.to(loss.device)
             loss = loss / num_items_in_batch
-        # The forward's dtype rule for the loss: ForCausalLMLoss upcasts the logits to float32.
+        # ForCausalLMLoss's dtype: it upcasts the logits to float32.
         if loss.dtype in (torch.float16, torch.bfloat16):
             loss = loss.float()
         fields = {name: value for name, value in output.items() if name not in ("loss", "logits")}
@@ -255,7 +272,8 @@ def install(lm: nn.Module) -> _ChunkedLossForward:
 
 
 def remove(forward: _ChunkedLossForward) -> None:
-    """Put back the forward ``lm`` had before :func:`install`."""
+    """Put back the forward ``lm`` had before :func:`install`, and drop the capture hook."""
+    forward.hook.remove()
     model = forward.model
     if forward.previous_forward is None:
         del model.forward

@@ -134,7 +134,8 @@ def test_chunked_loss_in_train_mode_with_chunks_smaller_than_the_batch(monkeypat
 def test_shift_labels_and_ignore_index_are_honoured():
     model = _model("llama")
     ids, mask, labels = _batch()
-    shift = torch.nn.functional.pad(labels, (0, 1), value=-1)[..., 1:]
+    labels = labels.masked_fill(labels == -100, -1)
+    shift = torch.nn.functional.pad(labels, (0, 1), value=-1)[..., 1:].contiguous()
     kwargs = dict(input_ids=ids, attention_mask=mask, labels=labels, shift_labels=shift, ignore_index=-1)
     reference = model(**kwargs).loss
     memopt.wrap(model, policy="none")
@@ -189,7 +190,7 @@ def test_unsupported_models_get_a_clear_error():
     with pytest.raises(ValueError, match="loss must be None, 'chunked' or 'plain'"):
         memopt.wrap(encoder, loss="fused")
     memopt.wrap(encoder)  # the default: plain for a model that is no causal LM
-    assert memopt.is_wrapped(encoder)
+    assert importlib.import_module("memopt.wrap").is_wrapped(encoder)
 
 
 @pytest.mark.parametrize(
@@ -213,8 +214,8 @@ def test_logit_rescaling_is_refused_by_name(config_name, model_name, attribute, 
 class _ScaledLlama(transformers.LlamaForCausalLM):
     """A causal LM that changes its logits after the LM head with no config attribute saying so."""
 
-    def forward(self, *args, **kwargs):
-        out = super().forward(*args, **kwargs)
+    def forward(self, input_ids=None, labels=None, logits_to_keep=0, **kwargs):
+        out = super().forward(input_ids=input_ids, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
         out.logits = out.logits * 2
         return out
 
@@ -248,7 +249,7 @@ def _largest_saved_bytes(model, ids):
 def test_saved_tensors_hold_no_tokens_by_vocab_tensor():
     vocab, seq = 32_000, 128
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=vocab, max_position_embeddings=seq, **{**SMALL, "num_hidden_layers": 1})
+    config = transformers.LlamaConfig(vocab_size=vocab, max_position_embeddings=seq, **SMALL)
     model = transformers.LlamaForCausalLM(config)
     ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(0))
     logits_bytes = seq * vocab * 4  # one float32 (tokens x vocab) tensor

@@ -259,3 +259,18 @@ def test_saved_tensors_hold_no_tokens_by_vocab_tensor():
     largest, total = _largest_saved_bytes(model, ids)
     assert largest < seq * vocab  # not even one byte per logit in any saved tensor
     assert plain_total - total >= logits_bytes
+
+
+def test_peft_lora_model_gets_the_chunked_loss_on_its_inner_causal_lm():
+    peft = pytest.importorskip("peft")
+    base = _model("llama")
+    lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    model = peft.get_peft_model(base, lora)
+    reference = _step(model)
+    memopt.wrap(model)
+    assert "forward" in base.__dict__  # installed on the LlamaForCausalLM inside the PEFT wrapper
+    got = _step(model)
+    assert got[0].logits is None
+    _assert_same(got, reference)
+    memopt.unwrap(model)
+    assert "forward" not in base.__dict__

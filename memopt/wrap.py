@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 import torch
 from torch import nn
 
+from memopt import causal_lm_loss
 from memopt.checkpoint import checkpoint
 from memopt.offload import Offload
 from memopt.policy import check_offload, check_policy
@@ -50,6 +51,8 @@ class _WrapState:
     # decoder stack holds a copy of the model's config, so there can be several
     use_cache: list[Any] = field(default_factory=list)
     policies: dict[str, str] = field(default_factory=dict)
+    # the chunked-loss forward installed on a Hugging Face causal LM (memopt.causal_lm_loss)
+    loss_forward: Any = None
 
 
 # -- finding layers -------------------------------------------------------------------------
@@ -208,6 +211,7 @@ def wrap(
     budget_bytes: int | None = None,
     example_inputs: Any = None,
     plan: "Plan | None" = None,
+    loss: str | None = None,
 ) -> nn.Module:
     """Checkpoint every repeated layer of ``model`` with a memopt policy and offload, in place.
 
@@ -234,6 +238,10 @@ def wrap(
         example_inputs: a tuple of positional arguments (or a dict of keyword arguments) for
             ``model`` that :func:`memopt.plan` measures with.
         plan: a :class:`memopt.Plan` (from :func:`memopt.plan`, possibly edited) to apply.
+        loss: a Hugging Face causal LM's loss with ``labels=``: ``"chunked"`` computes it with
+            :func:`memopt.linear_cross_entropy`, without the logits (the output's ``logits`` is
+            None; see :mod:`memopt.causal_lm_loss`), ``"plain"`` keeps Hugging Face's; None (the
+            default) is ``"chunked"`` where the model takes it, ``"plain"`` otherwise.
 
     An ``nn.TransformerEncoderLayer`` that does not offload is replaced by a
     ``memopt.torch_interop.FusedTransformerEncoderLayer``: the torch layer's call run by a
@@ -265,6 +273,7 @@ def wrap(
         )
     if budget_bytes is not None and plan is not None:
         raise ValueError("memopt.wrap: pass either budget_bytes or plan, not both")
+    chunked_loss_lm = causal_lm_loss.chosen_loss(model, loss)
     if budget_bytes is not None or plan is not None:
         policies, offloads = _planned(model, layers, offload, budget_bytes, example_inputs, plan)
         found = find_layers(model, layers)
@@ -302,6 +311,8 @@ def wrap(
         if getattr(config, "use_cache", False) is True:
             state.use_cache.append(config)
             config.use_cache = False
+    if chunked_loss_lm is not None:
+        state.loss_forward = causal_lm_loss.install(chunked_loss_lm)
     object.__setattr__(model, _STATE_ATTR, state)
     return model
 
@@ -349,6 +360,8 @@ def unwrap(model: nn.Module) -> nn.Module:
         setattr(parent, attr, original)
     for config in state.use_cache:
         config.use_cache = True
+    if state.loss_forward is not None:
+        causal_lm_loss.remove(state.loss_forward)
     object.__delattr__(model, _STATE_ATTR)
     return model
 

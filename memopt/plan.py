@@ -14,6 +14,7 @@ applied with ``memopt.wrap(model, plan=plan)``.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
@@ -45,6 +46,21 @@ backward). Offloading a selective set moves less than offloading everything, hen
 
 def _strength(choice: Choice) -> float:
     return CHOICE_STRENGTH[choice]
+
+
+def _check_bytes(value: Any, owner: str, name: str, allow_none: bool = False) -> int | None:
+    """A byte count: a non-negative int (not a bool, a float or a string)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{owner}: {name} must be a non-negative int of bytes, got {value!r}")
+    return value
+
+
+def _check_seconds(value: Any, owner: str, name: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{owner}: {name} must be a finite non-negative number of seconds, got {value!r}")
+    return float(value)
 
 
 def _check_choice(choice: Any, owner: str) -> Choice:
@@ -84,13 +100,32 @@ class LayerCost:
 
     @classmethod
     def from_rows(cls, rows: Iterable[dict]) -> "LayerCost":
+        owner = "memopt.LayerCost.from_rows"
+        if not isinstance(rows, (list, tuple)):
+            raise ValueError(f"{owner}: rows must be a list of dicts, got {type(rows).__name__}")
         cost = cls({}, {}, {})
+        fields = {"policy", "offload", "device_bytes", "host_bytes", "seconds"}
         for row in rows:
-            choice = _check_choice((row["policy"], row["offload"]), "memopt.LayerCost.from_rows")
-            cost.device_bytes[choice] = int(row["device_bytes"])
-            cost.host_bytes[choice] = int(row["host_bytes"])
-            cost.seconds[choice] = float(row["seconds"])
+            if not isinstance(row, dict) or set(row) != fields:
+                raise ValueError(f"{owner}: each row must be a dict with exactly the keys {sorted(fields)}, got {row!r}")
+            choice = _check_choice((row["policy"], row["offload"]), owner)
+            if choice in cost.device_bytes:
+                raise ValueError(f"{owner}: choice {choice!r} appears twice")
+            cost.device_bytes[choice] = row["device_bytes"]
+            cost.host_bytes[choice] = row["host_bytes"]
+            cost.seconds[choice] = row["seconds"]
+        cost.check(owner)
         return cost
+
+    def check(self, owner: str = "memopt.LayerCost") -> None:
+        """Raise ``ValueError`` unless every choice is valid and every cost a sane number."""
+        if not (set(self.device_bytes) == set(self.host_bytes) == set(self.seconds)) or not self.device_bytes:
+            raise ValueError(f"{owner}: device_bytes, host_bytes and seconds must cover the same non-empty set of choices")
+        for choice in self.device_bytes:
+            _check_choice(choice, owner)
+            _check_bytes(self.device_bytes[choice], owner, f"device_bytes[{choice!r}]")
+            _check_bytes(self.host_bytes[choice], owner, f"host_bytes[{choice!r}]")
+            _check_seconds(self.seconds[choice], owner, f"seconds[{choice!r}]")
 
 
 @dataclass
@@ -159,6 +194,13 @@ class Plan:
         unknown = set(data) - required - {"shared_bytes", "budget_bytes"}
         if unknown:
             raise ValueError(f"memopt.Plan.from_dict: unknown keys {sorted(unknown)}")
+        owner = "memopt.Plan.from_dict"
+        for key in ("layer_names", "choices", "layer_costs"):
+            if not isinstance(data[key], (list, tuple)):
+                raise ValueError(f"{owner}: {key} must be a list, got {type(data[key]).__name__}")
+        for c in data["choices"]:
+            if not isinstance(c, dict) or set(c) != {"policy", "offload"}:
+                raise ValueError(f"{owner}: each choice must be a dict with the keys 'policy' and 'offload', got {c!r}")
         plan = cls(
             layer_names=list(data["layer_names"]),
             choices=[(c["policy"], c["offload"]) for c in data["choices"]],
@@ -171,12 +213,23 @@ class Plan:
         return plan
 
     def check(self) -> None:
-        """Raise ``ValueError`` unless every layer's choice is one the plan measured."""
-        if len(self.choices) != len(self.layer_names):
+        """Raise ``ValueError`` unless the plan is well formed (one unique name, choice and cost per
+        layer; byte counts non-negative ints) and every layer's choice is one the plan measured."""
+        owner = "memopt.Plan"
+        names = self.layer_names
+        if not all(isinstance(name, str) for name in names) or len(set(names)) != len(names):
+            raise ValueError(f"{owner}: layer_names must be distinct strings, got {names!r}")
+        if not (len(self.choices) == len(names) == len(self.layer_costs)):
             raise ValueError(
-                f"memopt.Plan: {len(self.choices)} choices for {len(self.layer_names)} layers {self.layer_names}"
+                f"{owner}: {len(self.choices)} choices and {len(self.layer_costs)} layer costs for "
+                f"{len(names)} layers {names}"
             )
-        for name, choice, cost in zip(self.layer_names, self.choices, self.layer_costs):
+        _check_bytes(self.other_bytes, owner, "other_bytes")
+        _check_bytes(self.shared_bytes, owner, "shared_bytes")
+        _check_bytes(self.budget_bytes, owner, "budget_bytes", allow_none=True)
+        for name, choice, cost in zip(names, self.choices, self.layer_costs):
+            _check_choice(choice, f"{owner}: layer {name!r}")
+            cost.check(f"{owner}: layer {name!r}")
             if choice not in cost.device_bytes:
                 raise ValueError(
                     f"memopt.Plan: choice {choice!r} of layer {name!r} was not measured; "

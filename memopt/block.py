@@ -78,11 +78,13 @@ class _TransformerBlockBase(nn.Module):
     ):
         super().__init__()
         owner = type(self).__name__
+        for name, value in (("d_model", d_model), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads), ("d_ff", d_ff)):
+            if value is None and name in ("n_kv_heads", "d_ff"):
+                continue  # defaults below
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
         n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
         d_ff = 4 * d_model if d_ff is None else d_ff
-        for name, value in (("d_model", d_model), ("n_heads", n_heads), ("n_kv_heads", n_kv_heads), ("d_ff", d_ff)):
-            if not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{owner}: {name} must be a positive int, got {value!r}")
         if d_model % n_heads:
             raise ValueError(f"{owner}: d_model ({d_model}) must be divisible by n_heads ({n_heads})")
         if n_heads % n_kv_heads:
@@ -348,8 +350,14 @@ class FusedCheckpointBlock(_TransformerBlockBase):
             n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, causal=causal,
             eps=self.eps, attention_dropout=drop, residual_dropout=drop, compute_dtype=compute_dtype(x),
         )  # fmt: skip
-        rng_key = new_rng_key() if spec.uses_rng else None
         params = [_param(self, name) for name in PARAM_NAMES]
+        if batch * seq == 0:
+            # No token: an empty output, as torch's layers give, whose backward gives the
+            # parameters zero gradients (not None), as an eager block's would.
+            zero = sum(p.sum() * 0 for p in params if p is not None)
+            y = x_bf + zero.to(x_bf.dtype)
+            return y if self.batch_first else y.transpose(0, 1)
+        rng_key = new_rng_key() if spec.uses_rng else None
         x_flat = x_bf.reshape(batch * seq, self.d_model).contiguous()
         if self.offload:
             with offload_group(self.offload):
@@ -420,18 +428,27 @@ class FusedCheckpointStack(nn.Module):
         self, n_layers: int, d_model: int, n_heads: int, d_ff: int | None = None, *, policy="selective", offload=False, **block_kwargs
     ):
         super().__init__()
-        if not isinstance(n_layers, int) or n_layers <= 0:
+        if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers <= 0:
             raise ValueError(f"FusedCheckpointStack: n_layers must be a positive int, got {n_layers!r}")
         self.layers = nn.ModuleList(FusedCheckpointBlock(d_model, n_heads, d_ff, **block_kwargs) for _ in range(n_layers))
         self.policy = policy
         self.offload = offload
 
-    def _per_layer(self, value, name: str, is_one) -> list:
-        values = [value] * len(self.layers) if is_one(value) else list(value)
+    def _per_layer(self, value, name: str, is_one, check) -> list:
+        """One value per layer, every one checked before any layer changes (a bad list leaves the
+        stack as it was)."""
+        if is_one(value):
+            values = [value] * len(self.layers)
+        elif isinstance(value, (list, tuple)):
+            values = list(value)
+        else:
+            raise TypeError(f"FusedCheckpointStack: {name} must be one value or a list of {len(self.layers)}, got {value!r}")
         if len(values) != len(self.layers):
             raise ValueError(
                 f"FusedCheckpointStack: {name} must be one value or a list of {len(self.layers)}, got {len(values)}"
             )
+        for i, v in enumerate(values):
+            check(v, "FusedCheckpointStack", f"{name}[{i}]")
         return values
 
     @property
@@ -440,7 +457,7 @@ class FusedCheckpointStack(nn.Module):
 
     @policy.setter
     def policy(self, value) -> None:
-        for layer, name in zip(self.layers, self._per_layer(value, "policy", lambda v: isinstance(v, str))):
+        for layer, name in zip(self.layers, self._per_layer(value, "policy", lambda v: isinstance(v, str), check_policy)):
             layer.policy = name
 
     @property
@@ -449,7 +466,8 @@ class FusedCheckpointStack(nn.Module):
 
     @offload.setter
     def offload(self, value) -> None:
-        for layer, where in zip(self.layers, self._per_layer(value, "offload", lambda v: isinstance(v, (bool, Offload)))):
+        is_one = lambda v: isinstance(v, (bool, Offload))  # noqa: E731
+        for layer, where in zip(self.layers, self._per_layer(value, "offload", is_one, check_offload)):
             layer.offload = where
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, *, is_causal: bool = False):

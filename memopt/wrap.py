@@ -141,7 +141,11 @@ def _per_layer(names: Sequence[str], value, what: str, one: str, is_one: Callabl
     if is_one(value):
         chosen = [value] * len(names)
     elif isinstance(value, dict):
-        unknown = [k for k in value if not (isinstance(k, int) and 0 <= k < len(names)) and k not in names]
+        # bool is an int to Python, not a layer index here ({True: "full"} is a mistake, not layer 1).
+        unknown = [
+            k for k in value
+            if isinstance(k, bool) or not (isinstance(k, int) and 0 <= k < len(names)) and k not in names
+        ]  # fmt: skip
         if unknown:
             raise ValueError(
                 f"memopt.wrap: {what} keys must be layer indices in [0, {len(names)}) or layer names "

@@ -43,8 +43,11 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from bench.compare import DTYPES, PRESETS, RESULTS_DIR, Settings, cpu_threads, environment, fastest_sdpa, loss_fn
-from bench.configs import BuildContext, default_configs
+from bench.compare import (
+    DTYPES, PRESETS, RESULTS_DIR, Settings, add_shape_arguments, configs_by_name, cpu_threads, environment,
+    fastest_sdpa, loss_fn, preset_settings,
+)  # fmt: skip
+from bench.configs import BuildContext
 from bench.model import make_reference_blocks
 
 DEFAULT_CONFIGS = ("eager-sdpa", "torch-checkpoint", "torch-selective", "memopt-none", "memopt-selective", "memopt-full")
@@ -241,28 +244,17 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m bench.census", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="comma-separated harness configurations")
-    parser.add_argument("--dtype", choices=sorted(DTYPES))
-    for name in ("d_model", "n_heads", "d_ff", "seq", "batch", "layers", "threads"):
-        parser.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
-    parser.add_argument("--dropout", type=float)
+    add_shape_arguments(parser, device=False)
     parser.add_argument("--out", type=Path, help="the JSON file (default: bench/results/census-<preset>.json; the table beside it as .md)")
     args = parser.parse_args(argv)
-    overrides = {
-        k: getattr(args, k)
-        for k in ("dtype", "d_model", "n_heads", "d_ff", "seq", "batch", "layers", "threads", "dropout")
-        if getattr(args, k) is not None
-    }
     # CPU tensors whatever the preset says: the counts depend on the ops, not on the device.
-    return replace(PRESETS[args.preset], device="cpu", **overrides), args
+    return preset_settings(args, device="cpu"), args
 
 
 def main(argv: list[str] | None = None) -> int:
     settings, args = parse_args(argv)
-    known = {c.name: c for c in default_configs()}
-    wanted = [n.strip() for n in args.configs.split(",") if n.strip()]
-    unknown = [n for n in wanted if n not in known]
-    if unknown:
-        raise SystemExit(f"bench.census: --configs has unknown names {unknown}; known: {sorted(known)}")
+    known = configs_by_name(args.configs, "bench.census")
+    wanted = list(known)
     device, dtype = torch.device("cpu"), DTYPES[settings.dtype]
     if dtype in (torch.float16, torch.bfloat16):
         raise SystemExit("bench.census: runs on CPU tensors, which memopt's attention takes in float32/float64 only")

@@ -561,6 +561,38 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     return settings, args
 
 
+SHAPE_ARGUMENTS = ("dtype", "d_model", "n_heads", "d_ff", "seq", "batch", "layers", "threads", "dropout")
+
+
+def add_shape_arguments(parser, device: bool = True) -> None:
+    """The harness's shape options (``--dtype``, ``--d-model``, ..., ``--dropout``, and
+    ``--device``) for the tools that run its configurations on a preset (profile, census)."""
+    if device:
+        parser.add_argument("--device", help="cpu, cuda, cuda:1 or auto")
+    parser.add_argument("--dtype", choices=sorted(DTYPES))
+    for name in SHAPE_ARGUMENTS[1:-1]:
+        parser.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
+    parser.add_argument("--dropout", type=float)
+
+
+def preset_settings(args, **fixed) -> Settings:
+    """``args.preset``'s settings with the shape options ``args`` sets, and ``fixed`` on top."""
+    names = SHAPE_ARGUMENTS + (("device",) if hasattr(args, "device") else ())
+    overrides = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
+    return replace(PRESETS[args.preset], **{**overrides, **fixed})
+
+
+def configs_by_name(names: str, tool: str) -> dict[str, BenchConfig]:
+    """The harness configurations ``names`` (comma-separated) lists, in that order; exits naming
+    the unknown ones."""
+    known = {c.name: c for c in default_configs()}
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in known]
+    if unknown:
+        raise SystemExit(f"{tool}: --configs has unknown names {unknown}; known: {sorted(known)}")
+    return {n: known[n] for n in wanted}
+
+
 def select_configs(names: str | None) -> list[BenchConfig]:
     configs = default_configs()
     if not names:

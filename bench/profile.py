@@ -28,8 +28,11 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from bench.compare import DTYPES, PRESETS, RESULTS_DIR, cpu_threads, environment, fastest_sdpa, loss_fn, resolve_device
-from bench.configs import BuildContext, default_configs
+from bench.compare import (
+    DTYPES, PRESETS, RESULTS_DIR, add_shape_arguments, configs_by_name, cpu_threads, environment,
+    fastest_sdpa, loss_fn, preset_settings, resolve_device,
+)  # fmt: skip
+from bench.configs import BuildContext
 from bench.model import make_reference_blocks
 
 DEFAULT_CONFIGS = ("eager-sdpa", "torch-checkpoint", "memopt-none", "memopt-selective", "memopt-full")
@@ -158,11 +161,7 @@ def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default")
     parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="comma-separated harness configurations")
-    parser.add_argument("--device", help="cpu, cuda, cuda:1 or auto")
-    parser.add_argument("--dtype", choices=sorted(DTYPES))
-    for name in ("d_model", "n_heads", "d_ff", "seq", "batch", "layers", "threads"):
-        parser.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
-    parser.add_argument("--dropout", type=float)
+    add_shape_arguments(parser)
     parser.add_argument("--steps", type=int, default=3, help="profiled steps per configuration")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--top", type=int, default=25, help="kernels listed per configuration")
@@ -170,21 +169,13 @@ def parse_args(argv):
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.top < 1:
         parser.error("--steps and --top must be >= 1, --warmup >= 0")
-    overrides = {
-        k: getattr(args, k)
-        for k in ("device", "dtype", "d_model", "n_heads", "d_ff", "seq", "batch", "layers", "threads", "dropout")
-        if getattr(args, k) is not None
-    }
-    return replace(PRESETS[args.preset], **overrides), args
+    return preset_settings(args), args
 
 
 def main(argv: list[str] | None = None) -> int:
     settings, args = parse_args(argv)
-    known = {c.name: c for c in default_configs()}
-    wanted = [n.strip() for n in args.configs.split(",") if n.strip()]
-    unknown = [n for n in wanted if n not in known]
-    if unknown:
-        raise SystemExit(f"bench.profile: --configs has unknown names {unknown}; known: {sorted(known)}")
+    known = configs_by_name(args.configs, "bench.profile")
+    wanted = list(known)
     device = resolve_device(settings.device)
     dtype = DTYPES[settings.dtype]
     blocks = make_reference_blocks(settings.layers, settings.d_model, settings.n_heads, settings.d_ff, settings.dropout, settings.seed)

@@ -259,25 +259,11 @@ class FusedTransformerEncoderLayer(nn.Module):
     def self_attn(self) -> "_SelfAttentionView":
         return _SelfAttentionView(self.block)
 
-    @property
-    def linear1(self) -> nn.Linear:
-        return self.block.fc1
-
-    @property
-    def linear2(self) -> nn.Linear:
-        return self.block.fc2
-
-    @property
-    def norm1(self) -> nn.Module:
-        return self.block.norm1
-
-    @property
-    def norm2(self) -> nn.Module:
-        return self.block.norm2
-
-    @property
-    def norm_first(self) -> bool:
-        return self.block.norm_first
+    linear1 = property(lambda self: self.block.fc1, doc="torch's name for the block's fc1")
+    linear2 = property(lambda self: self.block.fc2, doc="torch's name for the block's fc2")
+    norm1 = property(lambda self: self.block.norm1)
+    norm2 = property(lambda self: self.block.norm2)
+    norm_first = property(lambda self: self.block.norm_first)
 
     @property
     def activation_relu_or_gelu(self) -> bool:

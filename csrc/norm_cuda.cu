@@ -180,10 +180,13 @@ __global__ void reduce_partials_cuda_kernel(const float* __restrict__ partials, 
 // with one 16-byte access; thread t of the CTA owns chunks t, t + blockDim.x, ... (at most
 // kChunks, kChunks * kVec = 16 elements) and holds them in registers across the passes, so x is
 // read from memory once per kernel. It runs where n is a multiple of kVec, every row pointer is
-// 16-byte aligned and n <= 1024 * 16; other shapes take the kernels above.
+// 16-byte aligned and n <= kMaxVecThreads * 16; other shapes take the kernels above. The
+// backward holds four 16-element arrays per thread (about 120 registers): __launch_bounds__ keeps
+// it within what 512 threads per CTA may use (128 registers each).
 
 constexpr int kVecBytes = 16;
 constexpr int kVecElementsPerThread = 16;
+constexpr int kMaxVecThreads = 512;
 
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Pack {
@@ -207,7 +210,7 @@ __device__ __forceinline__ void store_pack(T* base, int64_t chunk, const Pack<T,
 }
 
 template <typename scalar_t, typename param_t>
-__global__ void norm_fwd_vec_cuda_kernel(const scalar_t* __restrict__ x,
+__global__ void __launch_bounds__(kMaxVecThreads) norm_fwd_vec_cuda_kernel(const scalar_t* __restrict__ x,
                                          const scalar_t* __restrict__ residual,  // null: no residual
                                          const param_t* __restrict__ weight,     // null: no weight
                                          const param_t* __restrict__ bias,       // null: no bias
@@ -294,7 +297,7 @@ __global__ void norm_fwd_vec_cuda_kernel(const scalar_t* __restrict__ x,
 // CTA's rows in registers and writes them once, to its CTA's partial row, at the end (every CTA
 // writes all of its partial row, zeros where it had no rows, so the partials need no memset).
 template <typename scalar_t, typename param_t>
-__global__ void norm_bwd_vec_cuda_kernel(const scalar_t* __restrict__ grad_y, const scalar_t* __restrict__ x,
+__global__ void __launch_bounds__(kMaxVecThreads) norm_bwd_vec_cuda_kernel(const scalar_t* __restrict__ grad_y, const scalar_t* __restrict__ x,
                                          const param_t* __restrict__ weight,  // null: no weight
                                          const param_t* __restrict__ bias,    // only read to rebuild y
                                          const float* __restrict__ mean,      // null for RMSNorm
@@ -396,7 +399,7 @@ template <typename scalar_t, typename param_t>
 int vec_threads(int64_t n, std::initializer_list<const void*> row_pointers, std::initializer_list<const void*> params) {
   constexpr int kVec = VecShape<scalar_t>::kVec;
   constexpr int kChunks = VecShape<scalar_t>::kChunks;
-  if (n % kVec != 0 || n > static_cast<int64_t>(kMaxWarps) * kWarpSize * kVecElementsPerThread) return 0;
+  if (n % kVec != 0 || n > static_cast<int64_t>(kMaxVecThreads) * kVecElementsPerThread) return 0;
   for (const void* p : row_pointers) {
     if (!aligned_16(p)) return 0;
   }
@@ -405,7 +408,7 @@ int vec_threads(int64_t n, std::initializer_list<const void*> row_pointers, std:
   }
   const int64_t chunks = n / kVec;
   const int64_t warps = (chunks + kChunks * kWarpSize - 1) / (kChunks * kWarpSize);
-  return static_cast<int>(std::max<int64_t>(2, std::min<int64_t>(warps, kMaxWarps)) * kWarpSize);
+  return static_cast<int>(std::max<int64_t>(2, std::min<int64_t>(warps, kMaxVecThreads / kWarpSize)) * kWarpSize);
 }
 
 // About four elements per thread, a whole number of warps, at most 1024 threads.

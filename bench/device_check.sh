@@ -77,6 +77,9 @@ step bench_wrap_h200 "${STEP_TIMEOUT_BENCH_WRAP:-150}" python -m bench.wrap --pr
 step kernels_h200 "${STEP_TIMEOUT_KERNELS_H200:-150}" python -m bench.kernels --preset h200 --out "$OUT" --no-progress
 step bench_attention "${STEP_TIMEOUT_BENCH_ATTENTION:-120}" python -m bench.attention --preset h200 \
   --seqs "${ATTENTION_SEQS:-4096,8192}" --out "$OUT/attention_h200.json"
+# The chunked LM-head loss (memopt.linear_cross_entropy) against F.linear + F.cross_entropy: time
+# and the allocator's peak at Llama-3-sized vocabularies.
+step cross_entropy_h200 "${STEP_TIMEOUT_CROSS_ENTROPY:-90}" python -m bench.cross_entropy --preset h200 --out "$OUT"
 # memopt.checkpoint/wrap lean on torch.utils.checkpoint internals that changed between 2.11 and
 # 2.14: run their CPU tests against this machine's torch too (their GPU tests ran in gpu_tests).
 step wrap_torch_compat "${STEP_TIMEOUT_WRAP_COMPAT:-150}" python -m pytest -q -x -m "not gpu" -p no:cacheprovider \

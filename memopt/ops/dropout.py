@@ -132,5 +132,6 @@ def dropout_add_ref(
     if upcast:
         x = x.double()
         residual = None if residual is None else residual.double()
-    out = torch.where(keep, x / (1.0 - p), torch.zeros_like(x))
+    # x * keep, not where(keep, x, 0): NaN and inf at a dropped position give NaN, as in torch.
+    out = x * keep.to(x.dtype) / (1.0 - p)
     return out if residual is None else out + residual

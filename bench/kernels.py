@@ -264,6 +264,12 @@ def time_interleaved(steps: dict[str, Callable[[], None]], device: torch.device,
     return {name: (quantile(ts, 0.5), quantile(ts, 0.2), quantile(ts, 0.8)) for name, ts in times.items()}
 
 
+def time_fwd_bwd(fn: Callable, tensors: list[torch.Tensor], device: torch.device, repeats: int) -> tuple[float, float, float]:
+    """(median, p20, p80) milliseconds of one forward + backward of ``fn(*tensors)`` (for the other
+    bench modules that time one op alone)."""
+    return time_interleaved({"step": _fwd_bwd_step(fn, tensors)}, device, repeats)["step"]
+
+
 def _provider_fn(spec: OpSpec, provider: str, settings: KernelSettings) -> tuple[Callable | None, str | None]:
     if provider == "memopt":
         if not hasattr(memopt, spec.memopt_attr):

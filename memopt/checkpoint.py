@@ -37,6 +37,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from memopt.offload import Offload, offload_group
 from memopt.policy import SELECTIVE_SAVED_OPS, check_offload, check_policy, selective_checkpoint_policy
+from memopt.saved import storage_key
 
 _CHECKPOINT_RESPECTS_HOOKS = (
     "respect_saved_tensors_hooks" in inspect.signature(torch.utils.checkpoint.checkpoint).parameters
@@ -152,8 +153,8 @@ def _written_tensors(func, args, kwargs):
 
 
 def _storage_key(t: torch.Tensor):
-    storage = t.untyped_storage()
-    return (storage.data_ptr(), t.device) if storage.nbytes() else None
+    """``memopt.saved.storage_key``, or None for an empty storage (their data pointers collide)."""
+    return storage_key(t) if t.untyped_storage().nbytes() else None
 
 
 class _SelectiveGuardState:

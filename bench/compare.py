@@ -5,7 +5,10 @@ PyTorch selective checkpointing, ``torch.compile``, memopt's ``FusedCheckpointBl
 and ``memopt.wrap``), from the same initial weights and the same batch:
 
 * step time (forward + backward + SGD step): median and p20/p80 over the timed steps after
-  warm-up; CUDA events on GPU, ``time.perf_counter`` on CPU; tokens/s from the median;
+  warm-up; CUDA events on GPU, ``time.perf_counter`` on CPU; tokens/s from the median. On CPU
+  every configuration is built and warmed up first and the timed steps run in interleaved
+  rounds (one step of each in turn), so that other jobs on a shared machine slow all rows alike;
+  on GPU each configuration's steps run back to back (``--interleave`` / ``--no-interleave``);
 * peak GPU memory of one step (``torch.cuda.max_memory_allocated``, GPU only);
 * activation memory: bytes the forward leaves alive for the backward, tracked per storage by
   ``bench.memory.LiveTensorTracker`` (any device), and ``saved_bytes``, what autograd's
@@ -102,6 +105,8 @@ class Settings:
     clock: str = "wall"
     sweep: str | None = None
     sweep_values: tuple[int, ...] = ()
+    # Time the configurations in interleaved rounds (None: on CPU only; see ``time_prepared``).
+    interleave: bool | None = None
 
 
 PRESETS: dict[str, Settings] = {
@@ -290,59 +295,127 @@ def empty_row(config: BenchConfig, settings: Settings, device: torch.device, sta
 ROW_COLUMNS = tuple(empty_row(BenchConfig("x", "x", "x", lambda ctx: None), Settings(), torch.device("cpu"), "").keys())
 
 
-def measure_config(
-    config: BenchConfig,
-    ctx: BuildContext,
-    settings: Settings,
-    batch: torch.Tensor,
-    reference: GradReference | None,
-    tick: Callable[[], None],
-) -> tuple[dict, dict[str, torch.Tensor] | None]:
-    """One row of the table; never raises: failures become the row's status."""
-    device = ctx.device
-    row = empty_row(config, settings, device, "ok")
+@dataclass
+class PreparedConfig:
+    """One configuration built and warmed up, ready for its timed steps."""
+
+    config: BenchConfig
+    row: dict
+    model: nn.Module | None = None
+    step: Callable[[], None] | None = None
+    warm_s: float = math.inf  # the fastest warm-up step (sizes the number of timed steps)
+    times: list[float] | None = None
+
+
+def _step_fn(model: nn.Module, batch: torch.Tensor) -> Callable[[], None]:
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        loss_fn(model(batch)).backward()
+        optimizer.step()
+
+    return step
+
+
+def prepare_config(
+    config: BenchConfig, ctx: BuildContext, settings: Settings, batch: torch.Tensor, tick: Callable[[], None]
+) -> PreparedConfig:
+    """Build ``config``'s model and run its first step and warm-up; never raises: failures
+    become the row's status (and the result has no step)."""
+    prepared = PreparedConfig(config, empty_row(config, settings, ctx.device, "ok"))
     reason = config.unavailable(ctx)
     if reason is not None:
-        row["status"] = f"not available ({reason})"
-        return row, None
-    grads = None
+        prepared.row["status"] = f"not available ({reason})"
+        return prepared
     try:
-        model = config.build(ctx)
-        optimizer = torch.optim.SGD(model.parameters(), lr=1e-4)
-
-        def step():
-            optimizer.zero_grad(set_to_none=True)
-            loss_fn(model(batch)).backward()
-            optimizer.step()
-
-        timer = StepTimer(device, settings.clock)
-        row["first_step_s"] = timer(step)
+        prepared.model = config.build(ctx)
+        step = _step_fn(prepared.model, batch)
+        timer = StepTimer(ctx.device, settings.clock)
+        prepared.row["first_step_s"] = timer(step)
         tick()
         warm = [timer(step) for _ in range(max(settings.warmup - 1, 0))]
         for _ in warm:
             tick()
-        estimate = min(warm) if warm else row["first_step_s"]
-        repeats = max(1, min(settings.repeats, int(settings.max_config_seconds / max(estimate, 1e-9))))
-        times = []
-        for _ in range(repeats):
-            times.append(timer(step))
+        prepared.warm_s = min(warm) if warm else prepared.row["first_step_s"]
+        prepared.step = step
+    except Exception as exc:  # a configuration that breaks is reported, not allowed to stop the run
+        prepared.row["status"] = f"error ({_error_text(exc)})"
+        prepared.model = None
+    return prepared
+
+
+def _timed_repeats(settings: Settings, step_s: float) -> int:
+    return max(1, min(settings.repeats, int(settings.max_config_seconds / max(step_s, 1e-9))))
+
+
+def time_prepared(prepared: list[PreparedConfig], settings: Settings, device: torch.device, tick: Callable[[], None]) -> None:
+    """The timed steps of every prepared configuration, into each one's ``times``.
+
+    Interleaved (``settings.interleave``, the default on CPU): one step of each configuration in
+    turn per round, the order alternating between rounds, so that a busy spell on a shared machine
+    slows every configuration alike and the ratios between rows stay meaningful. Otherwise (the
+    default on GPU, whose timings other jobs do not disturb) each configuration's steps back to back.
+    """
+    timer = StepTimer(device, settings.clock)
+    ready = [p for p in prepared if p.step is not None]
+    for p in ready:
+        p.times = []
+    if not interleaved(settings, device):
+        for p in ready:
+            _time_steps(p, timer, _timed_repeats(settings, p.warm_s), tick)
+        return
+    # the rounds share the budget of ``max_config_seconds`` per configuration
+    rounds = _timed_repeats(settings, sum(p.warm_s for p in ready) / max(len(ready), 1))
+    for i in range(rounds):
+        for p in ready if i % 2 == 0 else reversed(ready):
+            _time_steps(p, timer, 1, tick)
+
+
+def _time_steps(p: PreparedConfig, timer: StepTimer, count: int, tick: Callable[[], None]) -> None:
+    if p.step is None:
+        return
+    try:
+        for _ in range(count):
+            p.times.append(timer(p.step))
             tick()
-        row["steps_timed"] = repeats
+    except Exception as exc:
+        p.row["status"] = f"error ({_error_text(exc)})"
+        p.step = p.model = None
+
+
+def interleaved(settings: Settings, device: torch.device) -> bool:
+    return device.type == "cpu" if settings.interleave is None else settings.interleave
+
+
+def finish_config(
+    p: PreparedConfig, ctx: BuildContext, settings: Settings, batch: torch.Tensor, reference: GradReference | None
+) -> tuple[dict, dict[str, torch.Tensor] | None]:
+    """Fill ``p``'s row from its timed steps, measure its memory and check its gradients; frees
+    its model. Never raises."""
+    device = ctx.device
+    row = p.row
+    if p.step is None:
+        return row, None
+    grads = None
+    try:
+        times = p.times
+        row["steps_timed"] = len(times)
         row["step_time_ms_median"] = quantile(times, 0.5) * 1e3
         row["step_time_ms_p20"] = quantile(times, 0.2) * 1e3
         row["step_time_ms_p80"] = quantile(times, 0.8) * 1e3
         row["tokens_per_s"] = row["tokens_per_step"] / quantile(times, 0.5)
-
+        model, step = p.model, p.step
         if device.type == "cuda":
-            optimizer.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
             torch.cuda.synchronize(device)
             torch.cuda.reset_peak_memory_stats(device)
             step()
             torch.cuda.synchronize(device)
             row["peak_gpu_bytes"] = torch.cuda.max_memory_allocated(device)
 
-        if config.tracks_memory:
-            optimizer.zero_grad(set_to_none=True)
+        if p.config.tracks_memory:
+            model.zero_grad(set_to_none=True)
             excluded = [*model.parameters(), *model.buffers(), batch]
             with LiveTensorTracker(exclude=excluded) as tracker:
                 with memopt.SavedTensorCounter(exclude=excluded) as counter:
@@ -353,9 +426,10 @@ def measure_config(
                 loss_fn(out).backward()
                 del out
                 row["step_peak_tracked_bytes"] = tracker.peak_bytes(str(device))
-        del model, optimizer
+        p.model = p.step = None
+        del model, step
 
-        sanity_model = config.build(ctx.with_dropout(0.0))
+        sanity_model = p.config.build(ctx.with_dropout(0.0))
         grads = parameter_grads(sanity_model, batch)
         if reference is not None:
             abs_diff, rel_diff = compare_grads(reference.grads, grads)
@@ -364,6 +438,7 @@ def measure_config(
         del sanity_model
     except Exception as exc:  # a configuration that breaks is reported, not allowed to stop the run
         row["status"] = f"error ({_error_text(exc)})"
+        p.model = p.step = None
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return row, grads
@@ -463,20 +538,33 @@ def _run_comparison(settings: Settings, configs: list[BenchConfig], progress: bo
     fp32_grads = None
     if dtype in LOW_PRECISION:
         fp32_grads = parameter_grads(eager_stack(replace(ctx, dtype=torch.float32, dropout=0.0), "math"), batch.float())
+    tick = bar.update if bar is not None else (lambda *_: None)
     rows_by_name = {}
     reference = None
-    for config in ordered:
+    if interleaved(settings, device):
+        # every model built and warmed up first, then the timed rounds across all of them
+        prepared = []
+        for config in ordered:
+            if bar is not None:
+                bar.set_postfix_str(config.name)
+            prepared.append(prepare_config(config, ctx, settings, batch, tick))
         if bar is not None:
-            bar.set_postfix_str(config.name)
-        before = bar.n if bar is not None else 0
-        row, grads = measure_config(config, ctx, settings, batch, reference, bar.update if bar else lambda: None)
+            bar.set_postfix_str("timed rounds")
+        time_prepared(prepared, settings, device, tick)
+    for i, config in enumerate(ordered):
+        if not interleaved(settings, device):
+            if bar is not None:
+                bar.set_postfix_str(config.name)
+            one = prepare_config(config, ctx, settings, batch, tick)
+            time_prepared([one], settings, device, tick)
+        else:
+            one = prepared[i]
+        row, grads = finish_config(one, ctx, settings, batch, reference)
         if reference is None and grads is not None:
             reference = first_grad_reference(config.name, grads, dtype, fp32_grads)
             abs_diff, rel_diff = compare_grads(reference.grads, grads)
             row.update(grad_max_abs_diff=abs_diff, grad_max_rel_diff=rel_diff, grad_reference=reference.name, grad_rtol=reference.rtol)
             row["grad_check"] = "reference"
-        if bar is not None:
-            bar.update(max(0, before + steps_per_config - bar.n))
         rows_by_name[config.name] = row
     if bar is not None:
         bar.close()
@@ -535,6 +623,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
         parser.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
     parser.add_argument("--dropout", type=float)
     parser.add_argument("--clock", choices=("wall", "cpu"), help="CPU runs: wall-clock time (default) or the process's CPU time, robust to other jobs on a shared machine (with --threads 1)")
+    parser.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None, help="time the configurations in interleaved rounds (default: on CPU, where other jobs share the machine)")
     parser.add_argument("--max-config-seconds", type=float, dest="max_config_seconds", help="fewer timed steps for slower configurations")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="include torch.compile (default: on in the h200 preset)")
     parser.add_argument("--configs", help="comma-separated configuration names to run (default: all)")
@@ -547,7 +636,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     settings = PRESETS[args.preset]
     overrides = {
         k: getattr(args, k)
-        for k in ("device", "dtype", "d_model", "n_heads", "d_ff", "seq", "batch", "layers", "warmup", "repeats", "seed", "threads", "dropout", "clock", "max_config_seconds", "compile", "sweep")
+        for k in ("device", "dtype", "d_model", "n_heads", "d_ff", "seq", "batch", "layers", "warmup", "repeats", "seed", "threads", "dropout", "clock", "max_config_seconds", "compile", "sweep", "interleave")
         if getattr(args, k) is not None
     }
     settings = replace(settings, **overrides)

@@ -89,8 +89,10 @@ def test_forward_and_gradients_match_reference(backend, causal, shape):
     q, k, v = _inputs(shape)
     actual, expected = _run_and_reference(q, k, v, causal, 0.0, None, backend=backend)
     _assert_close(actual, expected, torch.float32)
-    # The gradients keep the output layout: (B, H, S, D) views of (B, S, H, D) buffers.
-    for grad in actual:
+    # Contiguous q gives a contiguous out (no copy into another layout); the gradients are
+    # (B, H, S, D) views of (B, S, H, D) buffers.
+    assert actual[0].is_contiguous()
+    for grad in actual[1:]:
         assert grad.transpose(1, 2).is_contiguous()
 
 
@@ -600,7 +602,7 @@ def test_gpu_every_backend_matches_reference(backend, dtype, causal, shape):
     except ValueError as err:
         pytest.skip(str(err))
     out = memopt.attention(q, k, v, causal=causal, backend=backend)
-    assert out.transpose(1, 2).is_contiguous()
+    assert out.is_contiguous()
     grad = torch.randn_like(out)
     grads = torch.autograd.grad(out, (q, k, v), grad)
     lse = torch.ops.memopt.attention_fwd(q, k, v, causal, 0.0, 1 / math.sqrt(shape[-1]), rng_key(0), resolved)[1]
@@ -634,3 +636,39 @@ def test_gpu_backends_share_one_lse_and_dropout_goes_to_triton():
         lses[backend] = torch.ops.memopt.attention_fwd(q, k, v, True, 0.0, 0.125, rng_key(0), backend)[1]
     for backend, lse in lses.items():
         torch.testing.assert_close(lse, lses["triton"], atol=1e-2, rtol=0, msg=lambda m, n=backend: f"{n}: {m}")
+
+
+def test_ops_refuse_to_be_differentiated():
+    # The registered ops compute values; backpropagating through a direct call would give None
+    # gradients (torch only warns), so it raises. The values themselves are returned as usual.
+    q = torch.randn(1, 2, 8, 16, requires_grad=True)
+    key = rng_key(0)
+    out, lse = torch.ops.memopt.attention_fwd(q, q, q, False, 0.0, 0.25, key)
+    torch.testing.assert_close(out, attention_ref(q, q, q, scale=0.25).float())
+    with pytest.raises(RuntimeError, match="memopt.attention_fwd is not differentiable"):
+        out.sum().backward()
+    grads = torch.ops.memopt.attention_bwd(torch.randn_like(out), q, q, q, out, lse, False, 0.0, 0.25, key)
+    with pytest.raises(RuntimeError, match="memopt.attention_bwd is not differentiable"):
+        grads[0].sum().backward()
+
+
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_second_derivatives_match_the_reference(causal, dropout_p):
+    # Gradient penalty through attention (grouped-query heads): d/d(q, k, v) of |grad_q|^2 + sum(grad_v),
+    # float64, against the same through the plain reference with the same dropout key.
+    key = rng_key(11)
+    q, k, v = (t.double() for t in _inputs((1, 4, 2, 13, 11, 16)))
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    weight = torch.randn(1, 4, 13, 16, dtype=torch.float64)
+
+    def penalty_grads(fn):
+        out = fn(q, k, v)
+        grad_q, grad_k, grad_v = torch.autograd.grad((out * weight).sum(), (q, k, v), create_graph=True)
+        return torch.autograd.grad(grad_q.pow(2).sum() + grad_k.sum() + (grad_v * grad_v).sum(), (q, k, v))
+
+    actual = penalty_grads(lambda *t: memopt.attention(*t, causal=causal, dropout_p=dropout_p, rng_key=key, backend="native"))
+    expected = penalty_grads(lambda *t: attention_ref(*t, causal=causal, dropout_p=dropout_p, rng_key=key))
+    for name, a, e in zip("qkv", actual, expected):
+        torch.testing.assert_close(a, e, atol=1e-10, rtol=1e-10, msg=lambda m, n=name: f"d{n}: {m}")
+        assert a.abs().max() > 0

@@ -1,13 +1,15 @@
 """attention: scaled dot-product attention that stores no probability matrix.
 
-Layers: the ops ``torch.ops.memopt.attention_fwd`` / ``attention_bwd`` (``torch.library.custom_op``,
-with fake impls so ``torch.compile`` traces them); ``AttentionFunction`` saves q, k, v, the output,
+Layers: the ops ``torch.ops.memopt.attention_fwd`` / ``attention_bwd`` (``torch.library.define``
+with CPU and CUDA kernels and fake impls so ``torch.compile`` traces them); ``AttentionFunction`` saves q, k, v, the output,
 one log-sum-exp per row (float32, float64 for float64 inputs) and the 16-byte RNG key, O(seq) bytes
 where eager attention keeps the (B, H, Sq, Sk) probabilities and dropout mask; the backward
 recomputes the probabilities block by block. ``attention_ref`` is the plain PyTorch reference.
 
 The contract every backend keeps (so the block, the policies and the tests do not care which one
-ran): ``out`` (B, H, Sq, D) is a view of a (B, Sq, H, D) buffer, ``lse`` (B, H, Sq) is contiguous in
+ran): ``out`` (B, H, Sq, D) is contiguous when q is (no copy into another layout: ATen's CPU
+kernel writes q's layout) and else a view of a (B, Sq, H, D) buffer (q, k, v as views of a fused
+qkv projection, the block's case, whose reshape to (tokens, H * D) is then free); ``lse`` (B, H, Sq) is contiguous in
 the accumulation dtype and is the natural-log log-sum-exp of each row of scaled scores (the same
 number whichever kernel computed it, so any backward can consume any forward's lse), the gradients
 are (B, H, S, D) views of (B, S, H, D) buffers, and a dropout mask is the Philox mask of
@@ -57,6 +59,7 @@ import math
 import torch
 
 from memopt.ops import philox_mask as _philox_mask  # noqa: F401  (registers the fake of philox_dropout_scale)
+from memopt.ops._common import building_graph, grads_with_graph
 from memopt.ops._philox import dropout_keep_mask
 from memopt.ops._rng import new_rng_key
 
@@ -80,6 +83,9 @@ BACKENDS = ("auto", "triton", "native", "aten_flash", "cudnn", "efficient")
 CPU_BACKENDS = ("triton", "native", "aten_flash")
 CUDA_BACKENDS = ("triton", "aten_flash", "cudnn", "efficient")
 ATEN_CUDA_BACKENDS = ("cudnn", "aten_flash", "efficient")
+
+# The key passed when nothing is dropped (never read; one tensor for every such call).
+_NO_DROPOUT_KEY = torch.zeros(2, dtype=torch.int64)
 
 # Keys per chunk of the native CPU path: its temporaries are (B, H, Sq, chunk).
 NATIVE_CHUNK = 128
@@ -292,6 +298,22 @@ def _as_bshd(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def _out_empty(q: torch.Tensor) -> torch.Tensor:
+    """The uninitialised output for ``q``: contiguous when q is, else a (B, H, Sq, D) view of a
+    (B, Sq, H, D) buffer (module docstring: the contract's output layout)."""
+    if q.is_contiguous():
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    return _bshd_empty(*q.shape, q)
+
+
+def _as_out_layout(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """``out`` in the output layout for ``q``: itself when it has it (ATen's CPU kernel writes
+    q's layout), else a copy."""
+    if not q.is_contiguous():
+        return _as_bshd(out)
+    return out if out.is_contiguous() else out.contiguous()
+
+
 def _expand_kv(t: torch.Tensor, group: int) -> torch.Tensor:
     return t if group == 1 else t.repeat_interleave(group, dim=1)
 
@@ -361,7 +383,7 @@ def _attention_fwd_native(q, k, v, causal, dropout_p, scale, rng_key):
         acc_rows = acc[:, :, :, rows]
         acc_rows.mul_(alpha).add_(torch.matmul(probs, v_chunk))
         row_max[:, :, :, rows] = new_max
-    out = _bshd_empty(batch, heads, seq_q, head_dim, q)
+    out = _out_empty(q)
     torch.div(acc.view(batch, heads, seq_q, head_dim), row_sum.view(batch, heads, seq_q, 1), out=out)
     lse = (row_max + torch.log(row_sum)).view(batch, heads, seq_q)
     return out, lse
@@ -424,7 +446,7 @@ def _attention_fwd_aten_cpu(q, k, v, causal, scale):
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, dropout_p=0.0, is_causal=causal, scale=scale
     )
-    return _as_bshd(out), lse.contiguous()
+    return _as_out_layout(out, q), lse.contiguous()
 
 
 def _attention_bwd_aten_cpu(grad_out, q, k, v, out, lse, causal, scale):
@@ -467,7 +489,7 @@ def _attention_fwd_aten_cuda(backend, q, k, v, causal, scale):
     group = heads // k.shape[1]
     out, lse = _aten_cuda_fwd_call(backend, q, _expand_kv(k, group), _expand_kv(v, group), causal, scale)
     lse = lse.reshape(batch, heads, -1)[:, :, :seq_q].contiguous()
-    return _as_bshd(out), lse
+    return _as_out_layout(out, q), lse
 
 
 def _attention_bwd_aten_cuda(backend, grad_out, q, k, v, out, lse, causal, scale):
@@ -503,11 +525,23 @@ def _attention_bwd_aten_cuda(backend, grad_out, q, k, v, out, lse, causal, scale
 
 
 # ---------------------------------------------------------------------------------------------
-# Registered ops.
+# Registered ops: defined with torch.library.define and given a CPU and a CUDA kernel, as the C++
+# ops are. (torch.library.custom_op would wrap each call in dispatch-mode and alias checks that
+# cost ~40 us per call, 1-2 % of a small attention call; autograd lives in AttentionFunction.)
 # ---------------------------------------------------------------------------------------------
 
+torch.library.define(
+    "memopt::attention_fwd",
+    "(Tensor q, Tensor k, Tensor v, bool causal, float dropout_p, float scale, Tensor rng_key, str backend='auto') "
+    "-> (Tensor, Tensor)",
+)
+torch.library.define(
+    "memopt::attention_bwd",
+    "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, float dropout_p, "
+    "float scale, Tensor rng_key, str backend='auto') -> (Tensor, Tensor, Tensor)",
+)
 
-@torch.library.custom_op("memopt::attention_fwd", mutates_args=())
+
 def attention_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -518,8 +552,8 @@ def attention_fwd(
     rng_key: torch.Tensor,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention forward. Returns ``out`` (B, H, Sq, D), stored in (B, Sq, H, D) memory order,
-    and ``lse`` (B, H, Sq), contiguous, in ``lse_dtype(q.dtype)``: the natural-log log-sum-exp of
+    """Attention forward. Returns ``out`` (B, H, Sq, D), contiguous when q is, else stored in
+    (B, Sq, H, D) memory order, and ``lse`` (B, H, Sq), contiguous, in ``lse_dtype(q.dtype)``: the natural-log log-sum-exp of
     each row of scaled scores."""
     backend = _check_inputs(q, k, v, causal, dropout_p, rng_key, backend)
     if backend == "native":
@@ -531,15 +565,67 @@ def attention_fwd(
     return attention_triton.attention_fwd_triton(q, k, v, causal, dropout_p, scale, rng_key)
 
 
-@attention_fwd.register_fake
+_LIBRARY = torch.library.Library("memopt", "FRAGMENT")
+
+
+class _NotDifferentiable(torch.autograd.Function):
+    """Passes ``outputs`` through, tied to ``anchor`` (an input that requires grad), with a
+    backward that raises: what an op without a derivative formula must give autograd."""
+
+    @staticmethod
+    def forward(ctx, name, anchor, *outputs):
+        ctx.name = name
+        return tuple(t.view_as(t) for t in outputs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise RuntimeError(
+            f"torch.ops.memopt.{ctx.name} is not differentiable: call memopt.attention, whose autograd "
+            "Function saves what the backward needs"
+        )
+
+
+def _refuse_autograd(name: str) -> None:
+    """An Autograd kernel for ``memopt::<name>``: the op computes values (``memopt.attention``'s
+    AttentionFunction is the differentiable entry); called on inputs that require grad, its
+    outputs raise when backpropagated through, where torch alone would only warn and leave the
+    gradients None."""
+    op = getattr(torch.ops.memopt, name)
+
+    def no_derivative(keyset, *args, **kwargs):
+        with torch._C._AutoDispatchBelowAutograd():
+            outputs = op(*args, **kwargs)
+        anchor = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
+        if anchor is None or not torch.is_grad_enabled():
+            return outputs
+        return _NotDifferentiable.apply(name, anchor, *outputs)
+
+    _LIBRARY.impl(name, no_derivative, "Autograd", with_keyset=True)
+
+
+def _without_grad(kernel):
+    """``kernel`` run under ``torch.no_grad()``: an op kernel computes values, never a graph (its
+    inputs may require grad when the op is called directly)."""
+
+    @functools.wraps(kernel)
+    def run(*args, **kwargs):
+        with torch.no_grad():
+            return kernel(*args, **kwargs)
+
+    return run
+
+
+torch.library.impl("memopt::attention_fwd", ("cpu", "cuda"), _without_grad(attention_fwd))
+_refuse_autograd("attention_fwd")
+
+
+@torch.library.register_fake("memopt::attention_fwd")
 def _attention_fwd_fake(q, k, v, causal, dropout_p, scale, rng_key, backend="auto"):
-    batch, heads, seq_q, head_dim = q.shape
-    out = q.new_empty((batch, seq_q, heads, head_dim)).transpose(1, 2)
-    lse = q.new_empty((batch, heads, seq_q), dtype=lse_dtype(q.dtype))
+    out = _out_empty(q)
+    lse = q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype))
     return out, lse
 
 
-@torch.library.custom_op("memopt::attention_bwd", mutates_args=())
 def attention_bwd(
     grad_out: torch.Tensor,
     q: torch.Tensor,
@@ -581,7 +667,11 @@ def attention_bwd(
     return attention_triton.attention_bwd_triton(grad_out, q, k, v, out, lse.contiguous(), causal, dropout_p, scale, rng_key)
 
 
-@attention_bwd.register_fake
+torch.library.impl("memopt::attention_bwd", ("cpu", "cuda"), _without_grad(attention_bwd))
+_refuse_autograd("attention_bwd")
+
+
+@torch.library.register_fake("memopt::attention_bwd")
 def _attention_bwd_fake(grad_out, q, k, v, out, lse, causal, dropout_p, scale, rng_key, backend="auto"):
     grads = []
     for t in (q, k, v):
@@ -595,6 +685,20 @@ def _attention_bwd_fake(grad_out, q, k, v, out, lse, causal, dropout_p, scale, r
 # ---------------------------------------------------------------------------------------------
 
 
+def _attention_backward_with_graph(ctx, grad_out):
+    """The backward as differentiable ops, for ``create_graph=True`` (second derivatives): the
+    attention is run again as :func:`attention_ref` (the same dropout mask, from the same key;
+    half types in float32) and differentiated, so second derivatives are exact. It materialises
+    the (B, H, Sq, Sk) probabilities, as any double backward through attention must keep them."""
+    q, k, v, _, _, rng_key = ctx.saved_tensors
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    with torch.enable_grad():
+        out = attention_ref(
+            *((t.float() if half else t) for t in (q, k, v)), ctx.causal, ctx.dropout_p, ctx.scale, rng_key, upcast=False
+        ).to(q.dtype)
+    return grads_with_graph(out, [q, k, v], grad_out)
+
+
 class AttentionFunction(torch.autograd.Function):
     """Saves q, k, v, out, lse and the RNG key; the backward recomputes the probabilities.
 
@@ -603,17 +707,23 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, dropout_p, scale, rng_key, backend="auto"):
-        backend = _check_inputs(q, k, v, causal, dropout_p, rng_key, backend)
-        out, lse = torch.ops.memopt.attention_fwd(q, k, v, causal, dropout_p, scale, rng_key, backend)
+        # Detached: the op's Autograd kernel (for direct calls on grad-requiring inputs) is skipped.
+        out, lse = torch.ops.memopt.attention_fwd(
+            q.detach(), k.detach(), v.detach(), causal, dropout_p, scale, rng_key, backend
+        )
+        # The op validated the inputs; the backward runs the backend it resolved to.
+        backend = resolve_backend(backend, q, k, v, causal, dropout_p)
         ctx.causal, ctx.dropout_p, ctx.scale, ctx.backend = causal, dropout_p, scale, backend
         ctx.save_for_backward(q, k, v, out, lse, rng_key)
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, out, lse, rng_key = ctx.saved_tensors
+        if building_graph():
+            return (*_attention_backward_with_graph(ctx, grad_out), None, None, None, None, None)
+        q, k, v, out, lse, rng_key = (t.detach() for t in ctx.saved_tensors)
         grad_q, grad_k, grad_v = torch.ops.memopt.attention_bwd(
-            grad_out, q, k, v, out, lse, ctx.causal, ctx.dropout_p, ctx.scale, rng_key, ctx.backend
+            grad_out.detach(), q, k, v, out, lse, ctx.causal, ctx.dropout_p, ctx.scale, rng_key, ctx.backend
         )
         return grad_q, grad_k, grad_v, None, None, None, None, None
 
@@ -655,8 +765,9 @@ def attention(
     Triton interpreter, float32/float64 on the other CPU backends.
 
     Returns:
-        ``(batch, heads, seq_q, head_dim)``, a transposed view of a ``(batch, seq_q, heads,
-        head_dim)`` buffer, so ``out.transpose(1, 2).reshape(batch, seq_q, -1)`` is free.
+        ``(batch, heads, seq_q, head_dim)``: contiguous when q is, else a transposed view of a
+        ``(batch, seq_q, heads, head_dim)`` buffer, so that for q a view of a fused projection
+        ``out.transpose(1, 2).reshape(batch, seq_q, -1)`` is free.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
@@ -677,7 +788,7 @@ def attention(
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     if rng_key is None:
-        rng_key = new_rng_key() if dropout_p > 0.0 else torch.zeros(2, dtype=torch.int64)
+        rng_key = new_rng_key() if dropout_p > 0.0 else _NO_DROPOUT_KEY
     return AttentionFunction.apply(q, k, v, causal, float(dropout_p), float(scale), rng_key, backend)
 
 

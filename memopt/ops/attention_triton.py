@@ -476,11 +476,15 @@ def _dropout_args(dropout_p: float, rng_key: torch.Tensor) -> tuple[int, int, in
 
 
 def attention_fwd_triton(q, k, v, causal: bool, dropout_p: float, scale: float, rng_key):
-    """Launch the forward kernel. Returns ``out`` ((B, H, Sq, D) view of a (B, Sq, H, D) buffer)
-    and ``lse`` ((B, H, Sq) float32). Inputs are validated by the caller."""
+    """Launch the forward kernel. Returns ``out`` ((B, H, Sq, D), contiguous when q is, else a view
+    of a (B, Sq, H, D) buffer) and ``lse`` ((B, H, Sq) float32). Inputs are validated by the caller."""
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
-    out = torch.empty((batch, seq_q, heads, head_dim), device=q.device, dtype=q.dtype).transpose(1, 2)
+    # The output layout of memopt.ops.attention's contract: contiguous when q is, else (B, Sq, H, D).
+    if q.is_contiguous():
+        out = torch.empty_like(q)
+    else:
+        out = torch.empty((batch, seq_q, heads, head_dim), device=q.device, dtype=q.dtype).transpose(1, 2)
     lse = torch.empty((batch, heads, seq_q), device=q.device, dtype=torch.float32)
     seed, offset, threshold, keep_scale = _dropout_args(dropout_p, rng_key)
     block_m, block_n, num_warps, num_stages = launch_config("fwd", head_dim, dropout_p > 0.0)

@@ -13,6 +13,7 @@ applies a :class:`memopt.Plan`, ``wrap(model, budget_bytes=..., example_inputs=.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import warnings
@@ -242,7 +243,9 @@ def check_layer_call(name: str, layer: nn.Module, args: tuple, kwargs: dict) -> 
         if cache is not None:
             raise ValueError(
                 f"memopt.wrap: layer {name!r} ({type(layer).__name__}) got a key/value cache ({cache}=) while "
-                "computing gradients; the recompute would append to the cache twice. Train with use_cache=False"
+                "computing gradients; the recompute would append to the cache twice. Train with use_cache=False; "
+                "a model that passes its layers a cache even then (XLM builds one on every call) cannot have "
+                "them checkpointed: leave them out with layers="
             )
         return
     if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs))):
@@ -420,11 +423,7 @@ def wrap(
         layer.forward = _CheckpointedForward(layer)
         state.wrapped.append(layer)
 
-    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules()) if c is not None}
-    for config in configs.values():
-        if getattr(config, "use_cache", False) is True:
-            state.use_cache.append(config)
-            config.use_cache = False
+    state.use_cache = _disable_use_cache(model)
     if chunked_loss_lm is not None:
         state.loss_forward = causal_lm_loss.install(chunked_loss_lm)
     if state.wrapped:
@@ -434,6 +433,37 @@ def wrap(
         ]
     object.__setattr__(model, _STATE_ATTR, state)
     return model
+
+
+def _disable_use_cache(model: nn.Module) -> list:
+    """Set ``use_cache = False`` on every Hugging Face config in ``model`` that has it True (an
+    encoder-decoder's decoder stack holds a copy of the model's config); returns those configs."""
+    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules()) if c is not None}
+    turned_off = [c for c in configs.values() if getattr(c, "use_cache", False) is True]
+    for config in turned_off:
+        config.use_cache = False
+    return turned_off
+
+
+def _restore_use_cache(configs: list) -> None:
+    for config in configs:
+        config.use_cache = True
+
+
+@contextlib.contextmanager
+def model_wide_settings(model: nn.Module, loss: str | None = None):
+    """What ``wrap(model, loss=loss)`` changes besides the layers, for as long as the context
+    lasts: ``use_cache = False`` on Hugging Face configs and the chosen LM-head loss
+    (:mod:`memopt.causal_lm_loss`). ``memopt.plan`` measures the model this way, as it will run."""
+    lm = causal_lm_loss.chosen_loss(model, loss)
+    configs = _disable_use_cache(model)
+    loss_forward = causal_lm_loss.install(lm) if lm is not None else None
+    try:
+        yield
+    finally:
+        if loss_forward is not None:
+            causal_lm_loss.remove(loss_forward)
+        _restore_use_cache(configs)
 
 
 def _planned(model, layers, offload, budget_bytes, example_inputs, given_plan) -> tuple[list[str], list]:
@@ -479,8 +509,7 @@ def unwrap(model: nn.Module) -> nn.Module:
         setattr(parent, attr, original)
     for handle in state.run_check:
         handle.remove()
-    for config in state.use_cache:
-        config.use_cache = True
+    _restore_use_cache(state.use_cache)
     if state.loss_forward is not None:
         causal_lm_loss.remove(state.loss_forward)
     object.__delattr__(model, _STATE_ATTR)

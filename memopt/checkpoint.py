@@ -31,7 +31,13 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    _disable_current_modes,
+    _get_current_dispatch_mode_stack,
+    _pop_mode,
+    _push_mode,
+)
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
@@ -126,6 +132,19 @@ class _PackCachedWithHooks:
 #    (BatchNorm's running statistics and ``num_batches_tracked``) would update them twice.
 #    ``_BufferGuard`` notes which buffers of the checkpointed module the forward changed
 #    (version counters: free) and puts their values back after each recompute.
+#
+# Note: [a backward inside the checkpointed forward]
+#
+# A ``fn`` that calls ``torch.autograd.grad`` itself (a gradient penalty, MAML's inner step)
+# starts a backward while its own forward runs. That backward unpacks tensors the checkpoint
+# saved so far, so torch recomputes the start of ``fn`` then and there, with the forward's
+# dispatch modes still on the stack. Under ``"selective"`` that recompute would both take the
+# cache's entries (the real backward later finds them consumed: "backward an extra time", or
+# "not found in storage" in older torch) and be recorded as new ops by the forward's caching mode.
+# ``_ForwardTracker`` knows when the forward is running; a recompute that starts then runs
+# plainly, as ``"full"`` would (everything from the inputs), with this checkpoint's forward
+# modes lifted off the stack (``_SuspendedModes``) and every buffer of its modules put back after.
+# The cache is left as the forward made it for the real backward.
 # ---------------------------------------------------------------------------------------------
 
 _WRITTEN_ARGS: dict = {}
@@ -297,9 +316,12 @@ class _BufferGuard:
             self._changed = list(changed.values())
 
     @contextlib.contextmanager
-    def recompute(self):
+    def recompute(self, every_buffer: bool = False):
+        # every_buffer: a recompute during the forward (note [a backward inside the checkpointed
+        # forward]), before the forward has said which buffers it changed.
+        chosen = {id(b): b for b in self._buffers + self._running_stats} if every_buffer else {}
         with torch.no_grad():
-            saved = [(b, b.clone()) for b in self._changed]
+            saved = [(b, b.clone()) for b in (chosen.values() if every_buffer else self._changed)]
         try:
             yield
         finally:
@@ -316,9 +338,12 @@ class _Contexts:
         self._factories = factories
         self._stacks: list[contextlib.ExitStack] = []
 
+    def _chosen(self) -> tuple[Callable[[], Any], ...]:
+        return self._factories
+
     def __enter__(self):
         stack = contextlib.ExitStack()
-        for make in self._factories:
+        for make in self._chosen():
             stack.enter_context(make())
         self._stacks.append(stack)
         return self
@@ -327,17 +352,70 @@ class _Contexts:
         return self._stacks.pop().__exit__(*exc)
 
 
+class _ForwardTracker:
+    """Note [a backward inside the checkpointed forward]: whether the forward is running."""
+
+    def __init__(self):
+        self.running = False
+
+    @contextlib.contextmanager
+    def forward(self):
+        self.running = True
+        try:
+            yield
+        finally:
+            self.running = False
+
+
+class _SuspendedModes:
+    """Lifts the dispatch modes from the top of the stack down to ``bottom`` (included) off the
+    stack, and puts them back on exit; nothing when ``bottom`` is not on the stack."""
+
+    def __init__(self, bottom: TorchDispatchMode):
+        self._bottom = bottom
+        self._lifted: list[list[TorchDispatchMode]] = []
+
+    def __enter__(self):
+        lifted = []
+        if any(mode is self._bottom for mode in _get_current_dispatch_mode_stack()):
+            while not lifted or lifted[-1] is not self._bottom:
+                lifted.append(_pop_mode())
+        self._lifted.append(lifted)
+        return self
+
+    def __exit__(self, *exc):
+        for mode in reversed(self._lifted.pop()):
+            _push_mode(mode)
+        return False
+
+
+class _RecomputeContexts(_Contexts):
+    """The recompute's contexts: ``factories``, or ``during_forward`` for a recompute that
+    starts while the checkpointed forward runs (note [a backward inside the checkpointed
+    forward])."""
+
+    def __init__(self, tracker: _ForwardTracker, factories, during_forward):
+        super().__init__(*factories)
+        self._tracker = tracker
+        self._during_forward = tuple(during_forward)
+
+    def _chosen(self) -> tuple[Callable[[], Any], ...]:
+        return self._during_forward if self._tracker.running else self._factories
+
+
 def _context_fn(policy: str, respect_hooks, cache_hooks, guard_hooks, guarded: bool, buffers, user_context_fn):
     """The ``context_fn`` memopt hands ``torch.utils.checkpoint``: PyTorch's selective contexts
     (``"selective"``; ``respect_hooks`` is its ``respect_saved_tensors_hooks`` where torch has it,
     else ``cache_hooks`` pack its cache), the exactness guards of note [what a recompute may rely
     on] (``guarded``: eager only; ``guard_hooks`` pack their snapshots), and the caller's own
     ``context_fn`` innermost."""
-    forward, recompute = [], []
+    tracker = _ForwardTracker()
+    forward, recompute, during_forward = [tracker.forward], [], []
     if buffers:
         # Outermost: its copies happen outside selective checkpointing's dispatch modes.
         forward.append(buffers.forward)
         recompute.append(buffers.recompute)
+        during_forward.append(functools.partial(buffers.recompute, every_buffer=True))
     if policy == "selective":
         # The guards decide about written cache entries (the note above), so the cache allows them.
         sac_forward, sac_recompute = create_selective_checkpoint_contexts(
@@ -348,6 +426,9 @@ def _context_fn(policy: str, respect_hooks, cache_hooks, guard_hooks, guarded: b
             sac_forward.respect_saved_tensors_hooks = respect_hooks
         if not guarded and not buffers and user_context_fn is None:
             return sac_forward, sac_recompute  # under torch.compile: PyTorch's own modes, as they are
+        caching_mode = sac_forward
+        # The lowest of this checkpoint's forward modes: what a recompute during the forward lifts.
+        during_forward.append(lambda: _SuspendedModes(caching_mode))
         if cache_hooks is not None:
             sac_forward = _PackCachedWithHooks(sac_forward, cache_hooks)
         forward.append(lambda: sac_forward)
@@ -360,7 +441,8 @@ def _context_fn(policy: str, respect_hooks, cache_hooks, guard_hooks, guarded: b
         user_forward, user_recompute = user_context_fn()
         forward.append(lambda: user_forward)
         recompute.append(lambda: user_recompute)
-    return _Contexts(*forward), _Contexts(*recompute)
+        during_forward.append(lambda: user_recompute)
+    return _Contexts(*forward), _RecomputeContexts(tracker, recompute, during_forward)
 
 
 def checkpoint(

@@ -3,10 +3,12 @@
 The planner is three steps, each a function with a typed result:
 
 1. :func:`capture_layer_inputs`: one forward of the model, layers under ``"full"`` (little
-   memory), records each layer's inputs and what the rest of the model saves.
-2. :func:`measure_layer`: one layer on fresh copies of its inputs, under each candidate
-   :data:`Choice`, into a :class:`LayerCost` (bytes on the device, bytes on the host, seconds).
-3. :func:`choose`: a multiple-choice knapsack over the layers' costs.
+   memory), records the inputs of each call of each layer and what the rest of the model saves.
+2. :func:`measure_layer`: one layer call on fresh copies of its inputs, under each candidate
+   :data:`Choice`, into a :class:`LayerCost` (bytes on the device, bytes on the host, seconds);
+   a layer's cost is the sum over its calls.
+3. :func:`choose`: a multiple-choice knapsack over the layers' costs, then the model counted
+   under the choice (the choice is made again when the count exceeds the budget).
 
 :func:`plan` runs them and returns a :class:`Plan`, which can be read, edited, saved as JSON and
 applied with ``memopt.wrap(model, plan=plan)``.
@@ -14,6 +16,8 @@ applied with ``memopt.wrap(model, plan=plan)``.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import time
 from dataclasses import dataclass, field
@@ -28,7 +32,15 @@ from memopt.offload import Offload, default_offload, is_parameter_like
 from memopt.policy import POLICIES, check_offload, check_policy
 from memopt.saved import SavedTensorCounter, storage_key
 from memopt.torch_interop import swap_for_fused_block
-from memopt.wrap import LayerSelector, find_layers, is_wrapped, unwrap, wrap
+from memopt.wrap import (
+    LayerSelector,
+    check_layer_call,
+    find_layers,
+    is_wrapped,
+    model_wide_settings,
+    unwrap,
+    wrap,
+)
 
 Choice = tuple[str, bool]
 """One layer's choice: ``(policy, offload)``, a name from :data:`memopt.policy.POLICIES` and
@@ -139,12 +151,15 @@ class Plan:
     Attributes:
         layer_names: qualified names of the layers, in forward order.
         choices: the chosen ``(policy, offload)`` per layer.
-        layer_costs: per layer, a :class:`LayerCost` of every measured choice.
+        layer_costs: per layer, a :class:`LayerCost` of every measured choice (summed over the
+            layer's calls when the forward runs it several times).
         other_bytes: bytes the rest of the model (embeddings, head, loss) saves.
         shared_bytes: bytes of the layers' inputs that need no gradient and are shared between
             layers (attention masks, rotary tables, position ids). Whether they are saved depends
             on the choices, so the prediction counts them once, always: ``predicted_bytes`` is
-            an upper bound that is exact up to ``shared_bytes``.
+            an upper bound that is exact up to ``shared_bytes`` and storages saved both inside
+            and outside a layer (counted on both sides). :func:`plan` checks its choice by
+            counting the model under it.
         budget_bytes: the budget the plan was made for, or None.
     """
 
@@ -313,53 +328,88 @@ class CapturedInputs:
     """What :func:`capture_layer_inputs` records.
 
     Attributes:
-        inputs: per layer name, ``(args, kwargs)`` as the model passed them (fresh copies).
+        inputs: per layer name, one ``(args, kwargs)`` per call of the layer in the forward, as
+            the model passed them (fresh copies): a layer module the forward runs several times
+            (ALBERT's shared layer, Funnel's repeated blocks) has several.
         shared: the layers' tensor inputs that need no gradient (masks, rotary tables).
-        bytes_with_full_layers: bytes the whole model saved with every layer under ``"full"``,
+        other_bytes: bytes of the storages the model saved outside its layers' calls,
             ``shared`` left out.
     """
 
-    inputs: dict[str, tuple[tuple, dict]]
+    inputs: dict[str, list[tuple[tuple, dict]]]
     shared: list[torch.Tensor]
-    bytes_with_full_layers: int
+    other_bytes: int
+
+
+class _CapturingForward:
+    """The forward :func:`capture_layer_inputs` puts on a layer (an instance attribute, so that a
+    model calling ``layer.forward(x)`` directly, as SqueezeBERT does, is seen too): records a
+    copy of the inputs of every call, then runs the layer under ``"full"`` (little memory)."""
+
+    def __init__(self, name: str, layer: nn.Module, calls: list, depth: list[int]):
+        self.name, self.layer, self.calls, self.depth = name, layer, calls, depth
+        self.previous = layer.__dict__.get("forward")
+
+    def __call__(self, *args, **kwargs):
+        check_layer_call(self.name, self.layer, args, kwargs)
+        self.calls.append(_fresh_inputs(args, kwargs)[:2])
+        original = self.previous or functools.partial(type(self.layer).forward, self.layer)
+        self.depth[0] += 1
+        try:
+            return checkpoint(original, *args, policy="full", **kwargs)
+        finally:
+            self.depth[0] -= 1
+
+    def remove(self) -> None:
+        if self.previous is None:
+            del self.layer.forward
+        else:
+            self.layer.forward = self.previous
 
 
 def capture_layer_inputs(
-    model: nn.Module, example_inputs: Any, found: list[tuple[str, nn.Module]], layers: LayerSelector,
-    param_like: list[torch.Tensor],
+    model: nn.Module, example_inputs: Any, found: list[tuple[str, nn.Module]], param_like: list[torch.Tensor],
 ) -> CapturedInputs:  # fmt: skip
-    """One forward of ``model`` with its layers under ``"full"`` (little memory), recording each
-    layer's inputs and the storages the model saves."""
-    captured: dict[str, tuple[tuple, dict]] = {}
+    """One forward of ``model`` with its layers under ``"full"`` (little memory), recording the
+    inputs of each call of each layer and the storages the model saves outside the layers.
 
-    def capturer(name):
-        def capture(module, args, kwargs):
-            captured[name] = _fresh_inputs(args, kwargs)[:2]
+    Raises ``ValueError`` naming the layers the forward never ran (nothing to measure, and a
+    wrap of them would change nothing)."""
+    calls: dict[str, list[tuple[tuple, dict]]] = {name: [] for name, _ in found}
+    depth = [0]  # how many layer calls the forward is inside
+    outside: dict[tuple[int, str], int] = {}
 
-        return capture
+    def note(t, key, nbytes):
+        if not depth[0]:
+            outside[key] = nbytes
 
-    handles = [layer.register_forward_pre_hook(capturer(name), with_kwargs=True) for name, layer in found]
-    saved: dict[tuple[int, str], int] = {}
-    # Hooked layers are never swapped for a fused block, so the capture hooks run.
-    wrap(model, layers=layers, policy="full")
+    capturing = [_CapturingForward(name, layer, calls[name], depth) for name, layer in found]
+    for capture in capturing:
+        capture.layer.forward = capture
     try:
-        with SavedTensorCounter(exclude=param_like, on_save=lambda t, key, nbytes: saved.__setitem__(key, nbytes)):
+        with model_wide_settings(model), SavedTensorCounter(exclude=param_like, on_save=note):
             out = _call(model, example_inputs)
         del out
     finally:
-        unwrap(model)
-        for handle in handles:
-            handle.remove()
+        for capture in capturing:
+            capture.remove()
+    idle = [name for name, per_call in calls.items() if not per_call]
+    if idle:
+        raise ValueError(
+            f"memopt.plan: layers {idle} of {type(model).__name__} did not run in its forward on example_inputs; "
+            "pass layers= naming the modules the forward calls"
+        )
     excluded = {storage_key(t) for t in param_like}
     shared = [
         t
-        for args, kwargs in captured.values()
+        for per_call in calls.values()
+        for args, kwargs in per_call
         for t in tree_leaves((args, kwargs))
         if isinstance(t, torch.Tensor) and not t.requires_grad and storage_key(t) not in excluded
     ]
     shared_keys = {storage_key(t) for t in shared}
-    bytes_with_full_layers = sum(n for key, n in saved.items() if key not in shared_keys)
-    return CapturedInputs(captured, shared, bytes_with_full_layers)
+    other_bytes = sum(n for key, n in outside.items() if key not in shared_keys)
+    return CapturedInputs(calls, shared, other_bytes)
 
 
 # -- step 2: measure a layer under each choice ----------------------------------------------
@@ -577,11 +627,20 @@ def plan(
       just measured under each choice) are timed once. A layer timed alone cannot overlap its
       offload copies with other layers' compute, so an offloading choice's time is an upper bound.
 
-    Bytes saved outside the layers (``other_bytes``) are the whole model's count minus the
-    layers'; layer inputs that need no gradient and are shared by the layers (masks, rotary
-    tables) are counted once on their own (``shared_bytes``). The choice is a multiple-choice
-    knapsack solved exactly (:func:`choose`) for the least predicted time within the budget.
-    Parameters' ``.grad`` and the RNG state are left as they were.
+    A layer module that the forward runs several times (ALBERT's shared layer, a block
+    repeated in a loop) costs the sum over its calls, each measured on that call's inputs. Bytes
+    saved outside the layers' calls (``other_bytes``) are counted in the capturing forward;
+    layer inputs that need no gradient and are shared by the layers (masks, rotary tables) are
+    counted once on their own (``shared_bytes``). The choice is a multiple-choice knapsack
+    solved exactly (:func:`choose`) for the least predicted time within the budget.
+
+    The guarantee is the count, not the prediction: the model is then run once wrapped with the
+    chosen plan and what it saves is counted (as :func:`memopt.saved_bytes` counts; what an
+    offload engine takes is not seen). When that exceeds ``budget_bytes`` (costs measured alone
+    can fall short of the model's, e.g. a layer that reads the model's state), the choice is made
+    again with the shortfall taken off the budget, up to three times, and then ``ValueError``.
+    A returned plan saves at most ``budget_bytes`` on ``example_inputs``. Parameters' ``.grad``,
+    buffers (BatchNorm statistics) and the RNG state are left as they were.
 
     Args:
         model: the (unwrapped) model, on the device and in the dtype it will train in.
@@ -599,7 +658,10 @@ def plan(
         repeats: timed forward + backward passes per layer signature and choice.
 
     Returns:
-        a :class:`Plan`. Raises ``ValueError`` when even the cheapest choice exceeds the budget.
+        a :class:`Plan`. Raises ``ValueError`` when even the cheapest choice exceeds the budget,
+        when the count under the plan stays above it, or naming layers the forward never ran;
+        ``RuntimeError`` (``memopt.wrap.check_layer_call``) for a layer that checkpointing cannot
+        change (run with gradients off inside the model's own ``autograd.Function``: Reformer).
     """
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
         raise ValueError(f"memopt.plan: budget_bytes must be a non-negative int, got {budget_bytes!r}")
@@ -613,29 +675,78 @@ def plan(
     choices, engine = _candidate_choices(choices, offload, device)
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        captured = capture_layer_inputs(model, example_inputs, found, layers, param_like)
-        costs, full_layer_bytes = [], []
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _buffers_kept(model):
+        captured = capture_layer_inputs(model, example_inputs, found, param_like)
+        costs = []
         timed: dict[tuple, dict[Choice, float]] = {}
         for name, layer in found:
-            args, kwargs = captured.inputs[name]
             params = [p for p in layer.parameters() if p.requires_grad]
-            # The whole-model pass checkpointed the layer under "full": other_bytes subtracts that.
-            full = _placement(_run_under(layer, ("full", False), None), args, kwargs, param_like, None)
-            full_layer_bytes.append(sum(full.device.values()))
+            per_call = []
+            for args, kwargs in captured.inputs[name]:
 
-            def time_layer(fn, args=args, kwargs=kwargs, params=params):
-                return _step_seconds(fn, args, kwargs, params, synchronize, repeats)
+                def time_layer(fn, args=args, kwargs=kwargs, params=params):
+                    return _step_seconds(fn, args, kwargs, params, synchronize, repeats)
 
-            costs.append(measure_layer(layer, args, kwargs, choices, engine, param_like, time_layer, timed))
-        other_bytes = captured.bytes_with_full_layers - sum(full_layer_bytes)
+                per_call.append(measure_layer(layer, args, kwargs, choices, engine, param_like, time_layer, timed))
+            costs.append(_summed(per_call))
+        shared_bytes = sum({storage_key(t): t.untyped_storage().nbytes() for t in captured.shared}.values())
+        names = [name for name, _ in found]
+        # The plan's guarantee is what the model saves under it: counted, and the choice made
+        # again with the difference taken off when the prediction fell short.
+        shortfall = 0
+        for _ in range(_FIT_ATTEMPTS):
+            chosen = choose(costs, budget_bytes - captured.other_bytes - shared_bytes - shortfall)
+            result = Plan(names, chosen, costs, captured.other_bytes, shared_bytes, budget_bytes)
+            if result.predicted_bytes + shortfall > budget_bytes:
+                raise ValueError(
+                    f"memopt.plan: budget_bytes={budget_bytes} is below the least this model can save with "
+                    f"{list(choices)} per layer ({result.predicted_bytes + shortfall} bytes)"
+                )
+            counted = _counted_under(model, example_inputs, result, layers, engine, param_like)
+            if counted <= budget_bytes:
+                return result
+            shortfall += counted - budget_bytes
+    raise ValueError(
+        f"memopt.plan: the model saved {counted} bytes under the plan chosen for budget_bytes={budget_bytes} "
+        f"(predicted {result.predicted_bytes}); the layers' costs measured alone do not add up to the model's "
+        f"here. Pass a smaller budget_bytes or choices= with stronger policies"
+    )
 
-    shared_bytes = sum({storage_key(t): t.untyped_storage().nbytes() for t in captured.shared}.values())
-    chosen = choose(costs, budget_bytes - other_bytes - shared_bytes)
-    result = Plan([name for name, _ in found], chosen, costs, other_bytes, shared_bytes, budget_bytes)
-    if result.predicted_bytes > budget_bytes:
-        raise ValueError(
-            f"memopt.plan: budget_bytes={budget_bytes} is below the least this model can save with "
-            f"{list(choices)} per layer ({result.predicted_bytes} bytes)"
-        )
-    return result
+
+_FIT_ATTEMPTS = 3
+
+
+def _summed(per_call: Sequence[LayerCost]) -> LayerCost:
+    """One layer's cost over all its calls in a forward (each saves its own activations)."""
+    first = per_call[0]
+    return LayerCost(
+        {c: sum(cost.device_bytes[c] for cost in per_call) for c in first.device_bytes},
+        {c: sum(cost.host_bytes[c] for cost in per_call) for c in first.host_bytes},
+        {c: sum(cost.seconds[c] for cost in per_call) for c in first.seconds},
+    )
+
+
+def _counted_under(model, example_inputs, chosen: Plan, layers, engine, param_like) -> int:
+    """Bytes the model saves for backward on its device in one forward under ``chosen``, as
+    :func:`memopt.saved_bytes` counts them (what an offload engine takes is not seen)."""
+    wrap(model, plan=chosen, layers=layers, offload=engine if engine is not None else None)
+    try:
+        with SavedTensorCounter(exclude=param_like) as counter:
+            out = _call(model, example_inputs)
+        del out
+    finally:
+        unwrap(model)
+    return counter.total_bytes
+
+
+@contextlib.contextmanager
+def _buffers_kept(model: nn.Module):
+    """The model's buffers as they were (the planner's forwards update BatchNorm statistics)."""
+    with torch.no_grad():
+        kept = [(b, b.clone()) for b in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in kept:
+                buffer.copy_(value)

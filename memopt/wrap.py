@@ -13,14 +13,17 @@ applies a :class:`memopt.Plan`, ``wrap(model, budget_bytes=..., example_inputs=.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from memopt import causal_lm_loss
 from memopt.checkpoint import checkpoint
@@ -33,6 +36,8 @@ if TYPE_CHECKING:
 
 _STATE_ATTR = "_memopt_wrap_state"
 _CONTAINERS = (nn.ModuleList, nn.Sequential)
+# Containers without a forward of their own: a model iterates them, so they are never layers.
+_NEVER_CALLED = (nn.ModuleList, nn.ModuleDict)
 # Key/value cache arguments of Hugging Face layers across versions (4.x: past_key_value(s), 5.x: cache).
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
@@ -53,6 +58,8 @@ class _WrapState:
     policies: dict[str, str] = field(default_factory=dict)
     # the chunked-loss forward installed on a Hugging Face causal LM (memopt.causal_lm_loss)
     loss_forward: Any = None
+    # the model's hooks of _RunCheck until its first forward with gradients has been checked
+    run_check: list = field(default_factory=list)
 
 
 # -- finding layers -------------------------------------------------------------------------
@@ -67,20 +74,45 @@ def _outermost(named: Iterable[tuple[str, nn.Module]]) -> list[tuple[str, nn.Mod
     return chosen
 
 
+def _stacks(model: nn.Module) -> list[list[tuple[str, nn.Module]]]:
+    """The members ``(qualified name, module)`` of each ``nn.ModuleList``/``nn.Sequential`` of
+    ``model``. A ``ModuleList`` or ``ModuleDict`` inside one is opened into it: a model iterates
+    those and never calls them, so Funnel's blocks of layers and PoolFormer's stages are one
+    stack of layers each, not a stack of lists."""
+    stacks: list[list[tuple[str, nn.Module]]] = []
+    opened: set[int] = set()
+
+    def members(prefix: str, container: nn.Module) -> list[tuple[str, nn.Module]]:
+        found = []
+        for child_name, child in container.named_children():
+            if isinstance(child, _NEVER_CALLED):
+                opened.add(id(child))
+                found += members(f"{prefix}{child_name}.", child)
+            else:
+                found.append((prefix + child_name, child))
+        return found
+
+    for name, module in model.named_modules():  # outer containers come before inner ones
+        if isinstance(module, _CONTAINERS) and id(module) not in opened:
+            stacks.append(members(f"{name}." if name else "", module))
+    return stacks
+
+
+def _num_params(module: nn.Module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
 def _default_layer_classes(model: nn.Module) -> set[type]:
-    """The layer classes ``wrap`` picks by default: the module class repeated most often inside
-    an ``nn.ModuleList``/``nn.Sequential`` (outermost instances), and any other class stacked
-    alone in such a container that holds at least a tenth of that one's parameters (an
-    encoder-decoder's second stack: Whisper's or BART's decoder layers)."""
-    in_containers: list[tuple[str, nn.Module]] = []
-    pure_stacks: set[type] = set()  # classes that fill a whole container on their own
-    for name, module in model.named_modules():
-        if isinstance(module, _CONTAINERS):
-            prefix = f"{name}." if name else ""
-            children = list(module.named_children())
-            in_containers += [(prefix + child_name, child) for child_name, child in children]
-            if len(children) >= 2 and len({type(child) for _, child in children}) == 1:
-                pure_stacks.add(type(children[0][1]))
+    """The layer classes ``wrap`` picks by default (see :func:`find_layers`): the module class
+    repeated most often in the model's stacks (:func:`_stacks`, outermost instances); any other
+    class stacked alone that holds at least a tenth of that one's parameters (an
+    encoder-decoder's second stack: Whisper's or BART's decoder layers); and the other classes
+    in a stack of a chosen class with at least a tenth of a chosen layer's parameters each (a
+    hybrid stack: Jamba's attention layers among its Mamba layers, Zamba2's hybrid layers)."""
+    stacks = _stacks(model)
+    in_containers = [member for stack in stacks for member in stack]
+    # classes that fill a whole stack on their own
+    pure_stacks = {type(stack[0][1]) for stack in stacks if len(stack) >= 2 and len({type(m) for _, m in stack}) == 1}
     counts = Counter(type(module) for _, module in in_containers)
     candidates = {cls for cls, count in counts.items() if count >= 2}
     if not candidates:
@@ -95,10 +127,13 @@ def _default_layer_classes(model: nn.Module) -> set[type]:
     top = max(outer_classes, key=lambda cls: (outer_classes[cls], -list(outer_classes).index(cls)))
     params = Counter()
     for _, m in outer:
-        params[type(m)] += sum(p.numel() for p in m.parameters())
-    return {top} | {
-        cls for cls in outer_classes if cls in pure_stacks and params[cls] * 10 >= params[top]
-    }
+        params[type(m)] += _num_params(m)
+    chosen = {top} | {cls for cls in outer_classes if cls in pure_stacks and params[cls] * 10 >= params[top]}
+    layer_params = params[top] // outer_classes[top]
+    for stack in stacks:
+        if any(type(m) in chosen for _, m in stack):
+            chosen |= {type(m) for _, m in stack if _num_params(m) * 10 >= layer_params}
+    return chosen
 
 
 def find_layers(model: nn.Module, layers: LayerSelector = None) -> list[tuple[str, nn.Module]]:
@@ -110,10 +145,15 @@ def find_layers(model: nn.Module, layers: LayerSelector = None) -> list[tuple[st
             ``nn.ModuleList``/``nn.Sequential``, outermost instances only (``TransformerEncoderLayer``,
             ``LlamaDecoderLayer``, ``GPT2Block``, ``BertLayer``), plus any other class that fills
             such a container alone with at least a tenth of its parameters (an encoder-decoder's
-            other stack: ``WhisperDecoderLayer`` beside ``WhisperEncoderLayer``); a class or
-            tuple of classes selects
-            instances of those; a callable ``layers(module) -> bool`` selects where it returns True.
-            Selected modules nested in another selected module are left out.
+            other stack: ``WhisperDecoderLayer`` beside ``WhisperEncoderLayer``), plus the other
+            classes sharing a container with those, each with at least a tenth of a layer's
+            parameters (hybrid stacks: Jamba's attention and Mamba layers, Zamba2's hybrid and
+            Mamba layers). An ``nn.ModuleList``/``nn.ModuleDict`` inside such a container is
+            opened (Funnel's blocks, PoolFormer's stages): the model iterates it, it is never a
+            layer. A class or tuple of classes selects instances of those; a callable
+            ``layers(module) -> bool`` selects where it returns True (selecting a
+            ``ModuleList``/``ModuleDict`` raises ``ValueError``). Selected modules nested in
+            another selected module are left out.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"memopt.wrap: model must be an nn.Module, got {type(model).__name__}")
@@ -129,7 +169,15 @@ def find_layers(model: nn.Module, layers: LayerSelector = None) -> list[tuple[st
         raise TypeError(
             f"memopt.wrap: layers must be None, a class, a tuple of classes or a predicate, got {layers!r}"
         )
-    found = _outermost((name, m) for name, m in model.named_modules() if m is not model and predicate(m))
+    selected = [(name, m) for name, m in model.named_modules() if m is not model and predicate(m)]
+    never_called = [name for name, m in selected if isinstance(m, _NEVER_CALLED)]
+    if never_called:
+        raise ValueError(
+            f"memopt.wrap: layers={layers!r} selects containers {never_called} of {type(model).__name__}; an "
+            "nn.ModuleList or nn.ModuleDict has no forward (the model iterates it), so checkpointing it would "
+            "change nothing. Select the layers inside it"
+        )
+    found = _outermost(selected)
     if not found:
         raise ValueError(f"memopt.wrap: layers={layers!r} selects no submodule of {type(model).__name__}")
     return found
@@ -175,11 +223,78 @@ class _LayerWrap:
     previous_forward: Callable | None
     # False, True (the active or the default engine) or the memopt.Offload to use.
     offload: bool | Offload = False
+    # whether the layer ran in the model's current forward (_RunCheck)
+    ran: bool = False
 
     def __deepcopy__(self, memo):
         # A deep copy of the model shares the offload engine (one host pool per process); the
         # copied forward is rebound by deepcopy itself.
         return _LayerWrap(self.name, self.policy, copy.deepcopy(self.previous_forward, memo), self.offload)
+
+
+def check_layer_call(name: str, layer: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Refuse a layer call that checkpointing would get wrong or leave unchanged (``wrap``'s and
+    ``memopt.plan``'s): a key/value cache while computing gradients (the recompute would append
+    to it twice), or gradients off on inputs that need them (the model runs the layer inside its
+    own ``autograd.Function``, as Reformer's reversible layers do, and computes its backward
+    itself: a checkpoint there saves nothing and changes nothing)."""
+    if torch.is_grad_enabled():
+        cache = next((k for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
+        if cache is not None:
+            raise ValueError(
+                f"memopt.wrap: layer {name!r} ({type(layer).__name__}) got a key/value cache ({cache}=) while "
+                "computing gradients; the recompute would append to the cache twice. Train with use_cache=False; "
+                "a model that passes its layers a cache even then (XLM builds one on every call) cannot have "
+                "them checkpointed: leave them out with layers="
+            )
+        return
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs))):
+        raise RuntimeError(
+            f"memopt.wrap: layer {name!r} ({type(layer).__name__}) ran with gradients off on inputs that "
+            "require grad: the model runs it inside its own autograd.Function (reversible layers, as "
+            "Reformer's) or under torch.no_grad, and computes its backward itself, so checkpointing it "
+            "saves nothing and changes nothing. Leave this layer unwrapped (layers=...); such a model "
+            "already recomputes it"
+        )
+
+
+class _RunCheck:
+    """Forward pre-hook and hook on the wrapped model: after its first forward with gradients,
+    every wrapped layer must have run; a wrap whose layers never run changes nothing (a model
+    that iterates a container ``wrap`` chose, a layer the model bypasses). ``RuntimeError`` when
+    none ran, a warning naming the ones that did not otherwise; then the hooks go away. An
+    object, not a closure, so that a wrapped model pickles and deep-copies."""
+
+    def __init__(self, model: nn.Module, state: _WrapState, pre: bool):
+        self.model_name = type(model).__name__
+        self.state = state
+        self.pre = pre
+
+    def __call__(self, module, args, output=None):
+        if torch.compiler.is_compiling():
+            return
+        infos: list[_LayerWrap] = [getattr(layer, _LAYER_ATTR) for layer in self.state.wrapped]
+        if self.pre:
+            for info in infos:
+                info.ran = False
+            return
+        if not torch.is_grad_enabled():
+            return
+        idle = [info.name for info in infos if not info.ran]
+        if len(idle) == len(infos):
+            raise RuntimeError(
+                f"memopt.wrap: none of the wrapped layers of {self.model_name} ran in its forward ({idle}); the "
+                "wrap changes nothing. Pass layers= naming the modules the forward calls"
+            )
+        for handle in self.state.run_check:
+            handle.remove()
+        self.state.run_check.clear()
+        if idle:
+            warnings.warn(
+                f"memopt.wrap: wrapped layers {idle} of {self.model_name} did not run in its first forward with "
+                "gradients; they are not checkpointed there",
+                stacklevel=2,
+            )
 
 
 class _CheckpointedForward:
@@ -195,11 +310,9 @@ class _CheckpointedForward:
     def __call__(self, *args, **kwargs):
         layer = self.layer
         info: _LayerWrap = getattr(layer, _LAYER_ATTR)
-        if torch.is_grad_enabled() and any(kwargs.get(k) is not None for k in _CACHE_KWARGS):
-            raise ValueError(
-                f"memopt.wrap: layer {info.name!r} got a key/value cache while computing gradients; the "
-                "recompute would append to the cache twice. Train with use_cache=False"
-            )
+        check_layer_call(info.name, layer, args, kwargs)
+        if not torch.compiler.is_compiling():
+            info.ran = True
         # functools.partial rather than the bound method: torch 2.11's dynamo cannot trace
         # function.__get__ (nor types.MethodType) under torch.compile(fullgraph=True).
         original = info.previous_forward or functools.partial(type(layer).forward, layer)
@@ -310,15 +423,47 @@ def wrap(
         layer.forward = _CheckpointedForward(layer)
         state.wrapped.append(layer)
 
-    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules()) if c is not None}
-    for config in configs.values():
-        if getattr(config, "use_cache", False) is True:
-            state.use_cache.append(config)
-            config.use_cache = False
+    state.use_cache = _disable_use_cache(model)
     if chunked_loss_lm is not None:
         state.loss_forward = causal_lm_loss.install(chunked_loss_lm)
+    if state.wrapped:
+        state.run_check = [
+            model.register_forward_pre_hook(_RunCheck(model, state, pre=True)),
+            model.register_forward_hook(_RunCheck(model, state, pre=False)),
+        ]
     object.__setattr__(model, _STATE_ATTR, state)
     return model
+
+
+def _disable_use_cache(model: nn.Module) -> list:
+    """Set ``use_cache = False`` on every Hugging Face config in ``model`` that has it True (an
+    encoder-decoder's decoder stack holds a copy of the model's config); returns those configs."""
+    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules()) if c is not None}
+    turned_off = [c for c in configs.values() if getattr(c, "use_cache", False) is True]
+    for config in turned_off:
+        config.use_cache = False
+    return turned_off
+
+
+def _restore_use_cache(configs: list) -> None:
+    for config in configs:
+        config.use_cache = True
+
+
+@contextlib.contextmanager
+def model_wide_settings(model: nn.Module, loss: str | None = None):
+    """What ``wrap(model, loss=loss)`` changes besides the layers, for as long as the context
+    lasts: ``use_cache = False`` on Hugging Face configs and the chosen LM-head loss
+    (:mod:`memopt.causal_lm_loss`). ``memopt.plan`` measures the model this way, as it will run."""
+    lm = causal_lm_loss.chosen_loss(model, loss)
+    configs = _disable_use_cache(model)
+    loss_forward = causal_lm_loss.install(lm) if lm is not None else None
+    try:
+        yield
+    finally:
+        if loss_forward is not None:
+            causal_lm_loss.remove(loss_forward)
+        _restore_use_cache(configs)
 
 
 def _planned(model, layers, offload, budget_bytes, example_inputs, given_plan) -> tuple[list[str], list]:
@@ -362,8 +507,9 @@ def unwrap(model: nn.Module) -> nn.Module:
             layer.forward = previous
     for parent, attr, original in state.swapped:
         setattr(parent, attr, original)
-    for config in state.use_cache:
-        config.use_cache = True
+    for handle in state.run_check:
+        handle.remove()
+    _restore_use_cache(state.use_cache)
     if state.loss_forward is not None:
         causal_lm_loss.remove(state.loss_forward)
     object.__delattr__(model, _STATE_ATTR)

@@ -1,0 +1,230 @@
+"""memopt.plan keeps its budget: what the model saves under a plan is counted, never above it.
+
+Issue 15 items 7 and 15. Before, a layer module that runs several times per forward (ALBERT's
+shared layer) was counted once, so the plan went over its budget without a word; ``plan`` raised
+a bare ``KeyError`` for a model that calls ``layer.forward(x)`` (SqueezeBERT) or has nested layer
+lists (Funnel); a model that runs its layers inside its own ``autograd.Function`` (Reformer) was
+wrapped to no effect; XLM's cache error gave advice that does not help it.
+"""
+
+import importlib
+
+import pytest
+import torch
+from torch import nn
+
+import memopt
+
+transformers = pytest.importorskip("transformers")
+wrap_module = importlib.import_module("memopt.wrap")
+
+VOCAB = 100
+N, S, F = ("none", False), ("selective", False), ("full", False)
+
+
+def _ids():
+    return torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+def _counted(model, inputs):
+    with memopt.SavedTensorCounter(exclude=list(model.parameters()) + list(model.buffers())) as counter:
+        model(**inputs)
+    return counter.total_bytes
+
+
+def _albert():
+    config = transformers.AlbertConfig(
+        vocab_size=VOCAB, embedding_size=16, hidden_size=32, num_hidden_layers=3, num_attention_heads=2,
+        intermediate_size=32, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return transformers.AlbertModel(config).train()
+
+
+def _albert_layer():
+    return importlib.import_module("transformers.models.albert.modeling_albert").AlbertLayer
+
+
+def _plan_and_count(model, inputs, budget, **kwargs):
+    plan = memopt.plan(model, inputs, budget, repeats=1, **kwargs)
+    memopt.wrap(model, plan=plan, layers=kwargs.get("layers"))
+    try:
+        return plan, _counted(model, inputs)
+    finally:
+        memopt.unwrap(model)
+
+
+@pytest.mark.parametrize("fraction", [0.3, 0.6, 0.9])
+def test_a_layer_run_several_times_is_counted_for_every_call(fraction):
+    """ALBERT runs its one layer module num_hidden_layers times: the plan's cost of it is the
+    sum over the calls, its prediction equals the count, and the plan keeps the budget."""
+    torch.manual_seed(0)
+    model, inputs = _albert(), {"input_ids": _ids()}
+    plain = _counted(model, inputs)
+    plan, counted = _plan_and_count(model, inputs, int(plain * fraction), layers=_albert_layer())
+    assert counted <= plan.budget_bytes
+    assert counted == plan.predicted_bytes
+    everything_saved = memopt.Plan.from_dict({**plan.to_dict(), "choices": [{"policy": "none", "offload": False}]})
+    assert everything_saved.predicted_bytes == plain
+
+
+def _zamba2():
+    config = transformers.Zamba2Config(
+        vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=4, num_attention_heads=2,
+        num_key_value_heads=2, attention_head_dim=8, mamba_d_state=4, mamba_headdim=8, mamba_ngroups=1,
+        n_mamba_heads=4, layers_block_type=["mamba", "hybrid", "mamba", "hybrid"], num_mem_blocks=1,
+        use_mem_rope=False, chunk_size=8,
+    )  # fmt: skip
+    return transformers.Zamba2Model(config).train()
+
+
+def test_prediction_bounds_what_zamba2_saves_and_plans_fit():
+    """Zamba2's hybrid layers share one transformer block and take the embedding output as a
+    second input: every policy mix saves at most the prediction, and plans keep their budget."""
+    torch.manual_seed(0)
+    model, inputs = _zamba2(), {"input_ids": _ids(), "use_cache": False}
+    plan = memopt.plan(model, inputs, 10**9, repeats=1)
+    for mix in [[N] * 4, [F] * 4, [S] * 4, [N, F, S, N], [F, N, N, F]]:
+        plan.choices = mix
+        memopt.wrap(model, plan=plan)
+        counted = _counted(model, inputs)
+        memopt.unwrap(model)
+        assert counted <= plan.predicted_bytes, mix
+    plain = _counted(model, inputs)
+    for fraction in [0.3, 0.7]:
+        budget = int(plain * fraction)
+        _, counted = _plan_and_count(model, inputs, budget)
+        assert counted <= budget
+
+
+class _ContextLayer(nn.Module):
+    """Saves more inside the model than alone (it reads the model's state): a layer whose
+    cost measured on its own falls short of what it costs in the model."""
+
+    def __init__(self, owner):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.owner = [owner]
+
+    def forward(self, x):
+        h = torch.tanh(self.fc(x))
+        return torch.exp(h).sin() if self.owner[0].inside else h
+
+
+class _ContextModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(_ContextLayer(self) for _ in range(3))
+        self.inside = False
+
+    def forward(self, x):
+        self.inside = True
+        try:
+            for layer in self.layers:
+                x = layer(x)
+        finally:
+            self.inside = False
+        return x
+
+
+def test_the_count_under_the_plan_decides_not_the_prediction():
+    """Costs measured alone fall short here: the plan counts the model under its choice and
+    chooses again (stronger) until the count fits, or refuses with the counted bytes."""
+    model = _ContextModel()
+    x = torch.randn(16, 8, requires_grad=True)
+    with memopt.SavedTensorCounter(exclude=list(model.parameters())) as counter:
+        model(x)
+    plain = counter.total_bytes
+    plan = memopt.plan(model, (x,), int(plain * 0.8), choices=[N, F], repeats=1)
+    memopt.wrap(model, plan=plan)
+    with memopt.SavedTensorCounter(exclude=list(model.parameters())) as counter:
+        model(x)
+    assert counter.total_bytes <= plan.budget_bytes
+    memopt.unwrap(model)
+    # Even all "full" saves each layer's input; a budget below that is refused, naming the count.
+    with pytest.raises(ValueError, match=r"budget_bytes=\d+"):
+        memopt.plan(model, (x,), 16 * 8 * 4, choices=[N, F], repeats=1)
+
+
+def _squeezebert():
+    config = transformers.SqueezeBertConfig(
+        vocab_size=VOCAB, hidden_size=16, embedding_size=16, num_hidden_layers=2, num_attention_heads=2,
+        intermediate_size=32, q_groups=1, k_groups=1, v_groups=1, post_attention_groups=1,
+        intermediate_groups=1, output_groups=1, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return transformers.SqueezeBertModel(config).train()
+
+
+def _funnel():
+    config = transformers.FunnelConfig(
+        vocab_size=VOCAB, block_sizes=[1, 1], num_decoder_layers=1, d_model=16, n_head=2, d_head=8, d_inner=32,
+        hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0,
+    )  # fmt: skip
+    return transformers.FunnelModel(config).train()
+
+
+@pytest.mark.parametrize(
+    "make,names",
+    [
+        # SqueezeBERT's encoder calls layer.forward(x): no module hook sees the call.
+        (_squeezebert, ["encoder.layers.0", "encoder.layers.1"]),
+        # Funnel's layers sit in a list of lists.
+        (_funnel, ["encoder.blocks.0.0", "encoder.blocks.1.0", "decoder.layers.0"]),
+    ],
+    ids=["squeezebert", "funnel"],
+)
+def test_plan_measures_layers_called_directly_or_in_nested_lists(make, names):
+    torch.manual_seed(0)
+    model, inputs = make(), {"input_ids": _ids()}
+    plain = _counted(model, inputs)
+    plan, counted = _plan_and_count(model, inputs, plain // 2, choices=[N, F])
+    assert plan.layer_names == names
+    assert counted <= plan.budget_bytes and counted <= plan.predicted_bytes
+
+
+class _Skipping(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+
+    def forward(self, x):
+        return self.layers[2](self.layers[0](x))
+
+
+def test_plan_names_layers_the_forward_never_ran():
+    with pytest.raises(ValueError, match=r"layers \['layers\.1'\] of _Skipping did not run"):
+        memopt.plan(_Skipping(), (torch.randn(2, 4, requires_grad=True),), 10**9, repeats=1)
+
+
+def _reformer():
+    config = transformers.ReformerConfig(
+        vocab_size=VOCAB, hidden_size=16, num_attention_heads=2, attention_head_size=8, attn_layers=["local", "local"],
+        feed_forward_size=32, axial_pos_embds=False, max_position_embeddings=16, local_attn_chunk_length=4,
+        is_decoder=False, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+        local_attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    return transformers.ReformerModel(config).train()
+
+
+def test_reversible_layers_are_refused_by_name():
+    """Reformer runs its layers inside its own autograd.Function with gradients off and
+    recomputes them itself: checkpointing them would do nothing, so wrap and plan say so."""
+    torch.manual_seed(0)
+    model, inputs = _reformer(), {"input_ids": _ids()}
+    with pytest.raises(RuntimeError, match=r"'encoder\.layers\.0' \(ReformerLayer\) ran with gradients off"):
+        memopt.plan(model, inputs, 10**9, repeats=1)
+    memopt.wrap(model)
+    with pytest.raises(RuntimeError, match=r"'encoder\.layers\.0' \(ReformerLayer\) ran with gradients off"):
+        model(**inputs)
+    # Inference under no_grad (inputs that need no gradient) is not refused.
+    with torch.no_grad():
+        model(**inputs)
+
+
+def test_a_cache_built_even_with_use_cache_off_is_named():
+    """XLM builds a key/value cache on every call: use_cache=False cannot stop it, and the error
+    says so, naming the layer."""
+    torch.manual_seed(0)
+    config = transformers.XLMConfig(vocab_size=VOCAB, emb_dim=16, n_layers=2, n_heads=2, dropout=0.0, attention_dropout=0.0)
+    model = memopt.wrap(transformers.XLMModel(config).train())
+    with pytest.raises(ValueError, match=r"'attentions\.0' \(MultiHeadAttention\).*XLM builds one on every call"):
+        model(input_ids=_ids(), use_cache=False)

@@ -24,7 +24,9 @@ Two users:
   blocks give the same result with the same seed.
 * ``memopt.wrap(model, ffn_chunk_tokens=n)``: each layer's MLP submodule (:func:`find_ffn`:
   ``mlp``, ``feed_forward``, ``ffn``; ``nn.TransformerEncoderLayer``'s ``_ff_block``) gets a
-  forward (:func:`install`) that runs it through :class:`TiledFFNFunction`.
+  forward (:func:`install`) that runs it through :class:`TiledFFNFunction`. Limits: that
+  Function holds the module and reads the RNG state, so ``torch.compile`` does not trace it (a
+  graph break; ``fullgraph=True`` raises); not tried under FSDP.
 
 :func:`tiled_ffn_ref` is the plain PyTorch reference: the same chunks through ordinary autograd
 (every chunk's intermediates kept), for tests.
@@ -111,21 +113,16 @@ def _outside_selective_checkpoint() -> Iterator[None]:
     the tiling avoids). Hidden in the forward and in the layer's recompute alike, so their call
     counts stay aligned; other dispatch modes (memory trackers) still see every op.
     """
-    from torch._C import _len_torch_dispatch_stack
-    from torch.utils._python_dispatch import _pop_mode, _push_mode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
 
     hidden = _selective_modes()
-    count = _len_torch_dispatch_stack()
-    if count == 0:
-        yield
-        return
-    modes = [_pop_mode() for _ in range(count)]  # innermost first
+    modes = _get_current_dispatch_mode_stack()  # outermost first
     if not any(isinstance(m, hidden) for m in modes):
-        for mode in reversed(modes):
-            _push_mode(mode)
         yield
         return
-    kept = [m for m in reversed(modes) if not isinstance(m, hidden)]
+    for _ in modes:
+        _pop_mode()
+    kept = [m for m in modes if not isinstance(m, hidden)]
     for mode in kept:
         _push_mode(mode)
     try:
@@ -133,7 +130,7 @@ def _outside_selective_checkpoint() -> Iterator[None]:
     finally:
         for _ in kept:
             _pop_mode()
-        for mode in reversed(modes):
+        for mode in modes:
             _push_mode(mode)
 
 

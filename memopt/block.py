@@ -29,6 +29,7 @@ from memopt.block_functions import PARAM_NAMES, SUPPORTED_HEAD_DIMS, BlockSpec, 
 from memopt.offload import Offload, offload_group
 from memopt.ops._rng import new_rng_key
 from memopt.policy import check_offload, check_policy
+from memopt.tiled_ffn import check_ffn_chunk_tokens
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu", "swiglu")
 NORMS = ("layernorm", "rmsnorm")
@@ -262,7 +263,8 @@ class FusedCheckpointBlock(_TransformerBlockBase):
 
     ``FusedCheckpointBlock(d_model, n_heads, d_ff=4*d_model, *, n_kv_heads=n_heads, dropout=0.0,
     activation="gelu", norm="layernorm", norm_first=True, causal=False, bias=True, eps=1e-5,
-    policy="selective", offload=False, batch_first=True, device=None, dtype=None)``
+    policy="selective", offload=False, ffn_chunk_tokens=None, batch_first=True, device=None,
+    dtype=None)``
 
     Args:
         activation: ``"relu"``, ``"gelu"``, ``"gelu_tanh"``, ``"silu"`` or ``"swiglu"``
@@ -288,7 +290,18 @@ class FusedCheckpointBlock(_TransformerBlockBase):
             else the process default (``memopt.offload.default_offload()``). A
             ``memopt.Offload``: that engine (a new group in it when it is already active). CPU
             tensors stay where they are unless the engine was made with
-            ``allow_cpu_source=True``.
+            ``allow_cpu_source=True``. Under ``"full"`` the policy's set is the block input
+            itself, so the device keeps no activation of an offloaded block between its forward
+            and its backward (the engine's ``max_host_bytes`` decides how many blocks fit on the
+            host; the rest keep their input on the device).
+        ffn_chunk_tokens: None (default) or a positive int: the FFN half (norm2, fc1, the
+            activation, fc2, the residual dropout and add; post-norm also norm2) runs this many
+            tokens (rows of ``batch * seq``) at a time, so its ``(tokens, d_ff)`` intermediates
+            exist for one chunk at a time in the forward and in the backward
+            (:mod:`memopt.tiled_ffn`). The FFN half then saves only its input under every policy
+            and is recomputed chunk by chunk in the backward (one more FFN forward). Outputs and
+            gradients equal the untiled block's (dropout masks included). Switchable through
+            ``block.ffn_chunk_tokens``.
         batch_first: input layout, ``(B, S, d_model)`` when True, else ``(S, B, d_model)`` (as
             ``nn.TransformerEncoderLayer(batch_first=False)``; costs a transpose copy).
 
@@ -307,6 +320,7 @@ class FusedCheckpointBlock(_TransformerBlockBase):
         *,
         policy: str = "selective",
         offload: bool | Offload = False,
+        ffn_chunk_tokens: int | None = None,
         **kwargs,
     ):
         super().__init__(d_model, n_heads, d_ff, **kwargs)
@@ -317,6 +331,7 @@ class FusedCheckpointBlock(_TransformerBlockBase):
             )
         self.policy = policy
         self.offload = offload
+        self.ffn_chunk_tokens = ffn_chunk_tokens
 
     @property
     def policy(self) -> str:
@@ -334,8 +349,16 @@ class FusedCheckpointBlock(_TransformerBlockBase):
     def offload(self, value: bool | Offload) -> None:
         self._offload = check_offload(value, type(self).__name__)
 
+    @property
+    def ffn_chunk_tokens(self) -> int | None:
+        return self._ffn_chunk_tokens
+
+    @ffn_chunk_tokens.setter
+    def ffn_chunk_tokens(self, value: int | None) -> None:
+        self._ffn_chunk_tokens = check_ffn_chunk_tokens(value, type(self).__name__)
+
     def config(self) -> dict:
-        return {**super().config(), "policy": self.policy}
+        return {**super().config(), "policy": self.policy, "ffn_chunk_tokens": self.ffn_chunk_tokens}
 
     def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, *, is_causal: bool = False):
         """``x`` (B, S, d_model) (``(S, B, d_model)`` when ``batch_first=False``) -> same shape."""
@@ -349,6 +372,7 @@ class FusedCheckpointBlock(_TransformerBlockBase):
             norm=self.norm, norm_first=self.norm_first, activation=self.activation,
             n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, causal=causal,
             eps=self.eps, attention_dropout=drop, residual_dropout=drop, compute_dtype=compute_dtype(x),
+            ffn_chunk_tokens=self.ffn_chunk_tokens,
         )  # fmt: skip
         params = [_param(self, name) for name in PARAM_NAMES]
         if batch * seq == 0:
@@ -371,6 +395,7 @@ class FusedCheckpointBlock(_TransformerBlockBase):
         """An :class:`EagerTransformerBlock` with this block's configuration and weights."""
         config = self.config()
         config.pop("policy")
+        config.pop("ffn_chunk_tokens")
         block = EagerTransformerBlock(**config, **self._factory())
         block.load_state_dict(self.state_dict())
         return block.train(self.training)
@@ -421,7 +446,8 @@ class FusedCheckpointStack(nn.Module):
     offload=False, **block_kwargs)``: ``policy`` is one name for every layer or a list of
     ``n_layers`` names (mixable, e.g. ``["full"] * 4 + ["selective"] * 8``); ``offload`` likewise
     one value (False, True or a ``memopt.Offload``) or a list of ``n_layers``. ``stack.policy``
-    and ``stack.offload`` read and set the same way.
+    and ``stack.offload`` read and set the same way. ``block_kwargs`` (``ffn_chunk_tokens=``
+    included) go to every block.
     """
 
     def __init__(
@@ -491,12 +517,14 @@ def saved_bytes_per_token(
     norm: str = "layernorm",
     norm_first: bool = True,
     dtype: torch.dtype = torch.float32,
+    ffn_chunk_tokens: int | None = None,
 ) -> int:
     """Bytes one :class:`FusedCheckpointBlock` saves for backward per token, input excluded.
 
     For a block whose parameters and input are ``dtype`` (no autocast). Norm statistics are
     float32 (float64 for float64), the attention log-sum-exp too. The RNG key (16 bytes per block
-    call when dropout is active) is not per token: see :func:`saved_bytes_per_layer`.
+    call when dropout is active) is not per token: see :func:`saved_bytes_per_layer`. With
+    ``ffn_chunk_tokens`` set (any chunk) the FFN half saves only its input.
     """
     check_policy(policy, "saved_bytes_per_token")
     _check_choice(activation, ACTIVATIONS, "activation", "saved_bytes_per_token")
@@ -512,7 +540,8 @@ def saved_bytes_per_token(
     }  # fmt: skip
     elem, stat = torch.empty((), dtype=dtype).element_size(), _stat_bytes(dtype)
     total = 0
-    for name in saved_names(policy, norm_first, norm):
+    check_ffn_chunk_tokens(ffn_chunk_tokens, "saved_bytes_per_token")
+    for name in saved_names(policy, norm_first, norm, ffn_chunk_tokens is not None):
         if name == "lse":
             total += n_heads * stat  # the attention log-sum-exp, in the statistics' dtype
         elif name.startswith("norm"):

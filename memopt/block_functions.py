@@ -39,6 +39,7 @@ FFN half needs ``h``) and dropped with the attention backward.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -50,6 +51,7 @@ from memopt.ops import activation as _activation_ops
 from memopt.ops import attention as _attention_ops
 from memopt.ops import dropout as _dropout_ops  # noqa: F401  (registers the dropout ops' fake impls)
 from memopt.ops import norm as _norm_ops
+from memopt.tiled_ffn import chunk_rng_key, token_chunks
 
 SUPPORTED_HEAD_DIMS = _attention_ops.SUPPORTED_HEAD_DIMS
 
@@ -60,14 +62,23 @@ def _stats(index: int, norm: str) -> tuple[str, ...]:
     return tuple(f"norm{index}_{name}" for name in _NORM_STATS[norm])
 
 
-def saved_names(policy: str, norm_first: bool, norm: str) -> tuple[str, ...]:
+def saved_names(policy: str, norm_first: bool, norm: str, tiled_ffn: bool = False) -> tuple[str, ...]:
     """The intermediate tensors (names as in the module docstring) a policy keeps for backward.
 
-    ``x`` is the block input; the RNG key is kept too whenever dropout is active.
+    ``x`` is the block input; the RNG key is kept too whenever dropout is active. With
+    ``tiled_ffn`` (``ffn_chunk_tokens`` set) the FFN half keeps only its input ``h`` (pre-norm,
+    or post-norm ``"none"``; post-norm ``"selective"`` rebuilds it from ``s1``): the backward
+    recomputes it chunk by chunk.
     """
     stats1, stats2 = _stats(1, norm), _stats(2, norm)
     if policy == "full":
         return ("x",)
+    if tiled_ffn:
+        if norm_first:
+            selective, rebuilt = ("x", *stats1, "qkv", "attn_out", "lse", "h"), ("n1",)
+        else:
+            selective, rebuilt = ("x", "qkv", "attn_out", "lse", "s1", *stats1), ("h",)
+        return selective + rebuilt if policy == "none" else selective
     if norm_first:
         # Norm outputs n1, n2 and the activation output g are rebuilt by the backward kernels
         # under "selective"; the matmul outputs qkv, u and attention's out + lse are kept.
@@ -99,6 +110,8 @@ class BlockSpec:
     attention_dropout: float
     residual_dropout: float
     compute_dtype: torch.dtype
+    # Tokens per chunk of the sequence-tiled FFN half (memopt.tiled_ffn), None: untiled.
+    ffn_chunk_tokens: int | None = None
 
     @property
     def scale(self) -> float:
@@ -192,8 +205,11 @@ class FFNHalf:
     s2: Tensor | None = None  # post-norm only
 
 
-def _saved_tensor(name: str, attention: AttentionHalf, ffn: FFNHalf) -> Tensor:
-    """The tensor :func:`saved_names` calls ``name`` (``"qkv"``, ``"norm2_rstd"``, ...)."""
+def _saved_tensor(name: str, attention: AttentionHalf, ffn: FFNHalf | None, h: Tensor) -> Tensor:
+    """The tensor :func:`saved_names` calls ``name`` (``"qkv"``, ``"norm2_rstd"``, ...); ``h`` is
+    the attention half's output (``ffn`` is None when the FFN half is tiled)."""
+    if name == "h":
+        return h
     if name.startswith("norm"):
         record, stat = name.split("_")
         stats = attention.norm1 if record == "norm1" else ffn.norm2
@@ -201,12 +217,12 @@ def _saved_tensor(name: str, attention: AttentionHalf, ffn: FFNHalf) -> Tensor:
     return getattr(attention if hasattr(attention, name) else ffn, name)
 
 
-def _saved_halves(names: tuple[str, ...], tensors) -> tuple[Tensor, AttentionHalf | None, FFNHalf | None]:
-    """``(x, attention half, FFN half)`` from the saved tensors; the halves are None under
-    "full", which saves x only."""
+def _saved_halves(names: tuple[str, ...], tensors) -> tuple[Tensor, AttentionHalf | None, FFNHalf | None, Tensor | None]:
+    """``(x, attention half, FFN half, h or None)`` from the saved tensors; the halves are None
+    under "full", which saves x only, the FFN half when it is tiled."""
     saved = dict(zip(names, tensors))
     if names == ("x",):
-        return saved["x"], None, None
+        return saved["x"], None, None, None
 
     def stats(index: int) -> NormStats:
         return NormStats(saved.get(f"norm{index}_mean"), saved[f"norm{index}_rstd"])
@@ -214,8 +230,10 @@ def _saved_halves(names: tuple[str, ...], tensors) -> tuple[Tensor, AttentionHal
     attention = AttentionHalf(
         saved["x"], saved["qkv"], saved["attn_out"], saved["lse"], stats(1), saved.get("n1"), saved.get("s1")
     )
-    ffn = FFNHalf(saved.get("h"), saved["u"], stats(2), saved.get("n2"), saved.get("g"), saved.get("s2"))
-    return saved["x"], attention, ffn
+    ffn = None
+    if "u" in saved:
+        ffn = FFNHalf(saved.get("h"), saved["u"], stats(2), saved.get("n2"), saved.get("g"), saved.get("s2"))
+    return saved["x"], attention, ffn, saved.get("h")
 
 
 @dataclass(frozen=True)
@@ -420,6 +438,52 @@ def _ffn_backward(call: BlockCall, grad_y: Tensor, saved: FFNHalf | None, h: Ten
     return grad_h, grads
 
 
+# ----------------------------------------------------------------------------------------------
+# The FFN half over chunks of tokens (spec.ffn_chunk_tokens; memopt.tiled_ffn): each chunk's
+# intermediates live only while it is computed, in the forward and in the backward.
+
+
+def _chunk_call(call: BlockCall, first_element: int) -> BlockCall:
+    """``call`` for the rows of a chunk starting at element ``first_element`` of the (N, D)
+    residual stream: the FFN residual's dropout key moved to that chunk's part of the mask."""
+    if call.spec.residual_dropout == 0.0:
+        return call
+    keys = call.keys._replace(ffn_residual=chunk_rng_key(call.keys.ffn_residual, first_element))
+    return dataclasses.replace(call, keys=keys)
+
+
+def _tiled_ffn_forward(call: BlockCall, h: Tensor) -> Tensor:
+    """The block output from ``h`` (N, D), the FFN half run ``ffn_chunk_tokens`` rows at a time."""
+    width, y = h.shape[1], None
+    for start, end in token_chunks(h.shape[0], call.spec.ffn_chunk_tokens, width):
+        _, piece = _ffn_forward(_chunk_call(call, start * width), h[start:end])
+        if y is None:
+            y = piece.new_empty(h.shape[0], piece.shape[1])
+        y[start:end] = piece
+        del piece
+    return y
+
+
+def _tiled_ffn_backward(call: BlockCall, grad_y: Tensor, h: Tensor, need: BlockParams):
+    """:func:`_ffn_backward` chunk by chunk, each chunk recomputed from its rows of ``h``; the
+    parameter gradients summed over chunks (in float32 for half types)."""
+    width, grad_h = h.shape[1], None
+    totals: list[Tensor | None] = [None] * 6
+    for start, end in token_chunks(h.shape[0], call.spec.ffn_chunk_tokens, width):
+        grad_piece, grads = _ffn_backward(_chunk_call(call, start * width), grad_y[start:end], None, h[start:end], need)
+        if grad_h is None:
+            grad_h = grad_piece.new_empty(h.shape[0], grad_piece.shape[1])
+        grad_h[start:end] = grad_piece
+        del grad_piece
+        for i, grad in enumerate(grads):
+            if grad is not None:
+                grad = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
+                totals[i] = grad if totals[i] is None else totals[i].add_(grad)
+    dtypes = (call.params.norm2_weight, call.params.norm2_bias, call.params.fc1_weight, call.params.fc1_bias,
+              call.params.fc2_weight, call.params.fc2_bias)  # fmt: skip
+    return grad_h, tuple(_cast(t, p.dtype) if t is not None else None for t, p in zip(totals, dtypes))
+
+
 def _attention_backward(call: BlockCall, grad_h: Tensor, half: AttentionHalf, need: BlockParams, need_x: bool):
     """``(grad_x or None, six attention parameter gradients)``."""
     spec, w, params = call.spec, call.compute, call.params
@@ -475,11 +539,14 @@ class TransformerBlockFunction(torch.autograd.Function):
         # the "full" recompute bit-identical.
         with torch.autocast(x.device.type, enabled=False):
             attention, h = _attention_forward(call, x)
-            ffn, y = _ffn_forward(call, h)
-        names = saved_names(spec.policy, spec.norm_first, spec.norm)
+            if spec.ffn_chunk_tokens is None:
+                ffn, y = _ffn_forward(call, h)
+            else:
+                ffn, y = None, _tiled_ffn_forward(call, h)
+        names = saved_names(spec.policy, spec.norm_first, spec.norm, spec.ffn_chunk_tokens is not None)
         ctx.spec, ctx.batch, ctx.seq = spec, batch, seq
         ctx.saved_tensor_names = names
-        ctx.save_for_backward(*(_saved_tensor(name, attention, ffn) for name in names), rng_key, *params)
+        ctx.save_for_backward(*(_saved_tensor(name, attention, ffn, h) for name in names), rng_key, *params)
         return y
 
     @staticmethod
@@ -487,7 +554,7 @@ class TransformerBlockFunction(torch.autograd.Function):
         grad_y = grad_y.contiguous()  # y.sum().backward() hands in a stride-0 expanded tensor
         saved = ctx.saved_tensors
         count = len(ctx.saved_tensor_names)
-        x, attention, ffn = _saved_halves(ctx.saved_tensor_names, saved[:count])
+        x, attention, ffn, h = _saved_halves(ctx.saved_tensor_names, saved[:count])
         params = BlockParams(*saved[count + 1 :])
         call = BlockCall.make(ctx.spec, x.device.type, saved[count], ctx.batch, ctx.seq, params)
         # Absent parameters (None) never need a gradient.
@@ -495,11 +562,12 @@ class TransformerBlockFunction(torch.autograd.Function):
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
             if attention is None:  # "full": recompute the attention half, the FFN half's input
                 attention, h = _attention_forward(call, x)
-            elif ffn.h is not None:
-                h = ffn.h
-            else:  # post-norm "selective": rebuild norm1's output
+            elif h is None:  # post-norm "selective": rebuild norm1's output
                 h, _ = _norm(call, attention.s1, params.norm1_weight, params.norm1_bias)
-            grad_h, ffn_grads = _ffn_backward(call, grad_y, ffn, h, need)
+            if ctx.spec.ffn_chunk_tokens is None:
+                grad_h, ffn_grads = _ffn_backward(call, grad_y, ffn, h, need)
+            else:
+                grad_h, ffn_grads = _tiled_ffn_backward(call, grad_y, h, need)
             del ffn, h
             grad_x, attention_grads = _attention_backward(call, grad_h, attention, need, ctx.needs_input_grad[1])
         grads = (g if n else None for g, n in zip((*attention_grads, *ffn_grads), need))

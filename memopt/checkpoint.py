@@ -477,8 +477,9 @@ def checkpoint(
             a ``memopt.Offload``, through that one. Tensor arguments that need no gradient
             (masks, rotary tables) stay on the device: the caller holds them, so moving them
             would free nothing. With ``"full"`` the checkpoint keeps only the
-            inputs, which it holds itself, so there is nothing to move. On CPU tensors offload
-            is a no-op (see ``memopt.offload``).
+            inputs, and they go to the host too (PyTorch's non-reentrant checkpoint saves them
+            through the saved-tensor hooks), so the device keeps no activation of the call
+            between forward and backward. On CPU tensors offload is a no-op (see ``memopt.offload``).
         preserve_rng_state: as in ``torch.utils.checkpoint``; keep True when ``fn`` uses dropout.
         use_reentrant: accepted for drop-in compatibility; only False (or None) is supported.
         determinism_check: as in ``torch.utils.checkpoint`` (``"default"`` or ``"none"``).

@@ -30,6 +30,11 @@ Guarantees:
   in ``stats()["refused_tensors"]``.
 * Host buffers are pooled by size class and reused across steps: once warm, a step allocates no
   host memory.
+* Under ``policy="full", offload=...`` (``FusedCheckpointBlock``, ``memopt.checkpoint``,
+  ``memopt.wrap``) the saved tensors are the layer inputs themselves (PyTorch's non-reentrant
+  checkpoint saves its inputs through these hooks too): the device keeps O(1) layers of
+  activations whatever the depth, and ``max_host_bytes`` decides how many layers' inputs (the
+  first ones) fit on the host; the others stay on the device (``tests/test_offload_inputs.py``).
 
 The engine API (what ``offload=True`` in the transformer block calls)
 ---------------------------------------------------------------------

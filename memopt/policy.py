@@ -23,7 +23,8 @@ Offload (``offload=``):
 - a ``memopt.Offload``: that engine (a new group in it when it is already active).
 
 Offload moves what the policy keeps: ``policy="selective", offload=True`` is the usual pairing
-(little on the device, no extra matmul); under ``"full"`` there is little left to move.
+(little on the device, no extra matmul); under ``"full"`` it moves the layer inputs themselves,
+so the device holds no layer's activations between its forward and its backward.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from memopt import causal_lm_loss
+from memopt import causal_lm_loss, tiled_ffn
 from memopt.checkpoint import checkpoint
 from memopt.offload import Offload
 from memopt.policy import check_offload, check_policy
@@ -60,6 +60,8 @@ class _WrapState:
     loss_forward: Any = None
     # the model's hooks of _RunCheck until its first forward with gradients has been checked
     run_check: list = field(default_factory=list)
+    # the MLPs tiled for ffn_chunk_tokens (memopt.tiled_ffn.install)
+    tiled_ffns: list = field(default_factory=list)
 
 
 # -- finding layers -------------------------------------------------------------------------
@@ -329,6 +331,7 @@ def wrap(
     example_inputs: Any = None,
     plan: "Plan | None" = None,
     loss: str | None = None,
+    ffn_chunk_tokens: int | None = None,
 ) -> nn.Module:
     """Checkpoint every repeated layer of ``model`` with a memopt policy and offload, in place.
 
@@ -359,6 +362,11 @@ def wrap(
             :func:`memopt.linear_cross_entropy`, without the logits (the output's ``logits`` is
             None; see :mod:`memopt.causal_lm_loss`), ``"plain"`` keeps Hugging Face's; None (the
             default) is ``"chunked"`` where the model takes it, ``"plain"`` otherwise.
+        ffn_chunk_tokens: None, or a positive int: every layer's MLP (:func:`memopt.tiled_ffn.find_ffn`:
+            the ``mlp`` / ``feed_forward`` / ``ffn`` submodule of a Hugging Face layer; a swapped
+            ``nn.TransformerEncoderLayer``'s fused block; another encoder layer's ``_ff_block``)
+            runs this many tokens at a time, so its ``(tokens, d_ff)`` intermediates exist for one
+            chunk at a time (:mod:`memopt.tiled_ffn`). A layer without one raises ``ValueError``.
 
     An ``nn.TransformerEncoderLayer`` that does not offload is replaced by a
     ``memopt.torch_interop.FusedTransformerEncoderLayer``: the torch layer's call run by a
@@ -391,6 +399,7 @@ def wrap(
     if budget_bytes is not None and plan is not None:
         raise ValueError("memopt.wrap: pass either budget_bytes or plan, not both")
     chunked_loss_lm = causal_lm_loss.chosen_loss(model, loss)
+    tiled_ffn.check_ffn_chunk_tokens(ffn_chunk_tokens, "memopt.wrap")
     if budget_bytes is not None or plan is not None:
         policies, offloads = _planned(model, layers, offload, budget_bytes, example_inputs, plan)
         found = find_layers(model, layers)
@@ -403,6 +412,9 @@ def wrap(
             lambda v: isinstance(v, (bool, Offload)), check_offload, False,
         )  # fmt: skip
 
+    if ffn_chunk_tokens is not None:
+        for name, layer in found:  # every layer's MLP found before any layer changes
+            tiled_ffn.find_ffn(layer, name)
     state = _WrapState()
     for (name, layer), layer_policy, layer_offload in zip(found, policies, offloads):
         state.policies[name] = layer_policy
@@ -411,11 +423,14 @@ def wrap(
         # not always less than what the torch layer saves.
         replacement = None if layer_offload else swap_for_fused_block(layer, layer_policy)
         if replacement is not None:
+            replacement.block.ffn_chunk_tokens = ffn_chunk_tokens
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name)
             setattr(parent, attr, replacement)
             state.swapped.append((parent, attr, layer))
             continue
+        if ffn_chunk_tokens is not None:
+            state.tiled_ffns.append(tiled_ffn.install(layer, ffn_chunk_tokens, name))
         if layer_policy == "none" and not layer_offload:
             continue
         layer_wrap = _LayerWrap(name, layer_policy, layer.__dict__.get("forward"), layer_offload)
@@ -509,6 +524,8 @@ def unwrap(model: nn.Module) -> nn.Module:
         setattr(parent, attr, original)
     for handle in state.run_check:
         handle.remove()
+    for tiled in state.tiled_ffns:
+        tiled_ffn.remove(tiled)
     _restore_use_cache(state.use_cache)
     if state.loss_forward is not None:
         causal_lm_loss.remove(state.loss_forward)

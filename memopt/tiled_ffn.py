@@ -1,0 +1,348 @@
+"""Sequence-tiled FFN: the feed-forward part of a layer run over chunks of tokens, so that its
+``(tokens, d_ff)`` intermediates exist for one chunk at a time (ALST's TiledMLP idea).
+
+Past a few thousand tokens the FFN's intermediates (the fc1 output and the activation, ``d_ff``
+wide, often 4x d_model or more) are the largest tensors of a layer, in the forward and again in
+the recompute and backward. A token-wise function gives the same rows whether it sees the whole
+sequence or a chunk of it, so the layer can run it chunk by chunk and save only its input:
+
+* forward: each chunk's output is written into the output, its intermediates freed before the
+  next chunk; nothing of the FFN is saved for backward but its input (d_model wide).
+* backward: each chunk is recomputed from its slice of the input and differentiated at once;
+  the input gradient is written chunk by chunk, the parameter gradients summed over chunks.
+
+The cost is one more FFN forward per step (the backward's recompute) on top of what the layer's
+recompute policy recomputes. Results equal the untiled layer's up to the order in which the
+parameter gradients are summed (tested in float64 at 1e-12).
+
+Two users:
+
+* ``memopt.FusedCheckpointBlock(..., ffn_chunk_tokens=n)``: the block's FFN half (norm2, fc1,
+  activation, fc2, the residual dropout and add; post-norm also norm2) runs per chunk inside the
+  block's own autograd Function (:mod:`memopt.block_functions`); its Philox dropout mask is
+  replayed exactly per chunk from the block's key (:func:`chunk_rng_key`), so tiled and untiled
+  blocks give the same result with the same seed.
+* ``memopt.wrap(model, ffn_chunk_tokens=n)``: each layer's MLP submodule (:func:`find_ffn`:
+  ``mlp``, ``feed_forward``, ``ffn``; ``nn.TransformerEncoderLayer``'s ``_ff_block``) gets a
+  forward (:func:`install`) that runs it through :class:`TiledFFNFunction`. Limits: that
+  Function holds the module and reads the RNG state, so ``torch.compile`` does not trace it (a
+  graph break; ``fullgraph=True`` raises); not tried under FSDP.
+
+:func:`tiled_ffn_ref` is the plain PyTorch reference: the same chunks through ordinary autograd
+(every chunk's intermediates kept), for tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "FFN_ATTRIBUTES",
+    "TiledFFNFunction",
+    "check_ffn_chunk_tokens",
+    "chunk_rng_key",
+    "find_ffn",
+    "install",
+    "remove",
+    "tiled_ffn",
+    "tiled_ffn_ref",
+    "token_chunks",
+]
+
+# Names under which layers hold their token-wise MLP: Llama, Mistral, Qwen2/3, Gemma, Phi-3,
+# GPT-2, GPT-NeoX, Falcon (``mlp``); Mllama-style and other ``feed_forward``/``ffn`` layers.
+FFN_ATTRIBUTES = ("mlp", "feed_forward", "ffn")
+
+
+def check_ffn_chunk_tokens(value, owner: str, name: str = "ffn_chunk_tokens") -> int | None:
+    """``value`` if it is None or a positive int (not a bool); else ``ValueError`` naming ``name``."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{owner}: {name} must be a positive int or None, got {value!r}")
+    return value
+
+
+def token_chunks(n_tokens: int, chunk_tokens: int, width: int = 4) -> Iterator[tuple[int, int]]:
+    """``(start, end)`` row ranges covering ``n_tokens`` rows of ``width`` elements.
+
+    The chunk is rounded up so that each chunk starts at an element index divisible by 4: a
+    Philox dropout mask gives element ``i`` word ``i % 4`` of counter ``offset + i // 4``
+    (``csrc/philox.h``), so a chunk starting there replays exactly its part of the whole mask
+    (:func:`chunk_rng_key`). With ``width`` a multiple of 4 (every head_dim memopt takes) the
+    chunk is used as given.
+    """
+    align = 4 // math.gcd(width, 4)
+    step = -(-chunk_tokens // align) * align
+    for start in range(0, n_tokens, step):
+        yield start, min(start + step, n_tokens)
+
+
+def chunk_rng_key(rng_key: Tensor, first_element: int) -> Tensor:
+    """The ``(seed, offset)`` key whose Philox mask, for a tensor starting at element
+    ``first_element`` of a larger one, equals that part of the larger tensor's mask under
+    ``rng_key`` (``first_element`` divisible by 4: :func:`token_chunks` makes it so)."""
+    if first_element == 0:
+        return rng_key
+    return rng_key + torch.tensor([0, first_element // 4], dtype=rng_key.dtype, device=rng_key.device)
+
+
+# ----------------------------------------------------------------------------------------------
+# A token-wise function (an MLP module's forward) over chunks.
+
+
+def _chunk_view(rows: Tensor, shape: torch.Size) -> Tensor:
+    """``rows`` (n, D) shaped like the input: ``(1, ..., 1, n, D)`` for an input of ``len(shape)``
+    dims, so modules that read ``(batch, seq, d)`` from their input see a batch of one."""
+    return rows.view(*([1] * (len(shape) - 2)), rows.shape[0], rows.shape[1]) if len(shape) > 2 else rows
+
+
+@contextlib.contextmanager
+def _outside_selective_checkpoint() -> Iterator[None]:
+    """Hide selective checkpointing's dispatch modes (PyTorch's caching modes and memopt's guards
+    in :mod:`memopt.checkpoint`) while a tiled FFN runs its chunks inside a checkpointed layer.
+
+    They would keep every chunk's matmul outputs until the backward (the whole ``tokens x d_ff``
+    the tiling avoids). Hidden in the forward and in the layer's recompute alike, so their call
+    counts stay aligned; other dispatch modes (memory trackers) still see every op.
+    """
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack, _pop_mode, _push_mode
+
+    hidden = _selective_modes()
+    modes = _get_current_dispatch_mode_stack()  # outermost first
+    if not any(isinstance(m, hidden) for m in modes):
+        yield
+        return
+    for _ in modes:
+        _pop_mode()
+    kept = [m for m in modes if not isinstance(m, hidden)]
+    for mode in kept:
+        _push_mode(mode)
+    try:
+        yield
+    finally:
+        for _ in kept:
+            _pop_mode()
+        for mode in modes:
+            _push_mode(mode)
+
+
+@functools.cache
+def _selective_modes() -> tuple[type, ...]:
+    import importlib
+
+    from torch.utils import checkpoint as torch_checkpoint
+
+    memopt_checkpoint = importlib.import_module("memopt.checkpoint")  # memopt.checkpoint is also the function
+
+    return (
+        torch_checkpoint._CachingTorchDispatchMode,
+        torch_checkpoint._CachedTorchDispatchMode,
+        memopt_checkpoint._CachedOutputGuard,
+        memopt_checkpoint._CachedOutputRestore,
+    )
+
+
+class TiledFFNFunction(torch.autograd.Function):
+    """``fn`` applied to ``x`` chunk by chunk of tokens; saves ``x`` (and ``params``) only.
+
+    ``apply(fn, chunk_tokens, x (..., D), *params) -> (..., D_out)``: ``fn`` is token-wise (row
+    ``i`` of its output depends on row ``i`` of its input only) and uses ``params``, the tensors
+    whose gradients this Function returns. The CPU and CUDA RNG states are restored for the
+    backward's recompute, so a random op in ``fn`` replays its draws.
+    """
+
+    @staticmethod
+    def forward(ctx, fn, chunk_tokens, x, *params):
+        rows = x.reshape(-1, x.shape[-1])
+        out = None
+        ctx.rng = _rng_state(x.device)
+        with _outside_selective_checkpoint():
+            for start, end in token_chunks(rows.shape[0], chunk_tokens, width=1):
+                piece = fn(_chunk_view(rows[start:end], x.shape))
+                _check_output(piece, end - start)
+                if out is None:
+                    out = piece.new_empty(rows.shape[0], piece.shape[-1])
+                out[start:end] = piece.reshape(end - start, -1)
+                del piece
+        ctx.fn, ctx.chunk_tokens = fn, chunk_tokens
+        ctx.save_for_backward(x, *params)
+        return out.view(*x.shape[:-1], out.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, *params = ctx.saved_tensors
+        need_x = ctx.needs_input_grad[2]
+        wanted = [i for i, need in enumerate(ctx.needs_input_grad[3:]) if need]
+        rows = x.detach().reshape(-1, x.shape[-1])
+        grad_rows = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_x = torch.empty_like(rows) if need_x else None
+        grads: list[Tensor | None] = [None] * len(params)
+        with torch.random.fork_rng(devices=_rng_devices(x.device)), torch.enable_grad():
+            _set_rng_state(ctx.rng, x.device)
+            for start, end in token_chunks(rows.shape[0], ctx.chunk_tokens, width=1):
+                piece_in = rows[start:end].detach().requires_grad_(need_x)
+                piece = ctx.fn(_chunk_view(piece_in, x.shape))
+                inputs = ([piece_in] if need_x else []) + [params[i] for i in wanted]
+                found = list(torch.autograd.grad(piece, inputs, grad_rows[start:end].view(piece.shape), allow_unused=True))
+                del piece
+                if need_x:
+                    grad_piece = found.pop(0)
+                    grad_x[start:end] = 0 if grad_piece is None else grad_piece.reshape(end - start, -1)
+                for i, grad in zip(wanted, found):
+                    if grad is not None:
+                        grads[i] = grad if grads[i] is None else grads[i].add_(grad)
+        return (None, None, grad_x.view(x.shape) if need_x else None, *grads)
+
+
+def _check_output(piece, rows: int) -> None:
+    if not isinstance(piece, Tensor):
+        raise TypeError(
+            f"memopt tiled FFN: the FFN must return one tensor (token-wise), got {type(piece).__name__}; "
+            "a layer whose MLP returns more (router logits) cannot be tiled: leave ffn_chunk_tokens None"
+        )
+    if piece.dim() == 0 or piece.numel() != rows * piece.shape[-1]:
+        raise ValueError(
+            f"memopt tiled FFN: the FFN must be token-wise (one output row per input row); a chunk of {rows} "
+            f"rows gave shape {tuple(piece.shape)}"
+        )
+
+
+def _rng_devices(device: torch.device) -> list:
+    return [device] if device.type == "cuda" else []
+
+
+def _rng_state(device: torch.device):
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state, device: torch.device) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda, device)
+
+
+def tiled_ffn(fn: Callable[[Tensor], Tensor], x: Tensor, chunk_tokens: int, params=()) -> Tensor:
+    """``fn(x)`` for a token-wise ``fn``, run ``chunk_tokens`` tokens at a time (tokens are the
+    rows of ``x.reshape(-1, x.shape[-1])``); saves ``x`` only for backward.
+
+    Args:
+        fn: token-wise function of a ``(1, ..., n, D)`` tensor (an MLP module or its forward).
+        x: ``(..., D)``.
+        chunk_tokens: tokens per chunk (positive int).
+        params: the tensors ``fn`` uses that need gradients (``module.parameters()``).
+
+    Returns:
+        ``(..., D_out)``, equal to ``fn(x)`` up to the summation order of parameter gradients.
+    """
+    check_ffn_chunk_tokens(chunk_tokens, "memopt.tiled_ffn", "chunk_tokens")
+    if not isinstance(x, Tensor) or x.dim() < 1:
+        raise TypeError(f"memopt.tiled_ffn: x must be a tensor of at least 1 dim, got {type(x).__name__}")
+    return TiledFFNFunction.apply(fn, chunk_tokens, x, *params)
+
+
+def tiled_ffn_ref(fn: Callable[[Tensor], Tensor], x: Tensor, chunk_tokens: int) -> Tensor:
+    """Reference for :func:`tiled_ffn`: the same chunks through plain autograd (each chunk's
+    intermediates saved as ``fn`` saves them), concatenated."""
+    rows = x.reshape(-1, x.shape[-1])
+    chunks = token_chunks(rows.shape[0], chunk_tokens, width=1)
+    out = torch.cat([fn(_chunk_view(rows[s:e], x.shape)).reshape(e - s, -1) for s, e in chunks])
+    return out.view(*x.shape[:-1], out.shape[-1])
+
+
+# ----------------------------------------------------------------------------------------------
+# memopt.wrap: a layer's MLP submodule, tiled.
+
+
+@dataclass
+class TiledLayer:
+    """What :func:`install` changed, for :func:`remove`."""
+
+    owner: nn.Module  # the module whose attribute was replaced
+    attribute: str  # "forward" of the MLP, or "_ff_block" of an nn.TransformerEncoderLayer
+    previous: Callable | None  # the instance attribute it had before, None for the class's
+
+
+def find_ffn(layer: nn.Module, layer_name: str = "layer") -> tuple[nn.Module, str]:
+    """``(module, method name)`` of ``layer``'s token-wise MLP: the child named in
+    :data:`FFN_ATTRIBUTES` (its ``forward``), or ``nn.TransformerEncoderLayer``'s ``_ff_block``.
+    ``ValueError`` naming the layer when it has none."""
+    if isinstance(layer, nn.TransformerEncoderLayer):
+        return layer, "_ff_block"
+    for name in FFN_ATTRIBUTES:
+        child = getattr(layer, name, None)
+        if isinstance(child, nn.Module):
+            return child, "forward"
+    children = [name for name, _ in layer.named_children()]
+    raise ValueError(
+        f"memopt.wrap: ffn_chunk_tokens: layer {layer_name!r} ({type(layer).__name__}) has no token-wise MLP "
+        f"submodule named one of {list(FFN_ATTRIBUTES)} (its children: {children}); leave ffn_chunk_tokens None "
+        "for this model"
+    )
+
+
+class _TiledForward:
+    """The forward :func:`install` puts on an MLP: an object holding the module (not a closure),
+    so a wrapped model pickles and deep-copies like ``memopt.wrap``'s own forwards."""
+
+    __slots__ = ("owner", "attribute", "previous", "chunk_tokens", "layer_name")
+
+    def __init__(self, owner: nn.Module, attribute: str, previous, chunk_tokens: int, layer_name: str):
+        self.owner, self.attribute, self.previous = owner, attribute, previous
+        self.chunk_tokens, self.layer_name = chunk_tokens, layer_name
+
+    def __call__(self, x, *args, **kwargs):
+        owner = self.owner
+        original = self.previous or functools.partial(getattr(type(owner), self.attribute), owner)
+        if args or kwargs or not isinstance(x, Tensor):
+            raise TypeError(
+                f"memopt.wrap: ffn_chunk_tokens: the MLP of layer {self.layer_name!r} was called with more than one "
+                "tensor argument; only a token-wise function of the hidden states can be tiled"
+            )
+        if owner.training:
+            active = [f"{type(m).__name__}(p={m.p})" for m in self._dropouts() if m.p > 0]
+            if active:
+                raise ValueError(
+                    f"memopt.wrap: ffn_chunk_tokens: the MLP of layer {self.layer_name!r} has active dropout "
+                    f"{active}: torch's RNG draws per call, so chunks would drop other elements than the untiled "
+                    "layer; set that dropout to 0, train in eval mode, or leave ffn_chunk_tokens None"
+                )
+        params = [p for m in self._modules_used() for p in m.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
+        return tiled_ffn(original, x, self.chunk_tokens, params)
+
+    def _modules_used(self) -> list[nn.Module]:
+        """The modules the tiled function runs: the MLP, or an encoder layer's two linears."""
+        if self.attribute == "_ff_block":
+            return [self.owner.linear1, self.owner.linear2]
+        return [self.owner]
+
+    def _dropouts(self) -> list[nn.Module]:
+        if self.attribute == "_ff_block":
+            return [self.owner.dropout, self.owner.dropout2]
+        return [m for m in self.owner.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
+
+
+def install(layer: nn.Module, chunk_tokens: int, layer_name: str = "layer") -> TiledLayer:
+    """Tile ``layer``'s MLP (:func:`find_ffn`) ``chunk_tokens`` tokens at a time; undo with
+    :func:`remove`."""
+    owner, attribute = find_ffn(layer, layer_name)
+    previous = owner.__dict__.get(attribute)
+    setattr(owner, attribute, _TiledForward(owner, attribute, previous, chunk_tokens, layer_name))
+    return TiledLayer(owner, attribute, previous)
+
+
+def remove(tiled: TiledLayer) -> None:
+    """Put back what :func:`install` replaced."""
+    if tiled.previous is None:
+        delattr(tiled.owner, tiled.attribute)
+    else:
+        setattr(tiled.owner, tiled.attribute, tiled.previous)

@@ -638,18 +638,16 @@ def test_gpu_backends_share_one_lse_and_dropout_goes_to_triton():
         torch.testing.assert_close(lse, lses["triton"], atol=1e-2, rtol=0, msg=lambda m, n=backend: f"{n}: {m}")
 
 
-def test_ops_refuse_to_be_differentiated():
-    # The registered ops compute values; backpropagating through a direct call would give None
-    # gradients (torch only warns), so it raises. The values themselves are returned as usual.
+def test_direct_op_calls_give_values_and_torch_warns_when_they_are_backpropagated():
+    # The registered ops compute values (AttentionFunction differentiates them): a direct call on
+    # tensors that require grad returns the values; backpropagating through it gets torch's
+    # warning that the op has no autograd kernel, as for every op without a derivative formula.
     q = torch.randn(1, 2, 8, 16, requires_grad=True)
     key = rng_key(0)
     out, lse = torch.ops.memopt.attention_fwd(q, q, q, False, 0.0, 0.25, key)
     torch.testing.assert_close(out, attention_ref(q, q, q, scale=0.25).float())
-    with pytest.raises(RuntimeError, match="memopt.attention_fwd is not differentiable"):
+    with pytest.warns(UserWarning, match="memopt::attention_fwd: an autograd kernel was not registered"):
         out.sum().backward()
-    grads = torch.ops.memopt.attention_bwd(torch.randn_like(out), q, q, q, out, lse, False, 0.0, 0.25, key)
-    with pytest.raises(RuntimeError, match="memopt.attention_bwd is not differentiable"):
-        grads[0].sum().backward()
 
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.2])

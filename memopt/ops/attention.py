@@ -526,8 +526,10 @@ def _attention_bwd_aten_cuda(backend, grad_out, q, k, v, out, lse, causal, scale
 
 # ---------------------------------------------------------------------------------------------
 # Registered ops: defined with torch.library.define and given a CPU and a CUDA kernel, as the C++
-# ops are. (torch.library.custom_op would wrap each call in dispatch-mode and alias checks that
-# cost ~40 us per call, 1-2 % of a small attention call; autograd lives in AttentionFunction.)
+# ops are (torch.library.custom_op would wrap each call in dispatch-mode and alias checks that
+# cost ~40 us per call, 1-2 % of a small attention call). Like the C++ ops they have no autograd
+# kernel: AttentionFunction is the differentiable entry; torch warns when a direct call on
+# tensors that require grad is backpropagated through (its gradients are then None).
 # ---------------------------------------------------------------------------------------------
 
 torch.library.define(
@@ -565,44 +567,6 @@ def attention_fwd(
     return attention_triton.attention_fwd_triton(q, k, v, causal, dropout_p, scale, rng_key)
 
 
-_LIBRARY = torch.library.Library("memopt", "FRAGMENT")
-
-
-class _NotDifferentiable(torch.autograd.Function):
-    """Passes ``outputs`` through, tied to ``anchor`` (an input that requires grad), with a
-    backward that raises: what an op without a derivative formula must give autograd."""
-
-    @staticmethod
-    def forward(ctx, name, anchor, *outputs):
-        ctx.name = name
-        return tuple(t.view_as(t) for t in outputs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise RuntimeError(
-            f"torch.ops.memopt.{ctx.name} is not differentiable: call memopt.attention, whose autograd "
-            "Function saves what the backward needs"
-        )
-
-
-def _refuse_autograd(name: str) -> None:
-    """An Autograd kernel for ``memopt::<name>``: the op computes values (``memopt.attention``'s
-    AttentionFunction is the differentiable entry); called on inputs that require grad, its
-    outputs raise when backpropagated through, where torch alone would only warn and leave the
-    gradients None."""
-    op = getattr(torch.ops.memopt, name)
-
-    def no_derivative(keyset, *args, **kwargs):
-        with torch._C._AutoDispatchBelowAutograd():
-            outputs = op(*args, **kwargs)
-        anchor = next((a for a in args if isinstance(a, torch.Tensor) and a.requires_grad), None)
-        if anchor is None or not torch.is_grad_enabled():
-            return outputs
-        return _NotDifferentiable.apply(name, anchor, *outputs)
-
-    _LIBRARY.impl(name, no_derivative, "Autograd", with_keyset=True)
-
-
 def _without_grad(kernel):
     """``kernel`` run under ``torch.no_grad()``: an op kernel computes values, never a graph (its
     inputs may require grad when the op is called directly)."""
@@ -616,7 +580,6 @@ def _without_grad(kernel):
 
 
 torch.library.impl("memopt::attention_fwd", ("cpu", "cuda"), _without_grad(attention_fwd))
-_refuse_autograd("attention_fwd")
 
 
 @torch.library.register_fake("memopt::attention_fwd")
@@ -668,7 +631,6 @@ def attention_bwd(
 
 
 torch.library.impl("memopt::attention_bwd", ("cpu", "cuda"), _without_grad(attention_bwd))
-_refuse_autograd("attention_bwd")
 
 
 @torch.library.register_fake("memopt::attention_bwd")
@@ -707,10 +669,7 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, causal, dropout_p, scale, rng_key, backend="auto"):
-        # Detached: the op's Autograd kernel (for direct calls on grad-requiring inputs) is skipped.
-        out, lse = torch.ops.memopt.attention_fwd(
-            q.detach(), k.detach(), v.detach(), causal, dropout_p, scale, rng_key, backend
-        )
+        out, lse = torch.ops.memopt.attention_fwd(q, k, v, causal, dropout_p, scale, rng_key, backend)
         # The op validated the inputs; the backward runs the backend it resolved to.
         backend = resolve_backend(backend, q, k, v, causal, dropout_p)
         ctx.causal, ctx.dropout_p, ctx.scale, ctx.backend = causal, dropout_p, scale, backend
@@ -721,9 +680,9 @@ class AttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         if building_graph():
             return (*_attention_backward_with_graph(ctx, grad_out), None, None, None, None, None)
-        q, k, v, out, lse, rng_key = (t.detach() for t in ctx.saved_tensors)
+        q, k, v, out, lse, rng_key = ctx.saved_tensors
         grad_q, grad_k, grad_v = torch.ops.memopt.attention_bwd(
-            grad_out.detach(), q, k, v, out, lse, ctx.causal, ctx.dropout_p, ctx.scale, rng_key, ctx.backend
+            grad_out, q, k, v, out, lse, ctx.causal, ctx.dropout_p, ctx.scale, rng_key, ctx.backend
         )
         return grad_q, grad_k, grad_v, None, None, None, None, None
 

@@ -228,7 +228,8 @@ def wrap(
     Args:
         model: any ``nn.Module``; it is modified in place and returned.
         layers: which submodules are layers (see :func:`find_layers`).
-        policy: one of ``"selective"``, ``"full"``, ``"none"`` (:mod:`memopt.policy`) for every
+        policy: one of ``"selective"``, ``"full"``, ``"none"`` (:mod:`memopt.policy`), or a
+            PyTorch selective-checkpoint policy function (see :func:`memopt.checkpoint`), for every
             layer; or a list with one per layer; or a dict from layer index or name to policy
             (layers not in the dict get ``"none"``).
         offload: whether what each layer's policy saves goes to host memory: False (the
@@ -284,7 +285,10 @@ def wrap(
     else:
         found = find_layers(model, layers)
         names = [name for name, _ in found]
-        policies = _per_layer(names, policy, "policy", "a string", lambda v: isinstance(v, str), check_policy, "none")
+        policies = _per_layer(
+            names, policy, "policy", "a string or a policy function", lambda v: isinstance(v, str) or callable(v),
+            functools.partial(check_policy, functions=True), "none",
+        )  # fmt: skip
         offloads = _per_layer(
             names, False if offload is None else offload, "offload", "a bool, a memopt.Offload",
             lambda v: isinstance(v, (bool, Offload)), check_offload, False,
@@ -296,7 +300,8 @@ def wrap(
         # A fused block is swapped in under "none" too, so every policy runs the same kernels;
         # it then saves the block's "none" set (memopt.block.saved_bytes_per_layer), which is
         # not always less than what the torch layer saves.
-        replacement = None if layer_offload else swap_for_fused_block(layer, layer_policy)
+        # A policy function is PyTorch's selective checkpointing of the layer's own ops: no fused block.
+        replacement = None if layer_offload or callable(layer_policy) else swap_for_fused_block(layer, layer_policy)
         if replacement is not None:
             parent_name, _, attr = name.rpartition(".")
             parent = model.get_submodule(parent_name)

@@ -323,6 +323,12 @@ def wrap(
     if chunked_loss_lm is not None:
         state.loss_forward = causal_lm_loss.install(chunked_loss_lm)
     object.__setattr__(model, _STATE_ATTR, state)
+    if any(hasattr(type(model), n) for n in ("activation_checkpointing_enable", "gradient_checkpointing_enable")):
+        # A Trainer with gradient_checkpointing=True would checkpoint the layers a second time: the
+        # switch refuses that (and lets gradient_checkpointing_kwargs={"memopt": ...} select memopt).
+        from memopt.integrations.transformers import take_over_checkpointing
+
+        take_over_checkpointing(model)
     return model
 
 

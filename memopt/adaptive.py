@@ -3,7 +3,9 @@
 :class:`AdaptiveBatch` runs one optimizer step over a batch as micro-batches with gradient
 accumulation. When a micro-step raises ``torch.OutOfMemoryError`` it rolls that micro-step back,
 halves the micro-batch and retries from the same sample, so the step still sees every sample
-exactly once and the gradient is that of the whole batch.
+exactly once and the gradient is that of the whole batch. :meth:`AdaptiveBatch.accumulate` does
+the same without the optimizer step, for loops that step themselves (a Hugging Face ``Trainer``:
+:mod:`memopt.integrations.transformers`).
 
 What the snippets people copy get wrong, and what this does instead:
 

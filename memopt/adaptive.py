@@ -3,7 +3,9 @@
 :class:`AdaptiveBatch` runs one optimizer step over a batch as micro-batches with gradient
 accumulation. When a micro-step raises ``torch.OutOfMemoryError`` it rolls that micro-step back,
 halves the micro-batch and retries from the same sample, so the step still sees every sample
-exactly once and the gradient is that of the whole batch.
+exactly once and the gradient is that of the whole batch. :meth:`AdaptiveBatch.accumulate` does
+the same without the optimizer step, for loops that step themselves (a Hugging Face ``Trainer``:
+:mod:`memopt.integrations.transformers`).
 
 What the snippets people copy get wrong, and what this does instead:
 
@@ -214,6 +216,13 @@ class AdaptiveBatch:
         grad_scaler: a ``torch.amp.GradScaler``; one is made for ``amp_dtype=torch.float16``.
             A step the scaler skips (inf/NaN gradients) is counted in ``skipped_steps`` and
             logged.
+        backward: ``backward(loss)`` runs the backward of a micro-step's weighted loss instead of
+            ``loss.backward()`` (``accelerator.backward``, which scales for mixed precision
+            itself); not with ``grad_scaler``.
+        pre_weighted: ``loss_fn`` already returns the micro-batch's share of the batch's loss (a
+            sum over its samples or tokens divided by the whole batch's count, as Hugging Face
+            models do with ``num_items_in_batch``): the micro-step losses are added as they are,
+            unweighted.
 
     Attributes:
         micro_batch: the current micro-batch size.
@@ -225,7 +234,8 @@ class AdaptiveBatch:
                  loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor], *, micro_batch: int | None = None,
                  min_micro_batch: int = 1, grow_after: int | None = None,
                  num_tokens: Callable[[Any], int] | None = None, amp_dtype: torch.dtype | None = None,
-                 grad_scaler: "torch.amp.GradScaler | None" = None):
+                 grad_scaler: "torch.amp.GradScaler | None" = None,
+                 backward: Callable[[torch.Tensor], Any] | None = None, pre_weighted: bool = False):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -246,6 +256,13 @@ class AdaptiveBatch:
             raise ValueError(f"amp_dtype must be torch.bfloat16, torch.float16 or None, got {amp_dtype!r}")
         if grad_scaler is not None and not isinstance(grad_scaler, torch.amp.GradScaler):
             raise TypeError(f"grad_scaler must be a torch.amp.GradScaler or None, got {type(grad_scaler).__name__}")
+        if backward is not None and not callable(backward):
+            raise TypeError(f"backward must be callable(loss) or None, got {type(backward).__name__}")
+        if backward is not None and (grad_scaler is not None or amp_dtype == torch.float16):
+            raise ValueError("backward= runs the backward itself: pass no grad_scaler (and no amp_dtype=torch.float16, "
+                             "which makes one); let backward scale the loss (accelerator.backward does)")
+        if not isinstance(pre_weighted, bool):
+            raise TypeError(f"pre_weighted must be a bool, got {pre_weighted!r}")
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.max_micro_batch = micro_batch
         self.micro_batch = micro_batch
@@ -253,6 +270,8 @@ class AdaptiveBatch:
         self.grow_after = grow_after
         self.num_tokens = num_tokens
         self.amp_dtype = amp_dtype
+        self.backward = backward
+        self.pre_weighted = pre_weighted
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
         self._device_type = self._params[0].device.type if self._params else "cpu"
         if grad_scaler is None and amp_dtype == torch.float16:
@@ -294,8 +313,12 @@ class AdaptiveBatch:
             raise TypeError(f"loss_fn must return a 0-d tensor, got {type(loss).__name__} "
                             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
         # Weighting in at least fp32: a half-precision loss times a small share underflows.
-        weighted = loss.to(torch.promote_types(loss.dtype, torch.float32)) * weight
-        if self.grad_scaler is not None:
+        weighted = loss.to(torch.promote_types(loss.dtype, torch.float32))
+        if not self.pre_weighted:
+            weighted = weighted * weight
+        if self.backward is not None:
+            self.backward(weighted)
+        elif self.grad_scaler is not None:
             self.grad_scaler.scale(weighted).backward()
         else:
             weighted.backward()
@@ -303,6 +326,41 @@ class AdaptiveBatch:
 
     def step(self, batch) -> StepResult:
         """Run one optimizer step over ``batch`` (tensors with the batch dimension first)."""
+        loss_sum, micro, micro_steps, retries = self._backward_batch(batch, add_to_grads=False)
+        self._sync_gradients()
+        skipped = self._optimizer_step()
+        self._adapt(micro, retries)
+        loss = self._all_reduce(loss_sum.item(), "sum")
+        return StepResult(loss=torch.tensor(loss, dtype=torch.float32), micro_batch=micro,
+                          micro_steps=micro_steps, oom_retries=retries, skipped=skipped)
+
+    def accumulate(self, batch) -> StepResult:
+        """Forward and backward of ``batch`` as micro-batches that shrink on OOM, its gradient
+        added to the ``.grad`` the parameters hold; no optimizer step and no gradient sync.
+
+        For training loops that step the optimizer themselves (a Hugging Face ``Trainer``'s
+        ``training_step``, gradient accumulation over several batches). On a failure the
+        ``.grad`` tensors, buffers and RNG states are as they were before the call. Not under
+        ``DistributedDataParallel`` (:meth:`step` syncs the gradients; this leaves them local).
+        The returned loss is this rank's (not all-reduced); ``skipped`` is False.
+        """
+        if _is_ddp(self.model):
+            raise ValueError("memopt.AdaptiveBatch.accumulate: not under DistributedDataParallel (the gradients "
+                             "would stay unsynced); use step()")
+        loss_sum, micro, micro_steps, retries = self._backward_batch(batch, add_to_grads=True)
+        self._adapt(micro, retries)
+        return StepResult(loss=loss_sum.to(torch.float32), micro_batch=micro, micro_steps=micro_steps,
+                          oom_retries=retries, skipped=False)
+
+    def _adapt(self, micro: int, retries: int) -> None:
+        self.micro_batch = micro
+        self._steps_since_oom = 0 if retries else self._steps_since_oom + 1
+        self._maybe_grow()
+
+    def _backward_batch(self, batch, add_to_grads: bool):
+        """Every micro-step of ``batch``; its gradient ends in ``.grad`` (added to what was there
+        with ``add_to_grads``, else in its place). Returns (loss sum, micro-batch, micro-steps,
+        retries)."""
         size = _leading_size(batch)
         if size == 0:
             raise ValueError("batch is empty (leading dimension 0)")
@@ -329,18 +387,13 @@ class AdaptiveBatch:
             entry_state.restore()
             raise
         del entry_state
+        if add_to_grads:
+            accumulated = entry_grads if accumulated is None else self._accumulate(entry_grads, accumulated)
         del entry_grads
         for p, g in zip(self._params, accumulated or [None] * len(self._params)):
             p.grad = g
         del accumulated
-        self._sync_gradients()
-        skipped = self._optimizer_step()
-        self.micro_batch = micro
-        self._steps_since_oom = 0 if retries else self._steps_since_oom + 1
-        self._maybe_grow()
-        loss = self._all_reduce(loss_sum.item(), "sum")
-        return StepResult(loss=torch.tensor(loss, dtype=torch.float32), micro_batch=micro,
-                          micro_steps=micro_steps, oom_retries=retries, skipped=skipped)
+        return loss_sum, micro, micro_steps, retries
 
     def _accumulate_batch(self, batch, size: int, total: float, state: _ModelState):
         """Every micro-step of one batch; the accumulated gradients are returned, not in .grad.
@@ -412,11 +465,13 @@ class AdaptiveBatch:
             return oom
         return self._all_reduce(1.0 if oom else 0.0, "max") > 0
 
-    def _accumulate(self, accumulated):
-        """Fold the fresh .grad of a successful micro-step into the held-aside sum."""
-        fresh = [p.grad for p in self._params]
-        for p in self._params:
-            p.grad = None
+    def _accumulate(self, accumulated, fresh=None):
+        """Fold ``fresh`` (default: the fresh .grad of a successful micro-step, taken off the
+        parameters) into the held-aside sum ``accumulated``."""
+        if fresh is None:
+            fresh = [p.grad for p in self._params]
+            for p in self._params:
+                p.grad = None
         if accumulated is None:
             return fresh
         out = []

@@ -169,6 +169,12 @@ class _ChunkedLossForward:
         self.checked = False
         self.hook = _decoder(model).register_forward_hook(_CaptureHidden(self))
 
+    @property
+    def __signature__(self) -> inspect.Signature:
+        # The model's own: Hugging Face's Trainer keeps only the dataset columns that model.forward
+        # names (remove_unused_columns), and would drop input_ids before a (*args, **kwargs).
+        return inspect.signature(self.previous_forward or functools.partial(type(self.model).forward, self.model))
+
     def __call__(self, *args, **kwargs):
         original = self.previous_forward or functools.partial(type(self.model).forward, self.model)
         if len(args) > len(self.parameter_names):

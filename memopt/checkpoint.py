@@ -42,7 +42,9 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from memopt.offload import Offload, offload_group
-from memopt.policy import SELECTIVE_SAVED_OPS, check_offload, check_policy, selective_checkpoint_policy
+from memopt.policy import (
+    SELECTIVE_SAVED_OPS, PolicyFunctionCall, check_offload, check_policy, selective_checkpoint_policy,
+)  # fmt: skip
 from memopt.saved import storage_key
 
 _CHECKPOINT_RESPECTS_HOOKS = (
@@ -106,6 +108,58 @@ class _PackCachedWithHooks:
             for index in list(per_op.keys() if isinstance(per_op, dict) else range(len(per_op))):
                 per_op[index] = tree_map(pack, per_op[index])
         return suppressed
+
+
+class _CacheEntriesToHost:
+    """Forward context for a policy function's CPU-offload answers (:class:`memopt.policy.
+    PolicyFunctionCall`): runs PyTorch's caching mode; when the forward is done, packs the cache
+    entries of the calls the function wanted on the host with memopt's engine, the one
+    ``offload=True`` takes (the innermost active ``memopt.Offload``, else the process default),
+    as one group of it. Eager PyTorch would recompute those calls instead.
+
+    An entry that saved-tensors hooks already moved off the device (an ``offload=`` engine around
+    the call) is left as it is. ``outer_hooks`` are the hooks around the checkpoint on torch
+    without ``respect_saved_tensors_hooks`` (``_PackCachedWithHooks`` packs every other entry
+    with them): they see these entries first, as torch 2.14 lets them see each one at op time.
+    """
+
+    def __init__(self, caching_mode, decisions: PolicyFunctionCall, outer_hooks):
+        self._caching_mode = caching_mode
+        self._decisions = decisions
+        self._outer_hooks = outer_hooks
+
+    @property
+    def storage(self):
+        return self._caching_mode.storage
+
+    def __enter__(self):
+        return self._caching_mode.__enter__()
+
+    def __exit__(self, *exc):
+        suppressed = self._caching_mode.__exit__(*exc)
+        if exc[0] is not None or not self._decisions.offloaded:
+            return suppressed
+        with offload_group(True) as engine:
+            for op, call in self._decisions.offloaded:
+                per_op = self._caching_mode.storage[op]
+                per_op[call] = tree_map(lambda leaf: self._to_host(leaf, engine), per_op[call])
+        return suppressed
+
+    def _to_host(self, leaf, engine: Offload):
+        if not isinstance(getattr(leaf, "val", None), torch.Tensor):
+            return leaf  # not a tensor, or already packed off the device by the hooks around the call
+        outer_pack, outer_unpack = self._outer_hooks or (None, getattr(leaf, "unpack_hook", None))
+
+        def pack(t):
+            if outer_pack is not None:
+                t = outer_pack(t)
+            return engine._pack(t) if isinstance(t, torch.Tensor) else t
+
+        def unpack(packed):
+            t = engine._unpack(packed)
+            return outer_unpack(t) if outer_unpack is not None else t
+
+        return _HookedCacheEntry(leaf, pack, unpack)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -177,10 +231,13 @@ def _storage_key(t: torch.Tensor):
 
 
 class _SelectiveGuardState:
-    """What the forward's guard leaves for the recompute's, per cached op call ``(op, n)``."""
+    """What the forward's guard leaves for the recompute's, per cached op call ``(op, n)`` (the
+    ``n``-th call of ``op``); ``is_cached(site)`` says which calls the policy saved."""
 
-    def __init__(self, hooks):
+    def __init__(self, hooks, is_cached: Callable[[tuple], bool], policy_name: str):
         self.hooks = hooks  # the saved-tensors hooks around the checkpoint, or None
+        self.is_cached = is_cached
+        self.policy_name = policy_name
         self.snapshots: dict[tuple, dict[int, Any]] = {}  # site -> {output leaf: packed copy}
         # site -> [(weakref to a tensor aliasing the cached storage, its version at forward end)]
         self.aliases: dict[tuple, list] = defaultdict(list)
@@ -210,9 +267,9 @@ class _CachedOutputGuard(TorchDispatchMode):
                         self._state.snapshots.setdefault(site, {})[leaf_index] = pack(copy) if pack else copy
         out = func(*args, **kwargs)
         leaves = tree_flatten(out)[0]
-        if func in SELECTIVE_SAVED_OPS:
-            site = (func, self._calls[func])
-            self._calls[func] += 1
+        site = (func, self._calls[func])
+        self._calls[func] += 1
+        if self._state.is_cached(site):
             for leaf_index, leaf in enumerate(leaves):
                 if isinstance(leaf, torch.Tensor) and (key := _storage_key(leaf)) is not None:
                     self._cached.setdefault(key, []).append((site, leaf_index, leaf.detach()))
@@ -246,15 +303,13 @@ class _CachedOutputRestore(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func not in SELECTIVE_SAVED_OPS:
-            return out
         site = (func, self._calls[func])
         self._calls[func] += 1
         for ref, version in self._state.aliases.pop(site, ()):
             tensor = ref()
             if tensor is not None and tensor._version != version:
                 raise RuntimeError(
-                    f"memopt.checkpoint(policy='selective'): the output of {func} (call {site[1]}) that the "
+                    f"memopt.checkpoint(policy={self._state.policy_name}): the output of {func} (call {site[1]}) that the "
                     "recompute starts from was changed in place after the checkpointed forward returned; "
                     "its value at save time is gone. Clone it before changing it, or use policy='full'"
                 )
@@ -403,9 +458,13 @@ class _RecomputeContexts(_Contexts):
         return self._during_forward if self._tracker.running else self._factories
 
 
-def _context_fn(policy: str, respect_hooks, cache_hooks, guard_hooks, guarded: bool, buffers, user_context_fn):
+def _is_selective_saved(site: tuple) -> bool:
+    return site[0] in SELECTIVE_SAVED_OPS
+
+
+def _context_fn(policy, respect_hooks, cache_hooks, guard_hooks, guarded: bool, buffers, user_context_fn):
     """The ``context_fn`` memopt hands ``torch.utils.checkpoint``: PyTorch's selective contexts
-    (``"selective"``; ``respect_hooks`` is its ``respect_saved_tensors_hooks`` where torch has it,
+    (``"selective"`` or a policy function; ``respect_hooks`` is its ``respect_saved_tensors_hooks`` where torch has it,
     else ``cache_hooks`` pack its cache), the exactness guards of note [what a recompute may rely
     on] (``guarded``: eager only; ``guard_hooks`` pack their snapshots), and the caller's own
     ``context_fn`` innermost."""
@@ -416,10 +475,17 @@ def _context_fn(policy: str, respect_hooks, cache_hooks, guard_hooks, guarded: b
         forward.append(buffers.forward)
         recompute.append(buffers.recompute)
         during_forward.append(functools.partial(buffers.recompute, every_buffer=True))
-    if policy == "selective":
+    if policy != "full":
+        if policy == "selective":
+            policy_fn, is_cached = selective_checkpoint_policy, _is_selective_saved
+        elif guarded:
+            policy_fn = PolicyFunctionCall(policy)
+            is_cached = policy_fn.saved.__contains__
+        else:
+            policy_fn = policy  # torch.compile reads the function's answers, CPU offload included, itself
         # The guards decide about written cache entries (the note above), so the cache allows them.
         sac_forward, sac_recompute = create_selective_checkpoint_contexts(
-            selective_checkpoint_policy, allow_cache_entry_mutation=guarded
+            policy_fn, allow_cache_entry_mutation=guarded
         )
         if respect_hooks is not None:
             # What torch.utils.checkpoint sets on a caching mode it is handed directly.
@@ -429,12 +495,15 @@ def _context_fn(policy: str, respect_hooks, cache_hooks, guard_hooks, guarded: b
         caching_mode = sac_forward
         # The lowest of this checkpoint's forward modes: what a recompute during the forward lifts.
         during_forward.append(lambda: _SuspendedModes(caching_mode))
+        if isinstance(policy_fn, PolicyFunctionCall):
+            sac_forward = _CacheEntriesToHost(sac_forward, policy_fn, cache_hooks)
         if cache_hooks is not None:
             sac_forward = _PackCachedWithHooks(sac_forward, cache_hooks)
         forward.append(lambda: sac_forward)
         recompute.append(lambda: sac_recompute)
         if guarded:
-            state = _SelectiveGuardState(guard_hooks)
+            policy_name = repr(policy) if isinstance(policy, str) else getattr(policy, "__qualname__", repr(policy))
+            state = _SelectiveGuardState(guard_hooks, is_cached, policy_name)
             forward.append(lambda: _CachedOutputGuard(state))
             recompute.append(lambda: _CachedOutputRestore(state))
     if user_context_fn is not None:
@@ -448,7 +517,7 @@ def _context_fn(policy: str, respect_hooks, cache_hooks, guard_hooks, guarded: b
 def checkpoint(
     fn: Callable,
     *args,
-    policy: str = "selective",
+    policy: str | Callable = "selective",
     offload: bool | Offload = False,
     preserve_rng_state: bool = True,
     use_reentrant: bool | None = None,
@@ -470,7 +539,13 @@ def checkpoint(
         *args, **kwargs: passed to ``fn``.
         policy: ``"selective"`` (default) saves the outputs of matmuls and attention kernels
             (:data:`memopt.policy.SELECTIVE_SAVED_OPS`) and recomputes everything else; ``"full"`` saves only
-            the inputs and recomputes all of ``fn``; ``"none"`` runs ``fn`` as is.
+            the inputs and recomputes all of ``fn``; ``"none"`` runs ``fn`` as is. Or a PyTorch
+            selective-checkpoint policy function ``policy(ctx, op, *args, **kwargs) ->
+            torch.utils.checkpoint.CheckpointPolicy``: the op outputs it saves are saved (and
+            guarded as ``"selective"``'s are), the rest recomputed; outputs it marks
+            ``MUST_CPU_OFFLOAD``/``PREFER_CPU_OFFLOAD`` are saved and, once ``fn``'s forward is
+            done, packed with memopt's engine (the active ``memopt.Offload``, else the process
+            default; see :mod:`memopt.policy`).
         offload: where what ``policy`` saves lives (see :mod:`memopt.policy`): False, on the
             device; True, in host memory through the active ``memopt.Offload`` (the call is a
             new group in it) or else the process default (``memopt.offload.default_offload``);
@@ -508,7 +583,7 @@ def checkpoint(
     """
     if not callable(fn):
         raise TypeError(f"memopt.checkpoint: fn must be callable, got {type(fn).__name__}")
-    check_policy(policy, "memopt.checkpoint")
+    check_policy(policy, "memopt.checkpoint", functions=True)
     check_offload(offload, "memopt.checkpoint")
     if use_reentrant:
         raise ValueError(
@@ -551,11 +626,11 @@ def checkpoint(
     buffers = buffers if buffers else None
     global_debug = torch.utils.checkpoint._checkpoint_debug_enabled
     wants_debug = debug or (global_debug is True and policy == "full")
-    if wants_debug and (policy == "selective" or context_fn is not None or buffers):
+    if wants_debug and (policy != "full" or context_fn is not None or buffers):
         raise ValueError(
             "memopt.checkpoint: debug=True needs policy='full', no context_fn, and a function whose modules "
-            "have no buffers (torch's debug mode takes no context_fn; 'selective' and memopt's buffer guard "
-            "are one each)"
+            "have no buffers (torch's debug mode takes no context_fn; 'selective', a policy function and "
+            "memopt's buffer guard are one each)"
         )
     options: dict[str, Any] = {
         "use_reentrant": False,
@@ -563,20 +638,20 @@ def checkpoint(
         "determinism_check": determinism_check,
         "debug": wants_debug,
     }
-    if policy == "selective" or buffers or context_fn is not None:
+    if policy != "full" or buffers or context_fn is not None:
         outer_hooks = None if compiling else torch._C._autograd._top_saved_tensors_default_hooks(False)
         respect_hooks = respect_saved_tensors_hooks if _CHECKPOINT_RESPECTS_HOOKS else None
         if respect_hooks is not None:
             options["respect_saved_tensors_hooks"] = respect_hooks
         cache_hooks = outer_hooks if respect_saved_tensors_hooks and not _CHECKPOINT_RESPECTS_HOOKS else None
         guard_hooks = outer_hooks if respect_saved_tensors_hooks else None
-        if compiling and context_fn is not None and policy == "selective":
+        if compiling and context_fn is not None and policy != "full":
             raise ValueError(
-                "memopt.checkpoint: under torch.compile, policy='selective' cannot take a context_fn "
+                "memopt.checkpoint: under torch.compile, policy='selective' or a policy function cannot take a context_fn "
                 "(torch.compile needs the selective checkpoint's own dispatch modes)"
             )
         options["context_fn"] = functools.partial(
-            _context_fn, policy, respect_hooks, cache_hooks, guard_hooks, guarded and policy == "selective",
+            _context_fn, policy, respect_hooks, cache_hooks, guard_hooks, guarded and policy != "full",
             buffers, context_fn,
         )  # fmt: skip
     # torch's global debug switch cannot trace a checkpoint with a context_fn (it raises): memopt's

@@ -13,6 +13,14 @@ Policies (:data:`POLICIES`):
   ``memopt.wrap``) it is PyTorch's selective activation checkpointing with the op list
   :data:`SELECTIVE_SAVED_OPS`.
 - ``"full"``: only the inputs are saved; the whole forward is recomputed in backward.
+- a PyTorch selective-checkpoint policy function ``policy_fn(ctx, op, *args, **kwargs) ->
+  torch.utils.checkpoint.CheckpointPolicy`` (``memopt.checkpoint`` and ``memopt.wrap`` only):
+  the op outputs it marks ``MUST_SAVE``/``PREFER_SAVE`` are saved, the rest recomputed, as under
+  ``torch.utils.checkpoint.checkpoint(..., context_fn=partial(create_selective_checkpoint_contexts,
+  policy_fn))``; ``MUST_CPU_OFFLOAD``/``PREFER_CPU_OFFLOAD`` (torch 2.14's enum; eager torch
+  recomputes those) are saved and go to host memory through memopt's engine, as ``offload=True``
+  would move them (see :class:`PolicyFunctionCall`). The fused blocks decide their saved set
+  themselves and take the names only.
 
 Offload (``offload=``):
 
@@ -29,7 +37,8 @@ so the device holds no layer's activations between its forward and its backward.
 
 from __future__ import annotations
 
-from typing import Any
+from collections import defaultdict
+from typing import Any, Callable
 
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
@@ -76,9 +85,70 @@ def selective_checkpoint_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in SELECTIVE_SAVED_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def check_policy(value: Any, owner: str, name: str = "policy") -> str:
-    """``value`` if it is one of :data:`POLICIES`; else ``ValueError`` naming ``owner``'s argument
-    ``name`` (``policy="offload"`` is told what to write instead)."""
+_SAVE = frozenset((CheckpointPolicy.MUST_SAVE, CheckpointPolicy.PREFER_SAVE))
+# The CPU-offload values (torch 2.14 has them, earlier torch does not), each with the save value
+# of the same strength that memopt hands PyTorch's selective checkpointing in its place.
+_CPU_OFFLOAD_AS_SAVE = {
+    getattr(CheckpointPolicy, offload_name): getattr(CheckpointPolicy, save_name)
+    for offload_name, save_name in (("MUST_CPU_OFFLOAD", "MUST_SAVE"), ("PREFER_CPU_OFFLOAD", "PREFER_SAVE"))
+    if hasattr(CheckpointPolicy, offload_name)
+}
+
+
+class PolicyFunctionCall:
+    """A user's selective-checkpoint policy function, for one checkpointed call.
+
+    PyTorch's selective checkpointing calls it with every op of the forward (and, in torch before
+    2.13, again in the recompute with ``ctx.is_recompute`` True). It answers what the user's
+    function answers, with the CPU-offload values replaced by the save value of the same strength,
+    and records, for the forward only, which calls were saved and which the function wanted on
+    the host, as ``(op, n)``: the ``n``-th call of ``op`` in the forward.
+
+    Args:
+        policy_fn: ``policy_fn(ctx, op, *args, **kwargs) -> CheckpointPolicy`` (a bool is taken as
+            PyTorch takes it: True saves).
+        owner: who calls, for error messages.
+    """
+
+    def __init__(self, policy_fn: Callable[..., Any], owner: str = "memopt.checkpoint"):
+        self.policy_fn = policy_fn
+        self.owner = owner
+        self.saved: set[tuple[Any, int]] = set()
+        self.offloaded: list[tuple[Any, int]] = []
+        self._calls: dict = defaultdict(int)
+
+    def __call__(self, ctx, op, *args, **kwargs) -> CheckpointPolicy:
+        decision = self.policy_fn(ctx, op, *args, **kwargs)
+        if isinstance(decision, bool):
+            decision = CheckpointPolicy.MUST_SAVE if decision else CheckpointPolicy.PREFER_RECOMPUTE
+        if not isinstance(decision, CheckpointPolicy):
+            raise TypeError(
+                f"{self.owner}: the policy function must return a torch.utils.checkpoint.CheckpointPolicy, "
+                f"got {decision!r} for {op}"
+            )
+        to_host = decision in _CPU_OFFLOAD_AS_SAVE
+        decision = _CPU_OFFLOAD_AS_SAVE.get(decision, decision)
+        if not ctx.is_recompute:
+            site = (op, self._calls[op])
+            self._calls[op] += 1
+            if decision in _SAVE:
+                self.saved.add(site)
+            if to_host:
+                self.offloaded.append(site)
+        return decision
+
+
+def check_policy(value: Any, owner: str, name: str = "policy", functions: bool = False) -> str | Callable:
+    """``value`` if it is one of :data:`POLICIES` (or, with ``functions``, a selective-checkpoint
+    policy function); else ``ValueError`` naming ``owner``'s argument ``name``
+    (``policy="offload"`` is told what to write instead)."""
+    if callable(value) and not isinstance(value, str):
+        if functions:
+            return value
+        raise ValueError(
+            f"{owner}: {name} must be one of {list(POLICIES)}, got the function {value!r}; a PyTorch "
+            "selective-checkpoint policy function is taken by memopt.checkpoint and memopt.wrap"
+        )
     if value == "offload":
         raise ValueError(
             f"{owner}: {name}='offload' is not a policy: offload is its own argument; "

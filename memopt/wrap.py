@@ -344,7 +344,8 @@ def wrap(
     Args:
         model: any ``nn.Module``; it is modified in place and returned.
         layers: which submodules are layers (see :func:`find_layers`).
-        policy: one of ``"selective"``, ``"full"``, ``"none"`` (:mod:`memopt.policy`) for every
+        policy: one of ``"selective"``, ``"full"``, ``"none"`` (:mod:`memopt.policy`), or a
+            PyTorch selective-checkpoint policy function (see :func:`memopt.checkpoint`), for every
             layer; or a list with one per layer; or a dict from layer index or name to policy
             (layers not in the dict get ``"none"``).
         offload: whether what each layer's policy saves goes to host memory: False (the
@@ -406,7 +407,10 @@ def wrap(
     else:
         found = find_layers(model, layers)
         names = [name for name, _ in found]
-        policies = _per_layer(names, policy, "policy", "a string", lambda v: isinstance(v, str), check_policy, "none")
+        policies = _per_layer(
+            names, policy, "policy", "a string or a policy function", lambda v: isinstance(v, str) or callable(v),
+            functools.partial(check_policy, functions=True), "none",
+        )  # fmt: skip
         offloads = _per_layer(
             names, False if offload is None else offload, "offload", "a bool, a memopt.Offload",
             lambda v: isinstance(v, (bool, Offload)), check_offload, False,
@@ -421,7 +425,8 @@ def wrap(
         # A fused block is swapped in under "none" too, so every policy runs the same kernels;
         # it then saves the block's "none" set (memopt.block.saved_bytes_per_layer), which is
         # not always less than what the torch layer saves.
-        replacement = None if layer_offload else swap_for_fused_block(layer, layer_policy)
+        # A policy function is PyTorch's selective checkpointing of the layer's own ops: no fused block.
+        replacement = None if layer_offload or callable(layer_policy) else swap_for_fused_block(layer, layer_policy)
         if replacement is not None:
             replacement.block.ffn_chunk_tokens = ffn_chunk_tokens
             parent_name, _, attr = name.rpartition(".")
@@ -447,6 +452,12 @@ def wrap(
             model.register_forward_hook(_RunCheck(model, state, pre=False)),
         ]
     object.__setattr__(model, _STATE_ATTR, state)
+    if any(hasattr(type(model), n) for n in ("activation_checkpointing_enable", "gradient_checkpointing_enable")):
+        # A Trainer with gradient_checkpointing=True would checkpoint the layers a second time: the
+        # switch refuses that (and lets gradient_checkpointing_kwargs={"memopt": ...} select memopt).
+        from memopt.integrations.transformers import take_over_checkpointing
+
+        take_over_checkpointing(model)
     return model
 
 

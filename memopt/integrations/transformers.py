@@ -1,0 +1,195 @@
+"""memopt with Hugging Face ``transformers.Trainer``.
+
+Two things, usable apart:
+
+- **Checkpointing through ``TrainingArguments``.** With ``gradient_checkpointing=True`` (in
+  transformers 5.x also spelled ``activation_checkpointing=True``) the Trainer calls the model's
+  ``activation_checkpointing_enable`` (4.x: ``gradient_checkpointing_enable``) with
+  ``gradient_checkpointing_kwargs``. :func:`take_over_checkpointing` replaces that method on the
+  model instance (the public hook: the Trainer calls it, nothing else) so that a ``"memopt"`` key
+  selects memopt instead of Hugging Face's checkpointing::
+
+      TrainingArguments(..., gradient_checkpointing=True,
+                        gradient_checkpointing_kwargs={"memopt": {"policy": "selective"}})
+
+  The dict under ``"memopt"`` is :func:`memopt.wrap`'s keyword arguments (``policy``, ``offload``,
+  ``budget_bytes`` with ``example_inputs``, ``loss``: the chunked causal-LM loss is on by default,
+  and works with the Trainer's ``num_items_in_batch``). Without the key, Hugging Face's own
+  checkpointing runs, unless the model is already memopt-wrapped: then it raises, since the
+  layers would be checkpointed twice. :func:`memopt.wrap` installs the same switch on every
+  Hugging Face model it wraps, so a plain ``Trainer`` with ``gradient_checkpointing=True`` on a
+  wrapped model raises too instead of checkpointing twice.
+- **OOM recovery that keeps the batch.** :class:`MemoptTrainer` is a ``Trainer`` whose
+  ``training_step`` runs each batch through :meth:`memopt.AdaptiveBatch.accumulate`: a micro-step
+  that runs out of memory is rolled back and retried on half as many samples, from the same
+  sample, so every sample is seen once and the step's gradient is the whole batch's. The
+  Trainer's ``auto_find_batch_size`` (Accelerate's ``find_executable_batch_size``) instead halves
+  ``per_device_train_batch_size`` and restarts the training loop: the effective batch (and the
+  step count, the learning-rate schedule, what the run computes) changes, and the steps already
+  taken are run again.
+
+Limits: :class:`MemoptTrainer` runs on one process (under DDP a rank's OOM would leave the others
+in the gradient all-reduce; :class:`memopt.AdaptiveBatch` itself handles DDP in its own loop).
+Exact for losses the model normalises with ``num_items_in_batch`` (every Hugging Face causal LM,
+or a ``compute_loss_func``); otherwise micro-batch losses are weighted by their share of samples,
+which is exact for per-sample means. trl's ``SFTTrainer`` is a ``Trainer`` subclass: untested here
+(trl is not installed in CI).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import transformers
+from torch import nn
+
+from memopt.adaptive import AdaptiveBatch
+
+__all__ = ["MEMOPT_KEY", "MemoptTrainer", "take_over_checkpointing"]
+
+MEMOPT_KEY = "memopt"
+"""The key of ``gradient_checkpointing_kwargs`` whose dict goes to :func:`memopt.wrap`."""
+
+
+def _checkpointing_method_name(model: nn.Module) -> str:
+    # transformers 5.x: activation_checkpointing_enable (the Trainer's entry point; the older
+    # name forwards to it); 4.x: gradient_checkpointing_enable.
+    return "activation_checkpointing_enable" if hasattr(type(model), "activation_checkpointing_enable") else (
+        "gradient_checkpointing_enable"
+    )
+
+
+class _CheckpointingSwitch:
+    """The ``activation_checkpointing_enable`` (or ``gradient_checkpointing_enable``) that
+    :func:`take_over_checkpointing` puts on a model instance: memopt when the checkpointing
+    kwargs hold :data:`MEMOPT_KEY`, else the model's own method, refused on a wrapped model."""
+
+    def __init__(self, model: nn.Module, method_name: str):
+        self.model = model
+        self.method_name = method_name
+        self.kwargs_name = method_name.replace("_enable", "_kwargs")
+
+    def __call__(self, *args, **kwargs):
+        from memopt.wrap import is_wrapped, wrap  # memopt.wrap imports this module for its switch
+
+        checkpointing_kwargs = args[0] if args else kwargs.get(self.kwargs_name)
+        if not checkpointing_kwargs or MEMOPT_KEY not in checkpointing_kwargs:
+            if is_wrapped(self.model):
+                raise RuntimeError(
+                    f"{type(self.model).__name__} is wrapped by memopt.wrap, and Hugging Face's activation "
+                    "checkpointing would checkpoint its layers a second time. Either let memopt be the "
+                    f"checkpointing (TrainingArguments(gradient_checkpointing=True, gradient_checkpointing_kwargs="
+                    f"{{'{MEMOPT_KEY}': {{...memopt.wrap arguments}}}}) on an unwrapped model), or set "
+                    "gradient_checkpointing=False"
+                )
+            return getattr(type(self.model), self.method_name)(self.model, *args, **kwargs)
+        options = checkpointing_kwargs[MEMOPT_KEY]
+        if not isinstance(options, dict):
+            raise TypeError(
+                f"{self.kwargs_name}[{MEMOPT_KEY!r}] must be a dict of memopt.wrap arguments, got {type(options).__name__}"
+            )
+        others = sorted(k for k in checkpointing_kwargs if k != MEMOPT_KEY)
+        if others:
+            raise ValueError(
+                f"{self.kwargs_name} with {MEMOPT_KEY!r} takes no other keys (they are torch.utils.checkpoint's, and "
+                f"memopt does the checkpointing), got {others}"
+            )
+        every_n_layers = kwargs.pop("every_n_layers", 1)
+        offload = kwargs.pop("offload", False)
+        kwargs.pop(self.kwargs_name, None)
+        if kwargs or len(args) > 1:
+            raise TypeError(f"{self.method_name}: unexpected arguments {sorted(kwargs) or args[1:]}")
+        if every_n_layers != 1:
+            raise ValueError(
+                f"every_n_layers={every_n_layers} with {MEMOPT_KEY!r}: give memopt.wrap a per-layer policy instead "
+                "(policy={0: 'selective', 2: 'selective', ...}: layers not in the dict are not checkpointed)"
+            )
+        if offload:
+            options = {"offload": True, **options}
+        if is_wrapped(self.model):
+            raise RuntimeError(
+                f"{type(self.model).__name__} is already wrapped by memopt.wrap; pass its arguments under "
+                f"{MEMOPT_KEY!r} on an unwrapped model, or leave gradient_checkpointing off"
+            )
+        wrap(self.model, **options)
+
+
+def take_over_checkpointing(model: nn.Module) -> nn.Module:
+    """Let ``gradient_checkpointing_kwargs={"memopt": {...}}`` select memopt for ``model``.
+
+    Replaces the model's ``activation_checkpointing_enable`` (transformers 4.x:
+    ``gradient_checkpointing_enable``) on this instance by a switch: with the ``"memopt"`` key it
+    calls ``memopt.wrap(model, **kwargs["memopt"])`` (``offload=True`` from the Trainer's
+    ``offload`` key); without it, the model's own method, refused with ``RuntimeError`` while the
+    model is memopt-wrapped. Calling it again does nothing. Returns ``model``.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"memopt.integrations.transformers: model must be an nn.Module, got {type(model).__name__}")
+    name = _checkpointing_method_name(model)
+    if not hasattr(type(model), name):
+        raise TypeError(f"{type(model).__name__} has no {name}: not a Hugging Face PreTrainedModel")
+    if not isinstance(model.__dict__.get(name), _CheckpointingSwitch):
+        setattr(model, name, _CheckpointingSwitch(model, name))
+    return model
+
+
+class MemoptTrainer(transformers.Trainer):
+    """A ``transformers.Trainer`` with memopt's checkpointing switch and OOM recovery.
+
+    Takes the Trainer's arguments, plus (keyword only) :class:`memopt.AdaptiveBatch`'s
+    ``micro_batch`` (the first and largest micro-batch; default: the whole per-device batch),
+    ``min_micro_batch`` and ``grow_after``. Each batch of the Trainer (one of its
+    ``gradient_accumulation_steps``) is run as micro-batches with gradient accumulation; on
+    out-of-memory the micro-batch halves and the failed micro-step is retried from the same
+    sample, with ``.grad``, buffers and RNG states as they were before it. The Trainer's loop,
+    optimizer step, schedule and logging are the Trainer's own. See the module docstring for the
+    limits.
+    """
+
+    def __init__(self, *args, micro_batch: int | None = None, min_micro_batch: int = 1,
+                 grow_after: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if self.args.world_size > 1:
+            raise ValueError(
+                f"MemoptTrainer: OOM recovery runs on one process (world_size {self.args.world_size}): a rank that "
+                "runs out of memory would leave the others waiting in the gradient all-reduce"
+            )
+        take_over_checkpointing(self.model)
+        self._adaptive_options = {"micro_batch": micro_batch, "min_micro_batch": min_micro_batch,
+                                  "grow_after": grow_after}
+        self.adaptive_batch: AdaptiveBatch | None = None
+
+    def _loss_is_scaled_for_ga(self, num_items_in_batch) -> bool:
+        # The rule of Trainer.training_step, from the Trainer's public attributes.
+        if self.loss_is_scaled_for_ga is not None:
+            return self.loss_is_scaled_for_ga
+        return (self.model_accepts_loss_kwargs and num_items_in_batch is not None) or self.compute_loss_func is not None
+
+    def training_step(self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch=None) -> torch.Tensor:
+        """The Trainer's training step over ``inputs``, as micro-batches that back off on OOM.
+
+        Returns the batch's loss as ``Trainer.training_step`` does (divided by the accumulation
+        steps unless the model normalised it with ``num_items_in_batch``).
+        """
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        # Trainer has no public method that moves a batch to the device; its training_step calls
+        # this one too.
+        inputs = self._prepare_inputs(inputs)
+        pre_weighted = self._loss_is_scaled_for_ga(num_items_in_batch)
+        accumulation_steps = self.current_gradient_accumulation_steps
+
+        def loss_fn(model, micro_batch):
+            with self.compute_loss_context_manager():
+                loss = self.compute_loss(model, micro_batch, num_items_in_batch=num_items_in_batch)
+            return loss if pre_weighted else loss / accumulation_steps
+
+        if self.adaptive_batch is None or self.adaptive_batch.model is not model:
+            self.adaptive_batch = AdaptiveBatch(
+                model, self.optimizer, loss_fn, backward=self.accelerator.backward, **self._adaptive_options
+            )
+        self.adaptive_batch.loss_fn = loss_fn
+        self.adaptive_batch.pre_weighted = pre_weighted
+        return self.adaptive_batch.accumulate(inputs).loss.to(self.args.device)

@@ -1,0 +1,240 @@
+"""policy= as a PyTorch selective-checkpoint policy function: the same gradients as PyTorch's own
+selective checkpointing with that function, the bytes it implies, its CPU-offload values through
+memopt's engine, offload= on top, and memopt.wrap."""
+
+import copy
+import functools
+import importlib
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+import memopt
+
+
+ckpt = importlib.import_module("memopt.checkpoint")
+offload_module = importlib.import_module("memopt.offload")
+aten = torch.ops.aten
+HAS_CPU_OFFLOAD = hasattr(CheckpointPolicy, "MUST_CPU_OFFLOAD")
+
+
+def _block(x, w1, w2, gamma, p=0.2):
+    """Norm, matmul, GELU, dropout, matmul, residual: dropout makes the recompute's RNG replay count."""
+    h = F.layer_norm(x, x.shape[-1:], gamma)
+    h = F.gelu(h @ w1)
+    h = F.dropout(h, p, training=p > 0)
+    return x + h @ w2
+
+
+def _inputs(dtype=torch.float64, n=37, d=24, hidden=48):
+    return [torch.randn(*shape, dtype=dtype, requires_grad=True) for shape in ((n, d), (d, hidden), (hidden, d), (d,))]
+
+
+def save_first_matmul_and_gelu(ctx, op, *args, **kwargs):
+    """A user's policy, unlike memopt's "selective": the GELU output is kept, the second matmul
+    (the 2-D ``x @ w`` is ``aten.mm``, the first call of it saved, the second recomputed) is not."""
+    if op == aten.gelu.default:
+        return CheckpointPolicy.MUST_SAVE
+    if op == aten.mm.default:
+        return CheckpointPolicy.PREFER_SAVE if ctx.op_output.shape[-1] == 48 else CheckpointPolicy.PREFER_RECOMPUTE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _run(fn, inputs, seed):
+    torch.manual_seed(seed)
+    leaves = [t.detach().clone().requires_grad_() for t in inputs]
+    out = fn(*leaves)
+    out.square().sum().backward()
+    return out.detach(), [t.grad for t in leaves]
+
+
+def _torch_sac(policy_fn):
+    context_fn = functools.partial(create_selective_checkpoint_contexts, policy_fn)
+    return lambda *a: torch.utils.checkpoint.checkpoint(_block, *a, use_reentrant=False, context_fn=context_fn)
+
+
+class _OutputsOfSavedOps(TorchDispatchMode):
+    """Independent reference for the saved bytes: in a plain run, the storages of the outputs of
+    the op calls ``policy_fn`` marks to save."""
+
+    def __init__(self, policy_fn):
+        super().__init__()
+        self.policy_fn = policy_fn
+        self.storages = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        ctx = torch.utils.checkpoint.SelectiveCheckpointContext(is_recompute=False, op_output=out)
+        if self.policy_fn(ctx, func, *args, **(kwargs or {})) != CheckpointPolicy.PREFER_RECOMPUTE:
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                self.storages[memopt.saved.storage_key(t)] = t.untyped_storage().nbytes()
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_gradients_equal_torch_selective_checkpointing_with_the_same_policy(dtype):
+    inputs = _inputs(dtype)
+    expected_out, expected = _run(_torch_sac(save_first_matmul_and_gelu), inputs, seed=3)
+    plain_out, plain = _run(_block, inputs, seed=3)
+    out, grads = _run(lambda *a: memopt.checkpoint(_block, *a, policy=save_first_matmul_and_gelu), inputs, seed=3)
+    # Same ops in the same order: bit for bit PyTorch's result, and the plain run's within rounding.
+    assert torch.equal(out, expected_out)
+    for grad, ref, plain_grad in zip(grads, expected, plain):
+        assert torch.equal(grad, ref)
+        torch.testing.assert_close(grad, plain_grad)
+    torch.testing.assert_close(out, plain_out)
+
+
+def test_saved_bytes_are_what_the_policy_implies():
+    inputs = _inputs(torch.float32, n=64, d=24, hidden=48)
+    with _OutputsOfSavedOps(save_first_matmul_and_gelu) as reference:
+        _block(*inputs)
+    fp32 = 4
+    # The first matmul's output (64, 48) and the GELU's (64, 48); the second matmul is recomputed.
+    assert sum(reference.storages.values()) == 2 * 64 * 48 * fp32
+    counted = memopt.saved_bytes(lambda *a: memopt.checkpoint(_block, *a, p=0.0, policy=save_first_matmul_and_gelu), *inputs)
+    # Without dropout (its mask would be a third saved tensor, the reference above ran without it too).
+    assert counted == sum(reference.storages.values())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        context_fn = functools.partial(create_selective_checkpoint_contexts, save_first_matmul_and_gelu)
+        options = {"use_reentrant": False, "context_fn": context_fn}
+        if ckpt._CHECKPOINT_RESPECTS_HOOKS:
+            options["respect_saved_tensors_hooks"] = True
+            torch_counted = memopt.saved_bytes(lambda *a: torch.utils.checkpoint.checkpoint(_block, *a, p=0.0, **options), *inputs)
+            assert torch_counted == counted
+
+
+def test_bool_answers_are_taken_as_pytorch_takes_them():
+    inputs = _inputs()
+    as_bool = lambda ctx, op, *a, **k: op == aten.mm.default  # noqa: E731
+    expected_out, expected = _run(_torch_sac(as_bool), inputs, seed=1)
+    out, grads = _run(lambda *a: memopt.checkpoint(_block, *a, policy=as_bool), inputs, seed=1)
+    assert torch.equal(out, expected_out)
+    assert all(torch.equal(g, e) for g, e in zip(grads, expected))
+
+
+def test_in_place_update_of_a_saved_output_is_exact():
+    """The exactness guard of "selective" covers what a policy function saves."""
+    x = torch.randn(4, 5, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+
+    def scaled_in_place(x, w):
+        return (x @ w).mul_(2).sin()
+
+    expected = torch.autograd.grad(scaled_in_place(x, w).sum(), (x, w))
+    save_mm = lambda ctx, op, *a, **k: CheckpointPolicy.MUST_SAVE if op == aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE  # noqa: E731
+    got = torch.autograd.grad(memopt.checkpoint(scaled_in_place, x, w, policy=save_mm).sum(), (x, w))
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+
+
+def _cpu_engine():
+    # CPU tensors count as device tensors for this Offload, so the round trip really happens.
+    return memopt.offload(min_bytes=0, pin_memory=False, allow_cpu_source=True)
+
+
+def test_offload_on_top_moves_what_the_policy_saves():
+    inputs = _inputs(torch.float32, n=64)
+    engine = _cpu_engine()
+    out, grads = _run(lambda *a: memopt.checkpoint(_block, *a, p=0.0, policy=save_first_matmul_and_gelu, offload=engine), inputs, seed=2)
+    expected_out, expected = _run(lambda *a: _block(*a, p=0.0), inputs, seed=2)
+    # The two (64, 48) outputs the policy keeps, and the layer norm's statistics and the residual
+    # input the backward of the recomputed ops needs are recomputed, not saved: only those two move.
+    assert engine.stats()["bytes_to_host"] == 2 * 64 * 48 * 4
+    torch.testing.assert_close(out, expected_out)
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e)
+
+
+@pytest.mark.skipif(not HAS_CPU_OFFLOAD, reason="this torch's CheckpointPolicy has no CPU-offload values")
+@pytest.mark.parametrize("strength", ["MUST", "PREFER"])
+@pytest.mark.parametrize("hooks_path", ["torch", "fallback"])
+def test_cpu_offload_answers_go_through_memopts_engine(monkeypatch, strength, hooks_path):
+    if hooks_path == "fallback":
+        # The path of torch 2.11..2.13, which lack respect_saved_tensors_hooks.
+        monkeypatch.setattr(ckpt, "_CHECKPOINT_RESPECTS_HOOKS", False)
+    engine = _cpu_engine()
+    monkeypatch.setattr(offload_module, "_DEFAULT", engine)  # what offload=True takes outside any engine
+    to_host = getattr(CheckpointPolicy, f"{strength}_CPU_OFFLOAD")
+
+    def offload_gelu_save_matmuls(ctx, op, *args, **kwargs):
+        if op == aten.gelu.default:
+            return to_host
+        return CheckpointPolicy.MUST_SAVE if op == aten.mm.default else CheckpointPolicy.PREFER_RECOMPUTE
+
+    inputs = _inputs(torch.float32, n=64)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        with memopt.SavedTensorCounter(exclude=inputs) as counter:
+            out = memopt.checkpoint(_block, *inputs, p=0.0, policy=offload_gelu_save_matmuls)
+    # Only the GELU output (64, 48) went to the host; the two matmul outputs stayed.
+    assert engine.stats()["bytes_to_host"] == 64 * 48 * 4
+    assert not engine.active
+    # The hooks around the call still see every tensor the policy keeps.
+    assert counter.total_bytes == (64 * 48 + 64 * 48 + 64 * 24) * 4
+    out.square().sum().backward()
+    grads = [t.grad for t in inputs]
+    expected_out, expected = _run(lambda *a: _block(*a, p=0.0), inputs, seed=0)
+    assert engine.stats()["bytes_to_device"] == 64 * 48 * 4
+    torch.testing.assert_close(out.detach(), expected_out)
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e)
+
+
+class _Layer(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.up = nn.Linear(d, 4 * d)
+        self.down = nn.Linear(4 * d, d)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return x + self.drop(self.down(F.gelu(self.up(self.norm(x)))))
+
+
+def test_wrap_takes_a_policy_function_for_every_layer_or_some():
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[_Layer() for _ in range(3)])
+    wrapped = memopt.wrap(
+        copy.deepcopy(plain), policy={0: save_first_matmul_and_gelu, 2: "full"}
+    )
+    assert importlib.import_module("memopt.wrap").wrapped_policies(wrapped) == {"0": save_first_matmul_and_gelu, "1": "none", "2": "full"}
+    x = torch.randn(4, 7, 16)
+    results = []
+    for model in (plain, wrapped):
+        torch.manual_seed(4)
+        model(x).square().sum().backward()
+        results.append([p.grad for p in model.parameters()])
+    for got, expected in zip(*results):
+        torch.testing.assert_close(got, expected)
+    torch_layer = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+    second = nn.TransformerEncoderLayer(32, 2, 64, dropout=0.0, batch_first=True)
+    model = memopt.wrap(nn.Sequential(torch_layer, second), policy=save_first_matmul_and_gelu)
+    assert model[0] is torch_layer  # not swapped for a fused block: it runs the torch layer's own ops
+
+
+def test_bad_policy_functions_raise():
+    x = torch.randn(3, 3, requires_grad=True)
+    with pytest.raises(TypeError, match="must return a torch.utils.checkpoint.CheckpointPolicy, got 'save'"):
+        memopt.checkpoint(torch.sin, x, policy=lambda ctx, op, *a, **k: "save")
+    with pytest.raises(ValueError, match="policy must be one of .* got the function"):
+        memopt.FusedCheckpointBlock(32, 2, policy=save_first_matmul_and_gelu)
+
+
+def test_compile_fullgraph_with_a_policy_function(compile_cache):
+    inputs = _inputs(torch.float32)
+    compiled = torch.compile(
+        lambda *a: memopt.checkpoint(_block, *a, p=0.0, policy=save_first_matmul_and_gelu), backend="aot_eager", fullgraph=True
+    )
+    out, grads = _run(compiled, inputs, seed=0)
+    expected_out, expected = _run(lambda *a: _block(*a, p=0.0), inputs, seed=0)
+    torch.testing.assert_close(out, expected_out)
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e)

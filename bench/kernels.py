@@ -10,7 +10,9 @@ CPU the providers run in turn within each repeat, and the median is reported) an
 for backward are counted (``memopt.saved_bytes``, inputs and parameters excluded). Memory-bound
 ops report GB/s of their ideal traffic (every input read once and every output written once,
 forward and backward); norm_linear, act_linear and attention report TFLOP/s (attention causal,
-backward counted as 2.5 forwards). ``time_vs_eager`` is memopt's (or compile's) median over eager's.
+backward counted as 2.5 forwards). ``time_vs_eager`` is memopt's (or compile's) time over eager's:
+on CPU the median (p20, p80) of the per-round ratios (both timed in the same interleaved round),
+on GPU the ratio of the medians.
 
 Rows follow the house schema (``op, provider, mode, metric, unit, x, median, p20, p80`` plus
 ``width`` and ``status``; ``x`` is the rows, for attention the sequence length), under an
@@ -248,6 +250,19 @@ def _fwd_bwd_step(fn: Callable, tensors: list[torch.Tensor]) -> Callable[[], Non
 def time_interleaved(steps: dict[str, Callable[[], None]], device: torch.device, repeats: int) -> dict[str, tuple[float, float, float]]:
     """(median, p20, p80) milliseconds per step, the steps timed in turn within each repeat (the
     order alternating), so that a busy spell on a shared machine slows all of them alike."""
+    return {name: _quantiles(ts) for name, ts in interleaved_samples(steps, device, repeats).items()}
+
+
+def _quantiles(samples: list[float] | tuple[float, float, float]) -> tuple[float, float, float]:
+    """(median, p20, p80) of timed samples (already those on CUDA)."""
+    if isinstance(samples, tuple):
+        return samples
+    return quantile(samples, 0.5), quantile(samples, 0.2), quantile(samples, 0.8)
+
+
+def interleaved_samples(steps: dict[str, Callable[[], None]], device: torch.device, repeats: int):
+    """Per step name, the milliseconds of each repeat (repeat ``i`` of every step in the same
+    round); on CUDA ``triton.testing.do_bench``'s (median, p20, p80) instead."""
     for step in steps.values():
         step()  # warm-up (and compilation)
     if device.type == "cuda":
@@ -261,7 +276,14 @@ def time_interleaved(steps: dict[str, Callable[[], None]], device: torch.device,
             t0 = time.perf_counter()
             steps[name]()
             times[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: (quantile(ts, 0.5), quantile(ts, 0.2), quantile(ts, 0.8)) for name, ts in times.items()}
+    return times
+
+
+def paired_ratio(numerator: list[float], denominator: list[float]) -> tuple[float, float, float]:
+    """(median, p20, p80) over rounds of ``numerator[i] / denominator[i]``: the two timed in the
+    same round, so a slow spell of the machine divides out instead of landing on one side."""
+    ratios = [a / b for a, b in zip(numerator, denominator)]
+    return quantile(ratios, 0.5), quantile(ratios, 0.2), quantile(ratios, 0.8)
 
 
 def time_fwd_bwd(fn: Callable, tensors: list[torch.Tensor], device: torch.device, repeats: int) -> tuple[float, float, float]:
@@ -307,7 +329,8 @@ def bench_op(spec: OpSpec, shape: Shape, settings: KernelSettings, device: torch
         calls[provider] = fn
     steps = {provider: _fwd_bwd_step(calls[provider], tensors[provider]) for provider in calls}
     try:
-        timings = time_interleaved(steps, device, _repeats(settings, shape))
+        samples = interleaved_samples(steps, device, _repeats(settings, shape))
+        timings = {p: _quantiles(ts) for p, ts in samples.items()}
         saved = {p: None if p == "compile" else memopt.saved_bytes(calls[p], *tensors[p]) for p in calls}
     except Exception as exc:  # reported in the table, never allowed to stop the run
         text = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
@@ -327,9 +350,12 @@ def bench_op(spec: OpSpec, shape: Shape, settings: KernelSettings, device: torch
              "p80": saved[provider], "status": "ok" if saved[provider] is not None else "n/a (compiled)"},
         ]
         if provider != "eager" and "eager" in timings:
-            ratio = median / timings["eager"][0]
-            out_rows.append({**row, "metric": "time_vs_eager", "unit": "x", "median": ratio, "p20": ratio, "p80": ratio,
-                             "status": "ok"})
+            if isinstance(samples[provider], list):
+                ratio, ratio_p20, ratio_p80 = paired_ratio(samples[provider], samples["eager"])
+            else:
+                ratio = ratio_p20 = ratio_p80 = median / timings["eager"][0]
+            out_rows.append({**row, "metric": "time_vs_eager", "unit": "x", "median": ratio, "p20": ratio_p20,
+                             "p80": ratio_p80, "status": "ok"})
     return out_rows + unavailable
 
 

@@ -708,7 +708,7 @@ def _llama_estimate(cfg: ModelConfig) -> Estimate:
     loss_saved, held_logits, loss_peak = _loss_terms(cfg, head_trains, e, 4)
     final_norm = tokens * (4 * d + 4 + (d * e if head_trains else 0))
     head_input = tokens * d * e if head_trains or cfg.loss == "chunked" else 0
-    rope = tokens * 2 * (d // cfg.n_heads) * e
+    rope = cfg.seq_len * 2 * (d // cfg.n_heads) * e  # cos and sin, one row per position (batch broadcast)
     ids = 3 * tokens * _INDEX_BYTES + cfg.seq_len * _INDEX_BYTES  # input ids, labels, shifted labels, positions
 
     breakdown = _llama_static(cfg)

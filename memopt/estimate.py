@@ -64,6 +64,23 @@ Other policies plug in through :func:`register_policy_formula`; memopt's
 ``memopt.block.saved_bytes_per_token``, and with ``offload=True`` what they save is counted in
 host memory (``Estimate.host_bytes``) instead of on the device, one layer's set excepted.
 
+``arch="llama"`` describes a Hugging Face ``LlamaForCausalLM`` instead (:func:`llama_layer_saved`
+has its per-layer formula, equal to the bytes counted on the model in
+``tests/test_estimate_llama.py``), with what long-context training changes: ``loss="chunked"``
+(the LM-head loss without materialised logits), ``ffn_chunk_tokens`` (the sequence-tiled FFN),
+``policy="full", offload=True`` (the checkpointed layer inputs in host memory, as many as
+``host_memory_bytes`` holds), and LoRA (``lora_rank``: frozen base weights, float32 adapters with
+their gradients and optimizer state). Attention is SDPA's flash-style kernel: it saves one
+float32 log-sum-exp per head and token (``attention_logsumexp``), and its backward's dq, dk, dv
+are ``transients["attention_backward"]``; there is no O(seq^2) term. Its policies are
+``"eager"`` (no checkpointing), ``"checkpoint"`` (Hugging Face's gradient checkpointing,
+``torch.utils.checkpoint`` per layer) and memopt's ``"none"``/``"selective"``/``"full"`` as
+``memopt.wrap`` applies them to a Hugging Face layer (``memopt.checkpoint``: PyTorch's selective
+checkpointing of matmul and SDPA outputs for ``"selective"``, the layer input only for
+``"full"``). :func:`strategies` lists the setups ``memopt estimate --max-seq`` compares and
+:func:`seq_len_limit` finds the longest sequence of each with the term that binds;
+``python -m bench.long_context`` measures them against the estimate.
+
 The peak comes at the start of backward: everything saved is alive, and then first the loss
 transient and later, once it is freed, one layer's backward transient; so the total counts the
 larger of the two (``Estimate.transients`` has both). It assumes gradients are resident while
@@ -665,7 +682,9 @@ def _llama_estimate(cfg: ModelConfig) -> Estimate:
     # The tiled FFN keeps only its input (the second norm's output) and rebuilds each chunk.
     kept_mlp = {"mlp_input": tokens * d * e} if tiled else mlp
     chunk_attention, chunk_mlp = eager(True, mlp_tokens)
-    recompute = sum(chunk_attention.values()) + sum(chunk_mlp.values())
+    # In a float32 model the first norm saves the layer input itself: the checkpointed copy.
+    recompute_attention = sum(chunk_attention.values()) - (layer_input if e == 4 else 0)
+    recompute = recompute_attention + sum(chunk_mlp.values())
     policy = "eager" if cfg.policy == "none" else cfg.policy
     host = 0
     if policy == "eager":
@@ -673,7 +692,8 @@ def _llama_estimate(cfg: ModelConfig) -> Estimate:
         per_layer = attention | kept_mlp
         first = sum(first_attention.values()) + sum(({"mlp_input": tokens * d * e} if tiled else first_mlp).values())
         activations = first + (cfg.n_layers - 1) * sum(per_layer.values())
-        workspace_recompute = sum(chunk_mlp.values()) if tiled else 0
+        recompute_attention, recompute = 0, (sum(chunk_mlp.values()) if tiled else 0)
+        freed_mlp = 0 if tiled else sum(mlp.values())
     elif policy in ("checkpoint", "full"):
         per_layer = {"layer_input": layer_input}
         on_device = cfg.n_layers
@@ -686,7 +706,7 @@ def _llama_estimate(cfg: ModelConfig) -> Estimate:
             on_device = cfg.n_layers - on_host + min(on_host, 2)
             per_layer = {"host_layer_input": layer_input}
         activations = on_device * layer_input
-        workspace_recompute = recompute
+        freed_mlp = 0
     else:  # selective
         cached = _llama_selective_per_token(cfg) * tokens
         if tiled:
@@ -696,13 +716,20 @@ def _llama_estimate(cfg: ModelConfig) -> Estimate:
         if cfg.offload:
             host = cfg.n_layers * cached
         activations = cfg.n_layers * (layer_input + (0 if cfg.offload else cached)) + (cached if cfg.offload else 0)
-        workspace_recompute = max(0, recompute - cached)
-    # One layer's backward: the incoming and outgoing residual gradients, and the larger of the
-    # MLP's three (chunk x d_ff) gradient buffers and attention's dq, dk, dv and output gradient.
+        recompute = max(0, recompute - cached)
+        recompute_attention = max(0, recompute_attention - cached)
+        freed_mlp = 0
+    # One layer's backward peaks either in the MLP (the output gradient, and the three
+    # (tokens x d_ff) gradients of down_proj's input, silu and up while down_proj's saved input
+    # is already freed) or in attention (the MLP's tensors freed; the output gradient, the
+    # attention output's, dq, dk, dv).
     f = cfg.d_ff
-    mlp_grads = mlp_tokens * 3 * f * e
-    attention_grads = tokens * (2 * d + 2 * kv) * e
-    layer_backward = workspace_recompute + 2 * tokens * d * e + max(mlp_grads, attention_grads)
+    mlp_product = mlp["mlp_product"] // tokens
+    mlp_grads = mlp_tokens * (3 * f * e - mlp_product)
+    attention_grads = tokens * (d + 2 * kv) * e
+    mlp_phase = recompute + tokens * d * e + mlp_grads
+    attention_phase = recompute_attention + 2 * tokens * d * e + attention_grads - freed_mlp
+    layer_backward = max(mlp_phase, attention_phase, 0)
 
     head_trains = not lora
     loss_saved, held_logits, loss_peak = _loss_terms(cfg, head_trains, e, 4)
@@ -715,21 +742,22 @@ def _llama_estimate(cfg: ModelConfig) -> Estimate:
     breakdown["activations"] = activations
     breakdown["attention_scores"] = 0
     breakdown["autocast_weights"] = 0
-    breakdown["embeddings_head"] = ids + rope + final_norm + head_input + loss_saved
+    head_saved = final_norm + head_input + loss_saved  # freed by the loss's backward
+    breakdown["embeddings_head"] = ids + rope + head_saved
     breakdown["logits_loss"] = loss_peak
     library = CUBLAS_WORKSPACE_BYTES if cfg.device == "cuda" else 0
-    breakdown["workspace"] = max(0, layer_backward + held_logits - loss_peak) + library
+    breakdown["workspace"] = max(0, layer_backward + held_logits - loss_peak - head_saved) + library
     notes = [
         "Hugging Face LlamaForCausalLM, SDPA attention (flash-style: one float32 log-sum-exp per head "
         "and token saved, no seq x seq term)",
         "gradients resident during the forward (gradient accumulation)",
-        "peak transient = max(loss transient, one layer's backward transient)",
+        "peak transient = max(loss transient with the head's saved tensors, one layer's backward transient)",
         "excludes the CUDA context and allocator rounding",
     ]
     return Estimate(
         breakdown=breakdown, per_layer=per_layer | {"workspace": layer_backward}, config=cfg,
         num_parameters=cfg.num_parameters + cfg.num_lora_parameters, notes=notes, host_bytes=host,
-        transients={"logits_loss": loss_peak, "layer_backward": layer_backward, "layer_recompute": workspace_recompute,
+        transients={"logits_loss": loss_peak, "layer_backward": layer_backward, "layer_recompute": recompute,
                     "attention_backward": attention_grads, "library": library},
     )
 

@@ -671,7 +671,7 @@ def _llama_estimate(cfg: ModelConfig) -> Estimate:
     kv = cfg.n_kv_heads * (d // cfg.n_heads)
     lora = cfg.lora_rank is not None
     mlp_tokens = min(cfg.ffn_chunk_tokens or tokens, tokens)
-    tiled = mlp_tokens < tokens or cfg.ffn_chunk_tokens is not None
+    tiled = cfg.ffn_chunk_tokens is not None
 
     def eager(input_requires_grad: bool, mlp_tokens: int) -> tuple[dict[str, int], dict[str, int]]:
         attention, mlp = llama_layer_saved(cfg, input_requires_grad=input_requires_grad)

@@ -6,7 +6,8 @@
   one point per configuration: lower left is better;
 * ``sweep-layers`` / ``sweep-seq``: memory and step time against depth or sequence length,
   one line per configuration;
-* ``kernels``: forward+backward time per op and provider.
+* ``kernels``: forward+backward time per op and provider;
+* ``long_context``: peak memory against sequence length per strategy, measured and estimated.
 """
 
 from __future__ import annotations
@@ -134,7 +135,36 @@ def plot_kernels(result: dict, path: Path) -> Path:
     return path
 
 
-PLOTTERS = {"compare": plot_compare, "sweep-layers": plot_sweep, "sweep-seq": plot_sweep, "kernels": plot_kernels}
+def plot_long_context(result: dict, path: Path) -> Path:
+    """Peak memory against sequence length, one panel per model configuration: measured (solid,
+    dots) and estimated (dashed) per strategy."""
+    rows = result["rows"]
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    fig, axes = plt.subplots(1, len(configs), figsize=(6 * len(configs), 5), squeeze=False)
+    for ax, config in zip(axes[0], configs):
+        for i, strategy in enumerate(dict.fromkeys(r["strategy"] for r in rows)):
+            points = sorted((r["x"], r) for r in rows if r["config"] == config and r["strategy"] == strategy)
+            color = f"C{i}"
+            measured = [(x, r["measured_bytes"] / MIB) for x, r in points if r["measured_bytes"] is not None]
+            if measured:
+                ax.plot(*zip(*measured), "-", marker="o", color=color, label=f"{strategy} (measured)")
+            ax.plot([x for x, _ in points], [r["predicted_bytes"] / MIB for _, r in points], "--", color=color,
+                    label=f"{strategy} (estimated)")
+        ax.set_title(config, fontsize=9)
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_ylabel("peak memory of a training step (MiB)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(_title(result), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+PLOTTERS = {"compare": plot_compare, "sweep-layers": plot_sweep, "sweep-seq": plot_sweep, "kernels": plot_kernels,
+            "long_context": plot_long_context}
 
 
 def plot_file(path: Path | str, out: Path | str | None = None) -> list[Path]:

@@ -5,6 +5,7 @@ Examples::
     memopt estimate --preset gpt2-xl --micro-batch 8 --optimizer adam
     memopt estimate --preset gpt2-xl --micro-batch 8 --precision autocast --memory-gib 80 --json
     memopt estimate --layers 24 --d-model 2048 --heads 16 --vocab 50304 --seq 2048 --micro-batch 4
+    memopt estimate --preset llama-3-8b --lora --memory-gib 141 --host-memory-gib 128 --max-seq
     memopt report
     memopt bench -- --help          # everything after "bench" goes to python -m bench
 """
@@ -18,14 +19,19 @@ import subprocess
 import sys
 
 from memopt.estimate import ATTENTIONS, OPTIMIZER_STATES, PRECISIONS, PRESETS, ModelConfig, _config_estimate
-from memopt.estimate import choice_label, fit_choices, max_micro_batch, max_seq_len, registered_policies
+from memopt.estimate import ARCHS, LLAMA_LINEARS, LORA_DEFAULT_TARGETS, LOSSES, choice_label, fit_choices
+from memopt.estimate import max_micro_batch, max_seq_len, registered_policies, seq_len_limit, strategies
 
 __all__ = ["main"]
 
 _CONFIG_FLAGS = {  # flag -> ModelConfig field
     "layers": "n_layers", "d_model": "d_model", "heads": "n_heads", "d_ff": "d_ff", "vocab": "vocab_size",
-    "seq": "seq_len", "micro_batch": "micro_batch",
+    "seq": "seq_len", "micro_batch": "micro_batch", "kv_heads": "n_kv_heads", "arch": "arch",
+    "precision": "precision", "attention": "attention", "dropout": "dropout", "loss": "loss",
+    "loss_chunk_tokens": "loss_chunk_tokens", "ffn_chunk_tokens": "ffn_chunk_tokens",
 }
+_SHAPE_FIELDS = ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len")
+_LORA_DEFAULT_RANK = 8  # PEFT's LoraConfig default
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -42,13 +48,25 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--vocab", type=int)
     est.add_argument("--seq", type=int, help="sequence length")
     est.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (default 1)")
-    est.add_argument("--precision", choices=PRECISIONS, default="fp32")
+    est.add_argument("--arch", choices=ARCHS, help="model layout (default gpt2, or the preset's)")
+    est.add_argument("--kv-heads", type=int, help="key/value heads (grouped-query attention, arch llama)")
+    est.add_argument("--precision", choices=PRECISIONS, help="default fp32, or the preset's")
     est.add_argument("--low-dtype", choices=("bf16", "fp16"), default="bf16")
     est.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adam")
     est.add_argument("--policy", default="eager", help=f"activation policy: {', '.join(registered_policies())}")
     est.add_argument("--offload", action="store_true", help="what a memopt policy (none, selective, full) saves lives in host memory")
-    est.add_argument("--attention", choices=ATTENTIONS, default="math")
-    est.add_argument("--dropout", type=float, default=0.1)
+    est.add_argument("--attention", choices=ATTENTIONS, help="default math, or the preset's")
+    est.add_argument("--dropout", type=float, help="default 0.1, or the preset's")
+    est.add_argument("--loss", choices=LOSSES, help="plain (materialised logits, the default) or chunked")
+    est.add_argument("--loss-chunk-tokens", type=int, help="tokens per chunk of the chunked loss")
+    est.add_argument("--ffn-chunk-tokens", type=int, help="sequence-tiled FFN: tokens per chunk (arch llama)")
+    est.add_argument("--lora", action="store_true", help=f"LoRA fine-tuning (rank {_LORA_DEFAULT_RANK} on "
+                     f"{','.join(LORA_DEFAULT_TARGETS)} unless --lora-rank/--lora-targets say otherwise; arch llama)")
+    est.add_argument("--lora-rank", type=int, help="LoRA rank (implies --lora)")
+    est.add_argument("--lora-targets", help=f"comma-separated LoRA targets from {','.join(LLAMA_LINEARS)} (implies --lora)")
+    est.add_argument("--host-memory-gib", type=float, help="host-memory budget for offloaded tensors")
+    est.add_argument("--max-seq", action="store_true",
+                     help="print the longest sequence that fits in --memory-gib per training strategy, and what binds")
     est.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     est.add_argument("--memory-gib", type=float, help="also report the largest micro-batch and sequence that fit")
     est.add_argument("--json", action="store_true", help="machine-readable output")
@@ -61,6 +79,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _gib(args, flag: str) -> int | None:
+    """``--flag`` in GiB as bytes, or None; a positive finite number is required."""
+    value = getattr(args, flag.replace("-", "_"))
+    if value is None:
+        return None
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"--{flag} must be a positive finite number of GiB, got {value:g}")
+    return int(value * 2**30)
+
+
 def _config_from(args) -> ModelConfig:
     fields = dict(PRESETS[args.preset]) if args.preset else {}
     for flag, name in _CONFIG_FLAGS.items():
@@ -68,22 +96,54 @@ def _config_from(args) -> ModelConfig:
         if value is not None:
             fields[name] = value
     fields.setdefault("micro_batch", 1)
-    missing = [f"--{flag.replace('_', '-')}" for flag, name in _CONFIG_FLAGS.items()
-               if name not in fields and name != "d_ff"]
+    flag_of = {name: flag for flag, name in _CONFIG_FLAGS.items()}
+    missing = [f"--{flag_of[name].replace('_', '-')}" for name in _SHAPE_FIELDS if name not in fields]
     if missing:
         raise ValueError(f"missing {', '.join(missing)} (or give --preset)")
-    return ModelConfig(**fields, precision=args.precision, low_dtype=args.low_dtype, optimizer=args.optimizer,
-                       policy=args.policy, offload=args.offload, attention=args.attention, dropout=args.dropout, device=args.device)
+    if args.lora or args.lora_rank is not None or args.lora_targets is not None:
+        fields["lora_rank"] = _LORA_DEFAULT_RANK if args.lora_rank is None else args.lora_rank
+        if args.lora_targets is not None:
+            fields["lora_targets"] = tuple(t.strip() for t in args.lora_targets.split(",") if t.strip())
+    host = _gib(args, "host-memory-gib")
+    try:
+        return ModelConfig(**fields, low_dtype=args.low_dtype, optimizer=args.optimizer, policy=args.policy,
+                           offload=args.offload, device=args.device, host_memory_bytes=host)
+    except ValueError as err:
+        raise ValueError(_flag_names(str(err))) from None
+
+
+def _flag_names(message: str) -> str:
+    """A ModelConfig message with its field names as the command line's flags."""
+    renames = {"lora_rank": "--lora-rank", "lora_targets": "--lora-targets", "n_kv_heads": "--kv-heads",
+               "ffn_chunk_tokens": "--ffn-chunk-tokens", "loss_chunk_tokens": "--loss-chunk-tokens",
+               "host_memory_bytes": "--host-memory-gib"}
+    for field, flag in renames.items():
+        message = message.replace(field, f"{flag} ({field})", 1) if field in message else message
+    return message
+
+
+def _max_seq_table(cfg: ModelConfig, memory: int) -> dict[str, dict]:
+    out = {}
+    for name, strategy in strategies(cfg).items():
+        limit = seq_len_limit(memory, strategy)
+        out[name] = {"max_seq_len": limit.max_seq_len, "binding": limit.binding,
+                     "total_bytes": limit.estimate.total_bytes, "host_bytes": limit.estimate.host_bytes,
+                     "policy": strategy.policy, "offload": strategy.offload, "loss": strategy.loss,
+                     "ffn_chunk_tokens": strategy.ffn_chunk_tokens}
+    return out
 
 
 def _estimate(args) -> int:
     cfg = _config_from(args)
     est = _config_estimate(cfg)
     out = est.to_dict()
-    if args.memory_gib is not None:
-        if not math.isfinite(args.memory_gib) or args.memory_gib <= 0:
-            raise ValueError(f"--memory-gib must be a positive finite number of GiB, got {args.memory_gib:g}")
-        memory = int(args.memory_gib * 2**30)
+    memory = _gib(args, "memory-gib")
+    if args.max_seq and memory is None:
+        raise ValueError("--max-seq needs --memory-gib (the device memory to fit in)")
+    if args.max_seq:
+        out["memory_bytes"] = memory
+        out["max_seq"] = _max_seq_table(cfg, memory)
+    elif memory is not None:
         fits = {}
         for policy, offload in fit_choices():
             fits[choice_label(policy, offload)] = {
@@ -96,7 +156,13 @@ def _estimate(args) -> int:
         print(json.dumps(out, indent=2))
         return 0
     print(est)
-    if args.memory_gib is not None:
+    if args.max_seq:
+        host = "unbounded" if cfg.host_memory_bytes is None else f"{cfg.host_memory_bytes / 2**30:g} GiB"
+        print(f"\nlongest sequence (estimated, micro-batch {cfg.micro_batch}) in {args.memory_gib:g} GiB of device "
+              f"memory, host memory {host}:")
+        for name, row in out["max_seq"].items():
+            print(f"  {name:<28} {row['max_seq_len']:>10,} tokens   binds: {row['binding']}")
+    elif memory is not None:
         print(f"\nin {args.memory_gib:g} GiB:")
         for policy, f in out["fits"].items():
             print(f"  policy {policy:<19} max micro-batch {f['max_micro_batch']:>6}   "

@@ -64,6 +64,23 @@ Other policies plug in through :func:`register_policy_formula`; memopt's
 ``memopt.block.saved_bytes_per_token``, and with ``offload=True`` what they save is counted in
 host memory (``Estimate.host_bytes``) instead of on the device, one layer's set excepted.
 
+``arch="llama"`` describes a Hugging Face ``LlamaForCausalLM`` instead (:func:`llama_layer_saved`
+has its per-layer formula, equal to the bytes counted on the model in
+``tests/test_estimate_llama.py``), with what long-context training changes: ``loss="chunked"``
+(the LM-head loss without materialised logits), ``ffn_chunk_tokens`` (the sequence-tiled FFN),
+``policy="full", offload=True`` (the checkpointed layer inputs in host memory, as many as
+``host_memory_bytes`` holds), and LoRA (``lora_rank``: frozen base weights, float32 adapters with
+their gradients and optimizer state). Attention is SDPA's flash-style kernel: it saves one
+float32 log-sum-exp per head and token (``attention_logsumexp``), and its backward's dq, dk, dv
+are ``transients["attention_backward"]``; there is no O(seq^2) term. Its policies are
+``"eager"`` (no checkpointing), ``"checkpoint"`` (Hugging Face's gradient checkpointing,
+``torch.utils.checkpoint`` per layer) and memopt's ``"none"``/``"selective"``/``"full"`` as
+``memopt.wrap`` applies them to a Hugging Face layer (``memopt.checkpoint``: PyTorch's selective
+checkpointing of matmul and SDPA outputs for ``"selective"``, the layer input only for
+``"full"``). :func:`strategies` lists the setups ``memopt estimate --max-seq`` compares and
+:func:`seq_len_limit` finds the longest sequence of each with the term that binds;
+``python -m bench.long_context`` measures them against the estimate.
+
 The peak comes at the start of backward: everything saved is alive, and then first the loss
 transient and later, once it is freed, one layer's backward transient; so the total counts the
 larger of the two (``Estimate.transients`` has both). It assumes gradients are resident while
@@ -83,6 +100,7 @@ from typing import Callable
 import torch
 
 from memopt.block import saved_bytes_per_token
+from memopt.ops.cross_entropy import default_chunk_tokens
 from memopt.policy import POLICIES, check_policy
 from memopt.saved import SavedTensorCounter
 
@@ -95,6 +113,9 @@ __all__ = [
     "max_seq_len",
     "register_policy_formula",
     "registered_policies",
+    "seq_len_limit",
+    "strategies",
+    "SeqLenLimit",
 ]
 
 OPTIMIZER_STATES = {"sgd": 0, "sgd_momentum": 1, "momentum": 1, "adam": 2, "adamw": 2}
@@ -113,6 +134,12 @@ CUBLAS_WORKSPACE_BYTES = 32 * 2**20
 
 
 _LOW_DTYPES = (torch.bfloat16, torch.float16)
+ARCHS = ("gpt2", "llama")
+LOSSES = ("plain", "chunked")
+LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The linears of a Hugging Face Llama layer, the names LoRA targets use."""
+LORA_DEFAULT_TARGETS = ("q_proj", "v_proj")  # PEFT's default target_modules for Llama
+_LORA_DTYPE_BYTES = 4  # PEFT keeps adapters in float32 (autocast_adapter_dtype=True)
 
 
 def _as_dtype(value, name: str, allowed: tuple[torch.dtype, ...] | None = None) -> torch.dtype:
@@ -158,6 +185,29 @@ class ModelConfig:
             kernel such as SDPA flash: O(seq) saved).
         dropout: dropout probability of the attention, residual and embedding dropouts.
         device: ``"cuda"`` or ``"cpu"``: decides the size of a saved dropout mask.
+        arch: ``"gpt2"`` (the layout above) or ``"llama"`` (Hugging Face ``LlamaForCausalLM``:
+            RMSNorm, rotary positions, grouped-query attention through SDPA, SwiGLU MLP, untied
+            LM head, no biases; see :func:`llama_layer_saved`). ``"llama"`` takes ``precision``
+            ``"fp32"``, ``"pure"`` or ``"master"`` and ``attention="flash"``.
+        n_kv_heads: key/value heads (grouped-query attention; default ``n_heads``; ``"llama"`` only).
+        loss: ``"plain"``: the LM head makes ``(tokens, vocab)`` logits and the loss upcasts them
+            to float32 (Hugging Face's ``ForCausalLMLoss``); ``"chunked"``:
+            :func:`memopt.linear_cross_entropy` (``memopt.wrap``'s ``loss="chunked"``), one
+            ``loss_chunk_tokens x vocab`` chunk at a time and one log-sum-exp per token saved.
+        loss_chunk_tokens: tokens per loss chunk (default
+            ``memopt.ops.cross_entropy.default_chunk_tokens(vocab_size)``).
+        ffn_chunk_tokens: the sequence-tiled FFN (``memopt.wrap(model, ffn_chunk_tokens=...)``):
+            the MLP's ``(tokens x d_ff)`` intermediates exist for this many tokens at a time, and
+            only the MLP input is kept for its backward (``"llama"`` only).
+        lora_rank: LoRA adapters of this rank on ``lora_targets`` (PEFT's ``LoraConfig`` defaults:
+            rank 8 on ``q_proj`` and ``v_proj``): base weights frozen (no gradient, no optimizer
+            state), adapters in float32 (PEFT's ``autocast_adapter_dtype=True``) with their
+            gradients and optimizer state; ``"llama"`` only. None: every weight trains.
+        lora_targets: the Llama linears that carry adapters, names from :data:`LLAMA_LINEARS`.
+        host_memory_bytes: the host-memory budget for offloaded tensors; None is unbounded.
+            Under ``policy="full", offload=True`` it decides how many layers' inputs go to the
+            host (the rest stay on the device); under other offloading policies an estimate whose
+            host bytes exceed it does not fit (:func:`max_seq_len`).
     """
 
     n_layers: int
@@ -176,6 +226,14 @@ class ModelConfig:
     attention: str = "math"
     dropout: float = 0.1
     device: str = "cuda"
+    arch: str = "gpt2"
+    n_kv_heads: int | None = None
+    loss: str = "plain"
+    loss_chunk_tokens: int | None = None
+    ffn_chunk_tokens: int | None = None
+    lora_rank: int | None = None
+    lora_targets: tuple[str, ...] = LORA_DEFAULT_TARGETS
+    host_memory_bytes: int | None = None
 
     def __post_init__(self):
         for name in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "micro_batch"):
@@ -211,14 +269,53 @@ class ModelConfig:
             raise ValueError(f"dropout must be a number in [0, 1), got {self.dropout!r}")
         if self.device not in ("cuda", "cpu"):
             raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
+        self._check_long_context_fields()
+
+    def _check_long_context_fields(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
+        llama = self.arch == "llama"
+        if self.n_kv_heads is None:
+            object.__setattr__(self, "n_kv_heads", self.n_heads)
+        if not _is_int(self.n_kv_heads) or self.n_kv_heads <= 0 or self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_kv_heads must be a positive int dividing n_heads ({self.n_heads}), got {self.n_kv_heads!r}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {LOSSES}, got {self.loss!r}")
+        for name in ("loss_chunk_tokens", "ffn_chunk_tokens", "lora_rank", "host_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value <= 0):
+                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
+        if isinstance(self.lora_targets, str) or not isinstance(self.lora_targets, (tuple, list)) or not self.lora_targets:
+            raise ValueError(f"lora_targets must be a non-empty tuple of names from {LLAMA_LINEARS}, got {self.lora_targets!r}")
+        unknown = [t for t in self.lora_targets if t not in LLAMA_LINEARS]
+        if unknown:
+            raise ValueError(f"lora_targets must be names from {LLAMA_LINEARS}, got {unknown}")
+        object.__setattr__(self, "lora_targets", tuple(dict.fromkeys(self.lora_targets)))
+        if not llama:
+            for name, default in (("n_kv_heads", self.n_heads), ("ffn_chunk_tokens", None), ("lora_rank", None)):
+                if getattr(self, name) != default:
+                    raise ValueError(f"{name} is modelled for arch='llama' only, got {name}={getattr(self, name)!r} "
+                                     f"with arch={self.arch!r}")
+            return
+        if self.precision == "autocast":
+            raise ValueError("precision='autocast' is modelled for arch='gpt2' only; arch='llama' takes "
+                             "'fp32', 'pure' or 'master'")
+        if self.attention != "flash":
+            raise ValueError("arch='llama' runs attention through SDPA: attention must be 'flash', "
+                             f"got {self.attention!r}")
+        if self.dropout != 0.0:
+            raise ValueError(f"arch='llama' has no dropout (attention_dropout 0): dropout must be 0.0, got {self.dropout!r}")
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)
 
     @property
     def num_parameters(self) -> int:
-        """Exact parameter count of the GPT-2 layout (tied LM head)."""
+        """Exact parameter count: the GPT-2 layout (tied LM head) or the Llama layout (untied)."""
         d, f = self.d_model, self.d_ff
+        if self.arch == "llama":
+            per_layer = 2 * d + sum(i * o for i, o in self.llama_linear_shapes.values())
+            return 2 * self.vocab_size * d + self.n_layers * per_layer + d
         per_layer = (
             2 * d  # ln_1
             + d * 3 * d + 3 * d  # c_attn
@@ -228,6 +325,21 @@ class ModelConfig:
             + f * d + d  # mlp c_proj
         )
         return self.vocab_size * d + self.seq_len * d + self.n_layers * per_layer + 2 * d
+
+    @property
+    def llama_linear_shapes(self) -> dict[str, tuple[int, int]]:
+        """``(in_features, out_features)`` of each linear of a Llama layer."""
+        d, f, kv = self.d_model, self.d_ff, self.n_kv_heads * (self.d_model // self.n_heads)
+        return {"q_proj": (d, d), "k_proj": (d, kv), "v_proj": (d, kv), "o_proj": (d, d),
+                "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
+
+    @property
+    def num_lora_parameters(self) -> int:
+        """Adapter parameters: ``rank * (in + out)`` per targeted linear per layer (0 without LoRA)."""
+        if self.lora_rank is None:
+            return 0
+        shapes = self.llama_linear_shapes
+        return self.n_layers * sum(self.lora_rank * sum(shapes[t]) for t in self.lora_targets)
 
     @property
     def num_matmul_weights(self) -> int:
@@ -452,7 +564,207 @@ def _optimizer_breakdown(num_params: int, cfg_precision: str, param_bytes: int, 
     }
 
 
+# -- Hugging Face Llama (arch="llama") -------------------------------------------------------
+
+
+def llama_layer_saved(cfg: ModelConfig, *, input_requires_grad: bool = True) -> tuple[dict[str, int], dict[str, int]]:
+    """Bytes per token one eager Hugging Face ``LlamaDecoderLayer`` saves for backward:
+    ``(attention part, MLP part)``, each by component.
+
+    Read off the layer's code and checked against counted bytes (``tests/test_estimate_llama.py``):
+    ``LlamaRMSNorm`` upcasts its input to float32 (a copy unless the model is float32) and saves
+    it and ``rstd``, and, when its weight trains, the normalized rows in the model dtype; a linear
+    saves its input only when its weight trains; SDPA saves the rotated q, k, v (grouped-query:
+    k and v not repeated), its output (which is also ``o_proj``'s input) and one float32
+    log-sum-exp per head; the SwiGLU MLP saves gate, ``silu(gate)`` and up, and its product when
+    ``down_proj`` trains. A LoRA adapter (PEFT) casts its input to float32 (a new copy per
+    adapter unless the model is float32) and saves it and its rank-wide ``lora_A`` output.
+    ``input_requires_grad=False`` is the first layer under LoRA (frozen embeddings): its first
+    norm saves nothing. The rotary ``cos``/``sin`` are shared by every layer and counted once in
+    the model (``embeddings_head``).
+    """
+    d, f, e = cfg.d_model, cfg.d_ff, cfg.param_bytes
+    kv = cfg.n_kv_heads * (d // cfg.n_heads)
+    full_finetune = cfg.lora_rank is None
+    targets = set() if full_finetune else set(cfg.lora_targets)
+
+    def adapters(names: tuple[str, ...], width: int, input_saved: bool) -> int:
+        hit = [n for n in names if n in targets]
+        if not hit:
+            return 0
+        inputs = len(hit) * width * 4 if e != 4 else (0 if input_saved else width * e)
+        return inputs + len(hit) * cfg.lora_rank * _LORA_DTYPE_BYTES
+
+    grad_input = input_requires_grad
+    grad_residual = grad_input or full_finetune or bool(targets & {"q_proj", "k_proj", "v_proj", "o_proj"})
+    attention = {
+        # the input's float32 copy (the input itself in a float32 model) and rstd, per norm
+        "norm_inputs": 4 * d * (grad_input + grad_residual),
+        "norm_stats": 4 * (grad_input + grad_residual),
+        "norm_outputs": 2 * d * e if full_finetune else 0,
+        "qkv_input": (d * e if full_finetune else 0) + adapters(("q_proj", "k_proj", "v_proj"), d, full_finetune),
+        "q_k_v": (d + 2 * kv) * e,
+        "attention_output": d * e + adapters(("o_proj",), d, True),
+        "attention_logsumexp": cfg.n_heads * 4,
+    }
+    mlp = {
+        "mlp_input": (d * e if full_finetune else 0) + adapters(("gate_proj", "up_proj"), d, full_finetune),
+        "mlp_hidden": 3 * f * e if grad_residual or targets & {"gate_proj", "up_proj"} else 0,
+        "mlp_product": (f * e if full_finetune else 0) + adapters(("down_proj",), f, full_finetune),
+    }
+    return attention, mlp
+
+
+def _llama_selective_per_token(cfg: ModelConfig) -> int:
+    """What ``policy="selective"`` (PyTorch's selective checkpointing of matmul and SDPA outputs)
+    keeps per token beyond the layer input: every linear's output, each adapter's two outputs, the
+    SDPA output and log-sum-exp."""
+    e = cfg.param_bytes
+    shapes = cfg.llama_linear_shapes
+    linears = sum(out for _, out in shapes.values()) * e
+    lora = 0 if cfg.lora_rank is None else sum((cfg.lora_rank + shapes[t][1]) * _LORA_DTYPE_BYTES for t in cfg.lora_targets)
+    return linears + lora + cfg.d_model * e + cfg.n_heads * 4
+
+
+def _llama_static(cfg: ModelConfig) -> dict[str, int]:
+    """Weights, gradients, master weights and optimizer state; under LoRA only the adapters train."""
+    if cfg.lora_rank is None:
+        return _optimizer_breakdown(cfg.num_parameters, cfg.precision, cfg.param_bytes, cfg.optimizer)
+    adapters = cfg.num_lora_parameters
+    return {
+        "parameters": cfg.num_parameters * cfg.param_bytes + adapters * _LORA_DTYPE_BYTES,
+        "gradients": adapters * _LORA_DTYPE_BYTES,
+        "master_weights": 0,
+        "optimizer_state": adapters * OPTIMIZER_STATES[cfg.optimizer] * _LORA_DTYPE_BYTES,
+    }
+
+
+def _loss_terms(cfg: ModelConfig, head_trains: bool, elem: int, loss_bytes: int) -> tuple[int, int, int]:
+    """``(saved, held logits, peak transient)`` of the LM-head loss, in bytes.
+
+    ``plain``: the logits (``elem`` bytes, kept by the model output through the backward), their
+    float32 upcast (``loss_bytes`` 4) when ``elem`` is not 4, ``log_softmax``'s saved output, and
+    in backward the two gradient buffers of ``nll_loss`` and ``log_softmax`` (4 bytes each per
+    logit), then the logits' gradient with the LM head's weight gradient. ``chunked``: one
+    ``loss_chunk_tokens x vocab`` chunk in float32 (with its ``elem`` matmul output and gradient
+    when ``elem`` is not 4), the hidden gradient and the weight's.
+    """
+    tokens, vocab, d = cfg.micro_batch * cfg.seq_len, cfg.vocab_size, cfg.d_model
+    weight_grad = vocab * d * elem if head_trains else 0
+    if cfg.loss == "plain":
+        upcast = loss_bytes if elem != loss_bytes else 0
+        forward = tokens * vocab * (elem + upcast + loss_bytes)
+        softmax_backward = tokens * vocab * (elem + 3 * loss_bytes)
+        head_backward = tokens * vocab * 2 * elem + weight_grad + tokens * d * elem
+        return 0, tokens * vocab * elem, max(forward, softmax_backward, head_backward)
+    chunk = min(cfg.loss_chunk_tokens or default_chunk_tokens(vocab), tokens)
+    low = elem if elem != loss_bytes else 0
+    forward = chunk * vocab * (loss_bytes + low)
+    backward = tokens * d * elem + weight_grad + chunk * vocab * (loss_bytes + 2 * low) + chunk * d * loss_bytes
+    return 2 * tokens * loss_bytes, 0, max(forward, backward)
+
+
+def _llama_estimate(cfg: ModelConfig) -> Estimate:
+    if cfg.policy not in ("eager", "checkpoint") + POLICIES:
+        raise ValueError(f"policy must be one of {['eager', 'checkpoint', *POLICIES]} for arch='llama', got {cfg.policy!r}")
+    tokens, d, e = cfg.micro_batch * cfg.seq_len, cfg.d_model, cfg.param_bytes
+    kv = cfg.n_kv_heads * (d // cfg.n_heads)
+    lora = cfg.lora_rank is not None
+    mlp_tokens = min(cfg.ffn_chunk_tokens or tokens, tokens)
+    tiled = cfg.ffn_chunk_tokens is not None
+
+    def eager(input_requires_grad: bool, mlp_tokens: int) -> tuple[dict[str, int], dict[str, int]]:
+        attention, mlp = llama_layer_saved(cfg, input_requires_grad=input_requires_grad)
+        return {k: v * tokens for k, v in attention.items()}, {k: v * mlp_tokens for k, v in mlp.items()}
+
+    attention, mlp = eager(True, tokens)
+    layer_input = tokens * d * e
+    # The tiled FFN keeps only its input (the second norm's output) and rebuilds each chunk.
+    kept_mlp = {"mlp_input": tokens * d * e} if tiled else mlp
+    chunk_attention, chunk_mlp = eager(True, mlp_tokens)
+    # In a float32 model the first norm saves the layer input itself: the checkpointed copy.
+    recompute_attention = sum(chunk_attention.values()) - (layer_input if e == 4 else 0)
+    recompute = recompute_attention + sum(chunk_mlp.values())
+    policy = "eager" if cfg.policy == "none" else cfg.policy
+    host = 0
+    if policy == "eager":
+        first_attention, first_mlp = eager(not lora, tokens)
+        per_layer = attention | kept_mlp
+        first = sum(first_attention.values()) + sum(({"mlp_input": tokens * d * e} if tiled else first_mlp).values())
+        activations = first + (cfg.n_layers - 1) * sum(per_layer.values())
+        recompute_attention, recompute = 0, (sum(chunk_mlp.values()) if tiled else 0)
+        freed_mlp = 0 if tiled else sum(mlp.values())
+    elif policy in ("checkpoint", "full"):
+        per_layer = {"layer_input": layer_input}
+        on_device = cfg.n_layers
+        if cfg.offload:
+            # Inputs go to host memory as far as the host budget holds them; the current layer's
+            # input and the one prefetched for the next backward step are on the device.
+            budget = cfg.host_memory_bytes
+            on_host = cfg.n_layers if budget is None else min(cfg.n_layers, budget // layer_input)
+            host = on_host * layer_input
+            on_device = cfg.n_layers - on_host + min(on_host, 2)
+            per_layer = {"host_layer_input": layer_input}
+        activations = on_device * layer_input
+        freed_mlp = 0
+    else:  # selective
+        cached = _llama_selective_per_token(cfg) * tokens
+        if tiled:
+            cached -= sum(cfg.llama_linear_shapes[n][1] for n in ("gate_proj", "up_proj", "down_proj")) * e * tokens
+            cached += tokens * d * e
+        per_layer = {"layer_input": layer_input, "host_selective_saved" if cfg.offload else "selective_saved": cached}
+        if cfg.offload:
+            host = cfg.n_layers * cached
+        activations = cfg.n_layers * (layer_input + (0 if cfg.offload else cached)) + (cached if cfg.offload else 0)
+        recompute = max(0, recompute - cached)
+        recompute_attention = max(0, recompute_attention - cached)
+        freed_mlp = 0
+    # One layer's backward peaks either in the MLP (the output gradient, and the three
+    # (tokens x d_ff) gradients of down_proj's input, silu and up while down_proj's saved input
+    # is already freed) or in attention (the MLP's tensors freed; the output gradient, the
+    # attention output's, dq, dk, dv).
+    f = cfg.d_ff
+    mlp_product = mlp["mlp_product"] // tokens
+    mlp_grads = mlp_tokens * (3 * f * e - mlp_product)
+    attention_grads = tokens * (d + 2 * kv) * e
+    mlp_phase = recompute + tokens * d * e + mlp_grads
+    attention_phase = recompute_attention + 2 * tokens * d * e + attention_grads - freed_mlp
+    layer_backward = max(mlp_phase, attention_phase, 0)
+
+    head_trains = not lora
+    loss_saved, held_logits, loss_peak = _loss_terms(cfg, head_trains, e, 4)
+    final_norm = tokens * (4 * d + 4 + (d * e if head_trains else 0))
+    head_input = tokens * d * e if head_trains or cfg.loss == "chunked" else 0
+    rope = cfg.seq_len * 2 * (d // cfg.n_heads) * e  # cos and sin, one row per position (batch broadcast)
+    ids = 3 * tokens * _INDEX_BYTES + cfg.seq_len * _INDEX_BYTES  # input ids, labels, shifted labels, positions
+
+    breakdown = _llama_static(cfg)
+    breakdown["activations"] = activations
+    breakdown["attention_scores"] = 0
+    breakdown["autocast_weights"] = 0
+    head_saved = final_norm + head_input + loss_saved  # freed by the loss's backward
+    breakdown["embeddings_head"] = ids + rope + head_saved
+    breakdown["logits_loss"] = loss_peak
+    library = CUBLAS_WORKSPACE_BYTES if cfg.device == "cuda" else 0
+    breakdown["workspace"] = max(0, layer_backward + held_logits - loss_peak - head_saved) + library
+    notes = [
+        "Hugging Face LlamaForCausalLM, SDPA attention (flash-style: one float32 log-sum-exp per head "
+        "and token saved, no seq x seq term)",
+        "gradients resident during the forward (gradient accumulation)",
+        "peak transient = max(loss transient with the head's saved tensors, one layer's backward transient)",
+        "excludes the CUDA context and allocator rounding",
+    ]
+    return Estimate(
+        breakdown=breakdown, per_layer=per_layer | {"workspace": layer_backward}, config=cfg,
+        num_parameters=cfg.num_parameters + cfg.num_lora_parameters, notes=notes, host_bytes=host,
+        transients={"logits_loss": loss_peak, "layer_backward": layer_backward, "layer_recompute": recompute,
+                    "attention_backward": attention_grads, "library": library},
+    )
+
+
 def _config_estimate(cfg: ModelConfig) -> Estimate:
+    if cfg.arch == "llama":
+        return _llama_estimate(cfg)
     if cfg.policy not in _POLICY_FORMULAS:
         raise ValueError(f"policy must be one of {registered_policies()}, got {cfg.policy!r}")
     layer = dict(_POLICY_FORMULAS[cfg.policy](cfg))
@@ -657,18 +969,87 @@ def max_micro_batch(memory_bytes: int, config: ModelConfig, *, policy: str | Non
                             <= memory_bytes, upper)
 
 
+def fits(est: Estimate, memory_bytes: int) -> bool:
+    """Whether ``est`` fits: its device total in ``memory_bytes`` and its host bytes in the
+    config's ``host_memory_bytes`` (when set)."""
+    host_budget = est.config.host_memory_bytes if est.config is not None else None
+    return est.total_bytes <= memory_bytes and (host_budget is None or est.host_bytes <= host_budget)
+
+
 def max_seq_len(memory_bytes: int, config: ModelConfig, *, policy: str | None = None,
-                offload: bool | None = None, upper: int = 1 << 22) -> int:
-    """Largest sequence length whose :func:`estimate` total fits in ``memory_bytes`` (0: none).
+                offload: bool | None = None, upper: int = 1 << 24) -> int:
+    """Largest sequence length whose :func:`estimate` fits in ``memory_bytes`` of device memory
+    (and the config's ``host_memory_bytes`` of host memory, when set); 0 when none does.
 
     ``policy`` and ``offload``, when given, replace ``config``'s. The learned position table
-    grows with ``seq_len`` too, as it would in the model.
+    (GPT-2 layout) grows with ``seq_len`` too, as it would in the model.
     """
+    return seq_len_limit(memory_bytes, config, policy=policy, offload=offload, upper=upper).max_seq_len
+
+
+@dataclass(frozen=True)
+class SeqLenLimit:
+    """The longest sequence that fits and what stops a longer one.
+
+    Attributes:
+        max_seq_len: the longest fitting length (0: none; ``upper`` when the search bound is hit).
+        binding: what a sequence one token longer runs out of: ``"host memory"`` when its host
+            bytes exceed the budget, else the largest device term of its breakdown (``"limit"``
+            when ``upper`` itself fits).
+        estimate: the :class:`Estimate` at ``max_seq_len`` (at length 1 when nothing fits).
+    """
+
+    max_seq_len: int
+    binding: str
+    estimate: Estimate
+
+
+def seq_len_limit(memory_bytes: int, config: ModelConfig, *, policy: str | None = None,
+                  offload: bool | None = None, upper: int = 1 << 24) -> SeqLenLimit:
+    """:func:`max_seq_len` with the term that binds (see :class:`SeqLenLimit`)."""
     check_memory_bytes(memory_bytes)
     _check_search(config, policy, offload, upper)
     base = _searched(config, policy, offload)
-    return _largest_fitting(memory_bytes, lambda s: _config_estimate(base.replace(seq_len=s)).total_bytes
-                            <= memory_bytes, upper)
+    at = lambda s: _config_estimate(base.replace(seq_len=s))  # noqa: E731
+    longest = _largest_fitting(memory_bytes, lambda s: fits(at(s), memory_bytes), upper)
+    if longest == upper:
+        return SeqLenLimit(longest, "limit", at(longest))
+    over = at(longest + 1)
+    budget = base.host_memory_bytes
+    if budget is not None and over.host_bytes > budget:
+        binding = "host memory"
+    else:
+        binding = over.largest(1)[0][0]
+    return SeqLenLimit(longest, binding, at(max(longest, 1)))
+
+
+LONG_CONTEXT_FFN_CHUNK_TOKENS = 4096
+"""Tokens per FFN chunk in the ``memopt long-context`` strategy."""
+
+
+def strategies(config: ModelConfig) -> dict[str, ModelConfig]:
+    """The training setups ``memopt estimate --max-seq`` compares, as configs derived from ``config``:
+
+    - ``no checkpointing``: every activation saved, Hugging Face's loss (materialised logits);
+    - ``Hugging Face checkpointing``: ``torch.utils.checkpoint`` around each layer
+      (``model.gradient_checkpointing_enable()``), Hugging Face's loss;
+    - ``memopt selective`` / ``memopt full``: ``memopt.wrap(model, policy=...)`` with its default
+      chunked loss;
+    - ``memopt long-context``: ``policy="full", offload=True`` (layer inputs in host memory as
+      far as ``host_memory_bytes`` holds them), the tiled FFN (``ffn_chunk_tokens``
+      :data:`LONG_CONTEXT_FFN_CHUNK_TOKENS`, Llama layout only) and the chunked loss.
+    """
+    check = lambda c: ModelConfig(**{f.name: getattr(c, f.name) for f in dataclasses.fields(c)})  # noqa: E731
+    plain = dict(ffn_chunk_tokens=None, offload=False, loss="plain")
+    chunked = dict(ffn_chunk_tokens=None, offload=False, loss="chunked")
+    tiles = LONG_CONTEXT_FFN_CHUNK_TOKENS if config.arch == "llama" else None
+    return {name: check(config.replace(**changes)) for name, changes in {
+        "no checkpointing": dict(plain, policy="eager"),
+        "Hugging Face checkpointing": dict(plain, policy="checkpoint"),
+        "memopt selective": dict(chunked, policy="selective"),
+        "memopt full": dict(chunked, policy="full"),
+        "memopt long-context": dict(chunked, policy="full", offload=True, ffn_chunk_tokens=tiles),
+    }.items()}
 
 
 def fit_choices() -> list[tuple[str, bool]]:
@@ -689,4 +1070,7 @@ PRESETS = {
     "gpt2-medium": dict(n_layers=24, d_model=1024, n_heads=16, vocab_size=50257, seq_len=1024),
     "gpt2-large": dict(n_layers=36, d_model=1280, n_heads=20, vocab_size=50257, seq_len=1024),
     "gpt2-xl": dict(n_layers=48, d_model=1600, n_heads=25, vocab_size=50257, seq_len=1024),
+    # Meta Llama-3-8B (config.json of meta-llama/Meta-Llama-3-8B), trained in bf16 as Hugging Face loads it.
+    "llama-3-8b": dict(arch="llama", n_layers=32, d_model=4096, n_heads=32, n_kv_heads=8, d_ff=14336,
+                       vocab_size=128256, seq_len=8192, precision="pure", attention="flash", dropout=0.0),
 }

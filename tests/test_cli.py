@@ -52,6 +52,14 @@ def test_estimate_table_output(capsys):
     (["estimate", "--preset", "gpt2", "--micro-batch", "-3"], "micro_batch must be a positive int"),
     (["estimate", "--layers", "2"], "missing --d-model"),
     (["estimate", "--preset", "gpt2", "--policy", "nope"], "policy must be one of"),
+    (["estimate", "--preset", "llama-3-8b", "--max-seq"], "--max-seq needs --memory-gib"),
+    (["estimate", "--preset", "llama-3-8b", "--memory-gib", "141", "--host-memory-gib", "-1", "--max-seq"],
+     "--host-memory-gib must be a positive finite number of GiB"),
+    (["estimate", "--preset", "llama-3-8b", "--lora-targets", "q_proj,wq"], "--lora-targets (lora_targets) must be names"),
+    (["estimate", "--preset", "llama-3-8b", "--lora-rank", "0"], "--lora-rank (lora_rank) must be a positive int"),
+    (["estimate", "--preset", "llama-3-8b", "--ffn-chunk-tokens", "-4"], "--ffn-chunk-tokens (ffn_chunk_tokens) must be"),
+    (["estimate", "--preset", "llama-3-8b", "--kv-heads", "5"], "--kv-heads (n_kv_heads) must be a positive int dividing"),
+    (["estimate", "--preset", "gpt2", "--lora"], "--lora-rank (lora_rank) is modelled for arch='llama' only"),
 ])
 def test_estimate_bad_input(capsys, argv, match):
     assert main(argv) == 2
@@ -121,3 +129,32 @@ def test_bench_passes_arguments_through(monkeypatch):
     assert main(["bench", "--", "--help"]) == 0
     assert calls == [[sys.executable, "-m", "bench", "--preset", "quick", "--json"],
                      [sys.executable, "-m", "bench", "--help"]]
+
+
+LLAMA_MAX_SEQ = ["estimate", "--preset", "llama-3-8b", "--lora", "--memory-gib", "141", "--host-memory-gib", "128",
+                 "--max-seq"]
+
+
+def test_max_seq_per_strategy_json(capsys):
+    from memopt.estimate import seq_len_limit, strategies
+
+    out = run_json(capsys, *LLAMA_MAX_SEQ)
+    cfg = ModelConfig(**memopt.estimate_presets["llama-3-8b"], micro_batch=1, lora_rank=8, host_memory_bytes=128 * 2**30)
+    assert out["num_parameters"] == 8_030_261_248 + 3_407_872
+    expected = strategies(cfg)
+    assert list(out["max_seq"]) == list(expected)
+    for name, row in out["max_seq"].items():
+        limit = seq_len_limit(141 * 2**30, expected[name])
+        assert (row["max_seq_len"], row["binding"]) == (limit.max_seq_len, limit.binding)
+        assert row["total_bytes"] <= 141 * 2**30 and row["host_bytes"] <= 128 * 2**30
+    assert out["max_seq"]["Hugging Face checkpointing"]["binding"] == "logits_loss"
+    assert out["max_seq"]["memopt long-context"]["offload"] is True
+
+
+def test_max_seq_table(capsys):
+    assert main(LLAMA_MAX_SEQ) == 0
+    text = capsys.readouterr().out
+    assert "longest sequence (estimated" in text and "host memory 128 GiB" in text
+    for name in ("no checkpointing", "Hugging Face checkpointing", "memopt selective", "memopt full", "memopt long-context"):
+        assert name in text
+    assert text.count("binds:") == 5

@@ -1,0 +1,188 @@
+"""memopt.estimate for arch='llama': the layer formula against bytes counted on a Hugging Face
+Llama, the whole-step prediction against the measured peak (bench.long_context), LoRA and
+long-context arithmetic by hand, and the seq-length search with its binding term."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import memopt
+from memopt.estimate import ModelConfig, llama_layer_saved, seq_len_limit, strategies
+
+transformers = pytest.importorskip("transformers")
+
+SHAPE = dict(arch="llama", n_layers=2, d_model=64, n_heads=2, n_kv_heads=1, d_ff=172, vocab_size=1000,
+             seq_len=96, micro_batch=2, attention="flash", dropout=0.0, device="cpu")
+
+
+def _hf_llama(cfg: ModelConfig, dtype: torch.dtype, lora_rank: int | None, targets=("q_proj", "v_proj")):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=cfg.d_model, intermediate_size=cfg.d_ff, num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads, num_key_value_heads=cfg.n_kv_heads, vocab_size=cfg.vocab_size,
+        max_position_embeddings=cfg.seq_len, attn_implementation="sdpa")
+    model = transformers.LlamaForCausalLM(config).to(dtype)
+    if lora_rank is not None:
+        peft = pytest.importorskip("peft")
+        model = peft.get_peft_model(model, peft.LoraConfig(r=lora_rank, target_modules=list(targets)))
+    return model.train()
+
+
+def _counted_per_layer(model, cfg) -> list[int]:
+    """Bytes each decoder layer's forward saves for backward, parameters and buffers excluded."""
+    layers = model.get_decoder().layers if hasattr(model, "get_decoder") else None
+    layers = layers if layers is not None else model.base_model.model.model.layers
+    resident = list(model.parameters()) + list(model.buffers())
+    counts, hooks = [], []
+    for layer in layers:
+        def pre(module, args, kwargs):
+            module._counter = memopt.SavedTensorCounter(exclude=resident)
+            module._counter.__enter__()
+
+        def post(module, args, kwargs, out):
+            module._counter.__exit__(None, None, None)
+            counts.append(module._counter.total_bytes)
+
+        hooks += [layer.register_forward_pre_hook(pre, with_kwargs=True), layer.register_forward_hook(post, with_kwargs=True)]
+    ids = torch.randint(cfg.vocab_size, (cfg.micro_batch, cfg.seq_len))
+    model(input_ids=ids, labels=ids, use_cache=False)
+    for h in hooks:
+        h.remove()
+    return counts
+
+
+@pytest.mark.parametrize("dtype,precision", [(torch.float32, "fp32"), (torch.bfloat16, "pure")])
+@pytest.mark.parametrize("lora_rank,targets", [
+    (None, ()), (8, ("q_proj", "v_proj")), (4, ("k_proj", "o_proj", "gate_proj", "down_proj")),
+])
+def test_layer_formula_matches_counted_bytes(dtype, precision, lora_rank, targets):
+    """Every layer saves what llama_layer_saved says, plus the rotary cos/sin it is handed (shared
+    by the layers, counted once in the model): exactly, layer 0 under LoRA (frozen embeddings) too."""
+    extra = dict(lora_rank=lora_rank, lora_targets=targets) if lora_rank else {}
+    cfg = ModelConfig(**SHAPE, precision=precision, low_dtype=torch.bfloat16, **extra)
+    model = _hf_llama(cfg, dtype, lora_rank, targets)
+    counted = _counted_per_layer(model, cfg)
+    tokens = cfg.micro_batch * cfg.seq_len
+    rope = cfg.seq_len * 2 * (cfg.d_model // cfg.n_heads) * dtype.itemsize  # one row per position, batch broadcast
+    for index, bytes_counted in enumerate(counted):
+        attention, mlp = llama_layer_saved(cfg, input_requires_grad=index > 0 or lora_rank is None)
+        assert (sum(attention.values()) + sum(mlp.values())) * tokens + rope == bytes_counted, (index, attention, mlp)
+
+
+def test_llama_3_8b_parameters_and_lora_by_hand():
+    """Llama-3-8B: 32 x (2*4096 norms + 4096*4096 q + 2*4096*1024 k,v + 4096*4096 o + 3*4096*14336 MLP)
+    + 2*128256*4096 (untied embedding and head) + 4096 = 8,030,261,248; PEFT's default LoRA (rank 8
+    on q_proj, v_proj): 32 * 8 * ((4096 + 4096) + (4096 + 1024)) = 3,407,872 trainable."""
+    cfg = ModelConfig(**memopt.estimate_presets["llama-3-8b"], micro_batch=1, lora_rank=8)
+    assert cfg.num_parameters == 8_030_261_248
+    assert cfg.num_lora_parameters == 3_407_872
+    b = memopt.estimate(cfg).breakdown
+    # bf16 base weights + float32 adapters; Adam state and gradients for the adapters only.
+    assert b["parameters"] == 2 * 8_030_261_248 + 4 * 3_407_872
+    assert (b["gradients"], b["optimizer_state"], b["master_weights"]) == (4 * 3_407_872, 8 * 3_407_872, 0)
+
+
+def test_plain_loss_holds_seq_by_vocab_and_chunked_does_not():
+    cfg = ModelConfig(**{**SHAPE, "precision": "pure", "seq_len": 512, "vocab_size": 32000, "micro_batch": 1})
+    tokens = 512
+    plain = memopt.estimate(cfg.replace(policy="checkpoint"))
+    # bf16 logits (2) + their float32 upcast (4) + log-probs (4) in forward; in backward logits,
+    # log-probs and the nll_loss / log_softmax gradients: 2 + 3*4 = 14 bytes per logit.
+    assert plain.breakdown["logits_loss"] == tokens * 32000 * 14
+    chunked = memopt.estimate(cfg.replace(policy="checkpoint", loss="chunked", loss_chunk_tokens=128))
+    assert chunked.breakdown["logits_loss"] < plain.breakdown["logits_loss"] / 3
+    assert chunked.breakdown["logits_loss"] >= 128 * 32000 * 4
+
+
+def test_offloaded_inputs_follow_the_host_budget():
+    cfg = ModelConfig(**{**SHAPE, "n_layers": 8}, policy="full", offload=True, loss="chunked")
+    layer_input = cfg.micro_batch * cfg.seq_len * cfg.d_model * 4
+    unbounded = memopt.estimate(cfg)
+    assert unbounded.host_bytes == 8 * layer_input
+    assert unbounded.breakdown["activations"] == 2 * layer_input  # the current layer's and the prefetched one
+    three = memopt.estimate(cfg.replace(host_memory_bytes=3 * layer_input + 5))
+    assert three.host_bytes == 3 * layer_input
+    assert three.breakdown["activations"] == (8 - 3 + 2) * layer_input
+    none = memopt.estimate(cfg.replace(host_memory_bytes=layer_input - 1))
+    assert none.host_bytes == 0 and none.breakdown["activations"] == 8 * layer_input
+    assert none.total_bytes == memopt.estimate(cfg.replace(offload=False)).total_bytes
+
+
+def test_tiled_ffn_bounds_the_recompute_by_the_chunk():
+    cfg = ModelConfig(**{**SHAPE, "seq_len": 4096, "micro_batch": 1}, policy="full", loss="chunked")
+    untiled = memopt.estimate(cfg).transients["layer_recompute"]
+    tiled = memopt.estimate(cfg.replace(ffn_chunk_tokens=256)).transients["layer_recompute"]
+    attention, mlp = llama_layer_saved(cfg)
+    layer_input = 4096 * cfg.d_model * 4  # a float32 model's first norm saves the checkpointed input itself
+    assert untiled == 4096 * (sum(attention.values()) + sum(mlp.values())) - layer_input
+    assert tiled == 4096 * sum(attention.values()) + 256 * sum(mlp.values()) - layer_input
+
+
+def test_seq_len_limit_is_largest_fitting_and_names_the_binding_term():
+    cfg = ModelConfig(**{**SHAPE, "vocab_size": 32000, "micro_batch": 1}, precision="pure")
+    budget = memopt.estimate(cfg.replace(seq_len=3000, policy="checkpoint")).total_bytes
+    limit = seq_len_limit(budget, cfg, policy="checkpoint")
+    assert limit.max_seq_len == 3000 == memopt.max_seq_len(budget, cfg, policy="checkpoint")
+    assert limit.binding == "logits_loss"  # the plain loss's seq x vocab buffers
+    assert memopt.estimate(cfg.replace(seq_len=3001, policy="checkpoint")).total_bytes > budget
+    offloaded = cfg.replace(policy="selective", offload=True, host_memory_bytes=2**20, loss="chunked")
+    assert seq_len_limit(2**40, offloaded).binding == "host memory"
+
+
+def test_headline_strategies_order():
+    """Llama-3-8B + LoRA in 141 GiB with 128 GiB of host memory: each memopt step reaches further,
+    long-context at least 8x Hugging Face checkpointing (the numbers the README quotes)."""
+    cfg = ModelConfig(**memopt.estimate_presets["llama-3-8b"], micro_batch=1, lora_rank=8,
+                      host_memory_bytes=128 * 2**30)
+    limits = {name: seq_len_limit(141 * 2**30, c).max_seq_len for name, c in strategies(cfg).items()}
+    assert limits["no checkpointing"] < limits["Hugging Face checkpointing"] < limits["memopt full"]
+    assert limits["memopt full"] < limits["memopt long-context"]
+    assert limits["memopt long-context"] >= 8 * limits["Hugging Face checkpointing"]
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(arch="bert"), "arch must be one of"),
+    (dict(n_kv_heads=3), "n_kv_heads must be a positive int dividing n_heads"),
+    (dict(loss="fused"), "loss must be one of"),
+    (dict(ffn_chunk_tokens=0), "ffn_chunk_tokens must be a positive int"),
+    (dict(loss_chunk_tokens=True), "loss_chunk_tokens must be a positive int"),
+    (dict(lora_rank=-2), "lora_rank must be a positive int"),
+    (dict(lora_rank=8, lora_targets=("q_proj", "wq")), "lora_targets must be names from"),
+    (dict(lora_rank=8, lora_targets="q_proj"), "lora_targets must be a non-empty tuple"),
+    (dict(host_memory_bytes=1.5), "host_memory_bytes must be a positive int"),
+    (dict(precision="autocast"), "precision='autocast' is modelled for arch='gpt2' only"),
+    (dict(attention="math"), "attention must be 'flash'"),
+    (dict(dropout=0.1), "dropout must be 0.0"),
+    (dict(arch="gpt2", n_kv_heads=1), "n_kv_heads is modelled for arch='llama' only"),
+    (dict(arch="gpt2", n_kv_heads=2, attention="math", dropout=0.1, lora_rank=4), "lora_rank is modelled for arch='llama' only"),
+])
+def test_bad_long_context_fields_name_the_argument(changes, match):
+    with pytest.raises(ValueError, match=match):
+        ModelConfig(**{**SHAPE, **changes})
+
+
+def test_llama_refuses_other_policies():
+    with pytest.raises(ValueError, match="policy must be one of .* for arch='llama'"):
+        memopt.estimate(ModelConfig(**SHAPE, policy="test-unknown"))
+
+
+def test_bench_prediction_within_10_percent_on_a_small_configuration():
+    """The bench's check at its tiny preset: every strategy this memopt runs, measured peak of one
+    accumulation micro-step against the estimate (the three CPU-scale configurations are the
+    committed bench run, bench/results/long_context-default-cpu-*.json)."""
+    long_context = pytest.importorskip("bench.long_context")
+    pytest.importorskip("peft")
+    settings = long_context.PRESETS["tiny"]
+    shape = settings.configs[0]
+    device = torch.device("cpu")
+    skip = long_context.supports_long_context()
+    checked = 0
+    for strategy in settings.strategies:
+        row = long_context.bench_point(shape, settings.seqs[0], strategy, device, skip)
+        if row["status"].startswith("skipped"):
+            continue
+        assert row["measured_bytes"] is not None, row["status"]
+        assert abs(row["predicted_bytes"] - row["measured_bytes"]) <= 0.10 * row["measured_bytes"], row
+        checked += 1
+    assert checked >= 4

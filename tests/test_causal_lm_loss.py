@@ -274,3 +274,35 @@ def test_peft_lora_model_gets_the_chunked_loss_on_its_inner_causal_lm():
     _assert_same(got, reference)
     memopt.unwrap(model)
     assert "forward" not in base.__dict__
+
+
+def test_wrapped_llama_at_2048_tokens_trains_exactly_below_the_logits_peak():
+    # The check: a tiny Llama with a 32k vocabulary, so that the (tokens x vocab) logits
+    # dominate, at 2048 tokens. Wrapped (chunked loss) it gives the unwrapped loss and gradients,
+    # and its peak tracked bytes over forward + backward (ChunkAwareTracker also sees inside the
+    # chunked-loss op) fall below the unwrapped peak by at least one float32 logits tensor.
+    from bench.cross_entropy import ChunkAwareTracker
+
+    vocab, seq = 32_000, 2048
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=vocab, max_position_embeddings=seq, attn_implementation="eager", **SMALL)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, vocab, (1, seq), generator=torch.Generator().manual_seed(1))
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        resident = [*model.parameters(), ids]
+        with ChunkAwareTracker(exclude=resident) as tracker:
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        return loss.detach(), grads, tracker.peak_bytes()
+
+    ref_loss, ref_grads, ref_peak = step()
+    memopt.wrap(model)
+    loss, grads, peak = step()
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-5, atol=1e-6)
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+    logits_bytes = seq * vocab * 4
+    assert ref_peak - peak >= logits_bytes, (ref_peak, peak, logits_bytes)

@@ -38,8 +38,25 @@ the new micro-batch (MIN) and retry together, and the gradients are summed acros
 after the last micro-step. Sample and token shares are taken of the global batch, so the result
 is the gradient of the global mean loss (equal to DDP's averaging when ranks hold equal batches).
 Every rank must pass a batch of the same size. An exception other than OOM on one rank leaves
-the others waiting in the next all-reduce, as it would in plain DDP. Other wrappers (FSDP) are
-not supported.
+the others waiting in the next all-reduce, as it would in plain DDP.
+
+Under FSDP2 (a model sharded with ``torch.distributed.fsdp.fully_shard``) every micro-step's
+backward reduce-scatters its gradient into fresh sharded ``.grad`` (FSDP's
+``set_requires_gradient_sync`` must be on, its default), which are held aside and summed like
+the unsharded ones, so a failed micro-step is rolled back exactly. Gradient sync is not turned
+off between micro-steps: FSDP then keeps the accumulated gradient inside itself, unsharded, where
+neither ``zero_grad()`` nor ``reset_iter_state()`` takes a failed backward's part out again
+(measured, torch 2.14), and it costs a whole unsharded gradient per rank, the memory this class
+exists to save. Without an OOM the whole batch is one micro-step, so one reduce-scatter per
+batch either way. Each micro-batch's share is multiplied by the mesh size, so FSDP's averaging
+over its data-parallel ranks gives the sum of the shares (default divide factor; not with
+``set_gradient_divide_factor``). FSDP's forward all-gathers and backward reduce-scatters are
+collectives inside the micro-step, so the ranks agree on OOM twice: after the forward (the
+loss included) and after the backward. An OOM that one rank hits in the middle of either, while
+its peers wait in a collective the failed rank never joins, leaves them waiting, as it would in
+plain FSDP; one in the loss or the LM head, after the model's last all-gather, is recovered
+from. Every rank runs every micro-step (a micro-batch with no tokens too: its loss must stay
+finite). Other wrappers (FSDP1, DeepSpeed) are not supported.
 """
 
 from __future__ import annotations
@@ -113,6 +130,22 @@ def _is_int(value) -> bool:
 
 def _is_ddp(model) -> bool:
     return isinstance(model, torch.nn.parallel.DistributedDataParallel)
+
+
+def _is_fsdp2(model) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
+def _is_fsdp1(model) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return isinstance(model, FullyShardedDataParallel)
 
 
 def _distributed() -> bool:
@@ -199,7 +232,7 @@ class AdaptiveBatch:
             optimizer.zero_grad(set_to_none=True)
 
     Args:
-        model: the ``nn.Module`` (or DDP module) whose parameters the optimizer steps.
+        model: the ``nn.Module`` (a DDP module, or one sharded with ``fully_shard``) whose parameters the optimizer steps.
         optimizer: a ``torch.optim.Optimizer``; stepped once per :meth:`step`.
         loss_fn: ``loss_fn(model, micro_batch) -> 0-d tensor``, the *mean* loss over the
             micro-batch's samples, or over its tokens when ``num_tokens`` is given.
@@ -273,6 +306,21 @@ class AdaptiveBatch:
         self.backward = backward
         self.pre_weighted = pre_weighted
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._fsdp2 = _is_fsdp2(model)
+        if _is_fsdp1(model):
+            raise TypeError("memopt.AdaptiveBatch: FSDP1 (FullyShardedDataParallel) is not supported; shard the "
+                            "model with torch.distributed.fsdp.fully_shard (FSDP2)")
+        # FSDP2 averages each reduce-scatter over its mesh; the shares here are of the global
+        # count, so each is scaled by the mesh size for the average to be their sum.
+        self._gradient_factor = 1.0
+        if self._fsdp2:
+            from torch.distributed.tensor import DTensor
+
+            meshes = {p.device_mesh for p in self._params if isinstance(p, DTensor)}
+            if len(meshes) != 1:
+                raise ValueError(f"memopt.AdaptiveBatch: the optimizer's parameters of an FSDP2 model must share one "
+                                 f"device mesh, got {len(meshes)}")
+            self._gradient_factor = float(next(iter(meshes)).size())
         self._device_type = self._params[0].device.type if self._params else "cpu"
         if grad_scaler is None and amp_dtype == torch.float16:
             grad_scaler = torch.amp.GradScaler(self._device_type)
@@ -304,8 +352,8 @@ class AdaptiveBatch:
         torch.distributed.all_reduce(t, op=op)
         return t.item()
 
-    def _micro_step(self, micro, weight: float) -> torch.Tensor:
-        """Forward and backward of one micro-batch into fresh .grad tensors; returns its loss."""
+    def _forward(self, micro, weight: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """One micro-batch's weighted loss, in at least fp32, and the same detached."""
         autocast = torch.autocast(self._device_type, dtype=self.amp_dtype, enabled=self.amp_dtype is not None)
         with autocast:
             loss = self.loss_fn(self.model, micro)
@@ -316,13 +364,40 @@ class AdaptiveBatch:
         weighted = loss.to(torch.promote_types(loss.dtype, torch.float32))
         if not self.pre_weighted:
             weighted = weighted * weight
+        return weighted, weighted.detach()
+
+    def _backward(self, weighted: torch.Tensor) -> None:
+        if self._gradient_factor != 1.0:
+            weighted = weighted * self._gradient_factor
         if self.backward is not None:
             self.backward(weighted)
         elif self.grad_scaler is not None:
             self.grad_scaler.scale(weighted).backward()
         else:
             weighted.backward()
-        return weighted.detach()
+
+    def _micro_step(self, micro, weight: float) -> tuple[str | None, torch.Tensor | None]:
+        """Forward and backward of one micro-batch into fresh .grad tensors. Returns (the OOM
+        message, None) when this rank ran out of memory (under FSDP2: or another rank did in the
+        forward), else (None, its loss)."""
+        oom = None
+        with self._no_sync():  # DDP reads it in the forward
+            try:
+                weighted, loss = self._forward(micro, weight)
+            except torch.OutOfMemoryError as err:
+                # Only record it here: the traceback references the failed forward's activations
+                # until this block ends.
+                oom = str(err).split("\n")[0]
+            if self._fsdp2 and self._agree(oom is not None):  # the backward's reduce-scatters need every rank
+                return oom or "on another rank", None
+            if oom is not None:
+                return oom, None
+            try:
+                self._backward(weighted)
+            except torch.OutOfMemoryError as err:
+                oom = str(err).split("\n")[0]
+            del weighted
+        return (oom, None) if oom is not None else (None, loss)
 
     def step(self, batch) -> StepResult:
         """Run one optimizer step over ``batch`` (tensors with the batch dimension first)."""
@@ -341,8 +416,9 @@ class AdaptiveBatch:
         For training loops that step the optimizer themselves (a Hugging Face ``Trainer``'s
         ``training_step``, gradient accumulation over several batches). On a failure the
         ``.grad`` tensors, buffers and RNG states are as they were before the call. Not under
-        ``DistributedDataParallel`` (:meth:`step` syncs the gradients; this leaves them local).
-        The returned loss is this rank's (not all-reduced); ``skipped`` is False.
+        ``DistributedDataParallel`` (:meth:`step` syncs the gradients; this leaves them local);
+        under FSDP2 the gradients added are the reduce-scattered global ones. The returned loss
+        is this rank's (not all-reduced); ``skipped`` is False.
         """
         if _is_ddp(self.model):
             raise ValueError("memopt.AdaptiveBatch.accumulate: not under DistributedDataParallel (the gradients "
@@ -411,20 +487,18 @@ class AdaptiveBatch:
             piece = _slice(batch, start, stop)
             count = self._count(piece)
             weight = count / total
-            oom, message, loss = False, "on another rank", None
-            if weight > 0:
-                try:
-                    with self._no_sync():
-                        loss = self._micro_step(piece, weight)
-                except torch.OutOfMemoryError as err:
-                    # Only record it here: the traceback references the failed forward's
-                    # activations until this block ends.
-                    oom, message = True, str(err).split("\n")[0]
+            message, loss = None, None
+            # Under FSDP2 every rank joins every micro-step: its forward and backward are collective.
+            runs = weight > 0 or self._fsdp2
+            if runs:
+                message, loss = self._micro_step(piece, weight)
             del piece
-            if self._agree(oom):
+            if self._agree(message is not None):
+                message = message or "on another rank"
                 for p in self._params:
                     p.grad = None
                 loss = None
+                self._reset_fsdp()
                 self._free()
                 state.restore()
                 if micro <= self.min_micro_batch:
@@ -442,7 +516,7 @@ class AdaptiveBatch:
                                "retrying at %d", micro, start, stop, new_micro)
                 micro = new_micro
                 continue
-            if weight > 0:
+            if runs:
                 accumulated = self._accumulate(accumulated)
                 loss_sum = loss_sum.to(loss.device) + loss.double()
                 micro_steps += 1
@@ -459,6 +533,13 @@ class AdaptiveBatch:
         if _is_ddp(self.model):
             return self.model.no_sync()
         return contextlib.nullcontext()
+
+    def _reset_fsdp(self) -> None:
+        """FSDP2's recovery after a forward or backward aborted mid-way (torch 2.14 on; earlier
+        releases have no such call and resume from the next forward)."""
+        reset = getattr(self.model, "reset_iter_state", None) if self._fsdp2 else None
+        if reset is not None:
+            reset()
 
     def _agree(self, oom: bool) -> bool:
         if not _distributed():

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
-from memopt.checkpoint import checkpoint
+from memopt.checkpoint import checkpoint, copy_cache, is_cache
 from memopt.offload import Offload, default_offload, is_parameter_like
 from memopt.policy import POLICIES, check_offload, check_policy
 from memopt.saved import SavedTensorCounter, storage_key
@@ -301,6 +301,9 @@ def _fresh_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Te
     no_grad_inputs: list[torch.Tensor] = []
 
     def fresh(x):
+        if is_cache(x):
+            # As the layer was called, for every run (note [a key/value cache argument]).
+            return copy_cache(x)
         if not isinstance(x, torch.Tensor):
             return x
         leaf = x.detach().requires_grad_(x.requires_grad)

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from memopt import causal_lm_loss
-from memopt.checkpoint import checkpoint
+from memopt.checkpoint import checkpoint, is_cache
 from memopt.offload import Offload
 from memopt.policy import check_offload, check_policy
 from memopt.torch_interop import swap_for_fused_block
@@ -234,18 +234,25 @@ class _LayerWrap:
 
 def check_layer_call(name: str, layer: nn.Module, args: tuple, kwargs: dict) -> None:
     """Refuse a layer call that checkpointing would get wrong or leave unchanged (``wrap``'s and
-    ``memopt.plan``'s): a key/value cache while computing gradients (the recompute would append
-    to it twice), or gradients off on inputs that need them (the model runs the layer inside its
-    own ``autograd.Function``, as Reformer's reversible layers do, and computes its backward
-    itself: a checkpoint there saves nothing and changes nothing)."""
+    ``memopt.plan``'s): a key/value cache while computing gradients that the recompute cannot
+    see as the forward did (:func:`memopt.checkpoint` copies a ``transformers.Cache`` for it,
+    note [a key/value cache argument]; any other cache object, or any cache under
+    ``torch.compile``, would be appended to twice), or gradients off on inputs that need them
+    (the model runs the layer inside its own ``autograd.Function``, as Reformer's reversible
+    layers do, and computes its backward itself: a checkpoint there saves nothing and changes
+    nothing)."""
     if torch.is_grad_enabled():
-        cache = next((k for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
+        compiling = torch.compiler.is_compiling()
+        cache = next(
+            (k for k in _CACHE_KWARGS if kwargs.get(k) is not None and (compiling or not is_cache(kwargs[k]))), None
+        )
         if cache is not None:
             raise ValueError(
-                f"memopt.wrap: layer {name!r} ({type(layer).__name__}) got a key/value cache ({cache}=) while "
-                "computing gradients; the recompute would append to the cache twice. Train with use_cache=False; "
-                "a model that passes its layers a cache even then (XLM builds one on every call) cannot have "
-                "them checkpointed: leave them out with layers="
+                f"memopt.wrap: layer {name!r} ({type(layer).__name__}) got a key/value cache ({cache}=, "
+                f"{type(kwargs[cache]).__name__}) while computing gradients"
+                f"{' under torch.compile' if compiling else ''}; the recompute would append to the cache twice. "
+                "Train with use_cache=False, or pass a transformers.Cache"
+                f"{' and run without torch.compile' if compiling else ''}"
             )
         return
     if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs))):
@@ -368,9 +375,12 @@ def wrap(
     own forward through :func:`memopt.checkpoint`, and ``("none", False)`` leaves them as they are.
 
     Wrapping twice raises ``RuntimeError``: call :func:`unwrap` first. Hugging Face models get
-    ``config.use_cache = False`` while wrapped (a key/value cache cannot be recomputed), as their
-    own gradient checkpointing does, on every config in the model (an encoder-decoder's decoder
-    stack has its own copy); ``unwrap`` restores them.
+    ``config.use_cache = False`` while wrapped (a cache built while training holds every layer's
+    keys and values until the backward), as their own gradient checkpointing does, on every
+    config in the model (an encoder-decoder's decoder stack has its own copy); ``unwrap``
+    restores them. A ``transformers.Cache`` a layer gets anyway (``use_cache=True``, or XLM's,
+    built on every call) is exact: each recompute sees a copy of it as the forward did
+    (:func:`memopt.checkpoint`, note [a key/value cache argument]).
 
     Returns:
         ``model``.

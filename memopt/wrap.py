@@ -108,7 +108,10 @@ def _default_layer_classes(model: nn.Module) -> set[type]:
     class stacked alone that holds at least a tenth of that one's parameters (an
     encoder-decoder's second stack: Whisper's or BART's decoder layers); and the other classes
     in a stack of a chosen class with at least a tenth of a chosen layer's parameters each (a
-    hybrid stack: Jamba's attention layers among its Mamba layers, Zamba2's hybrid layers)."""
+    hybrid stack: Jamba's attention layers among its Mamba layers, Zamba2's hybrid layers).
+    When no class repeats, the outermost members of the stacks holding at least a tenth of the
+    model's parameters each: one layer module that the forward runs several times (ALBERT's
+    shared layer group; each call is checkpointed on its own)."""
     stacks = _stacks(model)
     in_containers = [member for stack in stacks for member in stack]
     # classes that fill a whole stack on their own
@@ -116,10 +119,16 @@ def _default_layer_classes(model: nn.Module) -> set[type]:
     counts = Counter(type(module) for _, module in in_containers)
     candidates = {cls for cls, count in counts.items() if count >= 2}
     if not candidates:
-        raise ValueError(
-            "memopt.wrap: found no module class repeated inside an nn.ModuleList or nn.Sequential; "
-            "pass layers= (a class, a tuple of classes or a predicate)"
-        )
+        # One layer module the forward runs several times (ALBERT's shared layer group, run
+        # num_hidden_layers times): repeated in time, not in the containers.
+        model_params = _num_params(model)
+        shared = {type(m) for _, m in _outermost(in_containers) if _num_params(m) * 10 >= model_params > 0}
+        if not shared:
+            raise ValueError(
+                "memopt.wrap: found no module class repeated inside an nn.ModuleList or nn.Sequential, nor "
+                "one holding a tenth of the parameters; pass layers= (a class, a tuple of classes or a predicate)"
+            )
+        return shared
     # Keep classes that occur outside every other candidate (the blocks, not the experts or
     # sub-layers inside them), then take the most repeated of those.
     outer = _outermost([(name, m) for name, m in in_containers if type(m) in candidates])
@@ -148,7 +157,9 @@ def find_layers(model: nn.Module, layers: LayerSelector = None) -> list[tuple[st
             other stack: ``WhisperDecoderLayer`` beside ``WhisperEncoderLayer``), plus the other
             classes sharing a container with those, each with at least a tenth of a layer's
             parameters (hybrid stacks: Jamba's attention and Mamba layers, Zamba2's hybrid and
-            Mamba layers). An ``nn.ModuleList``/``nn.ModuleDict`` inside such a container is
+            Mamba layers). With no class repeated, the outermost container members holding a
+            tenth of the model's parameters each (ALBERT's one layer group, which the forward
+            runs num_hidden_layers times). An ``nn.ModuleList``/``nn.ModuleDict`` inside such a container is
             opened (Funnel's blocks, PoolFormer's stages): the model iterates it, it is never a
             layer. A class or tuple of classes selects instances of those; a callable
             ``layers(module) -> bool`` selects where it returns True (selecting a

@@ -623,6 +623,10 @@ def checkpoint(
         )
     if not isinstance(debug, bool):
         raise TypeError(f"memopt.checkpoint: debug must be a bool, got {debug!r}")
+    if not isinstance(preserve_rng_state, bool):
+        raise TypeError(f"memopt.checkpoint: preserve_rng_state must be a bool, got {preserve_rng_state!r}")
+    if determinism_check not in ("default", "none"):
+        raise ValueError(f"memopt.checkpoint: determinism_check must be 'default' or 'none', got {determinism_check!r}")
     if offload:
         # Inputs that need no gradient (attention masks, rotary tables) are held by the caller,
         # usually for every layer: moving them would free nothing.

@@ -516,6 +516,8 @@ def unwrap(model: nn.Module) -> nn.Module:
 
     Raises ``ValueError`` when ``model`` is not wrapped. Returns ``model``.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"memopt.unwrap: model must be an nn.Module, got {type(model).__name__}")
     state: _WrapState | None = getattr(model, _STATE_ATTR, None)
     if state is None:
         raise ValueError("memopt.unwrap: model is not wrapped by memopt.wrap")

@@ -61,10 +61,13 @@ class SavedTensorCounter:
     def _exclude(self, tensors, owner: str) -> None:
         if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Iterable):
             raise TypeError(f"{owner}: exclude must be an iterable of tensors, got {type(tensors).__name__}")
-        tensors = list(tensors)
+        # None stands for an absent optional tensor (a norm without bias) and is skipped.
+        tensors = [t for t in tensors if t is not None]
         wrong = sorted({type(t).__name__ for t in tensors if not isinstance(t, torch.Tensor)})
         if wrong:
-            raise TypeError(f"{owner}: exclude must be an iterable of tensors, got elements of type {', '.join(wrong)}")
+            raise TypeError(
+                f"{owner}: exclude must be an iterable of tensors (or None), got elements of type {', '.join(wrong)}"
+            )
         self._excluded.update(storage_key(t) for t in tensors)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:

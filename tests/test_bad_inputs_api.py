@@ -157,7 +157,7 @@ CASES = [
     ("SavedTensorCounter-exclude-int (fixed)", lambda: memopt.SavedTensorCounter(exclude=5), TypeError,
      "exclude must be an iterable of tensors"),
     ("SavedTensorCounter-exclude-str-elements (fixed)", lambda: memopt.SavedTensorCounter(exclude=["a"]), TypeError,
-     "exclude must be an iterable of tensors, got elements of type str"),
+     "exclude must be an iterable of tensors (or None), got elements of type str"),
     ("SavedTensorCounter-on_save-str (fixed)", lambda: memopt.SavedTensorCounter(on_save="x"), TypeError,
      "on_save must be callable or None"),
     # FusedCheckpointBlock / FusedCheckpointStack / EagerTransformerBlock

@@ -94,6 +94,8 @@ class _TransformerBlockBase(nn.Module):
             raise ValueError(f"{owner}: dropout must be a float in [0, 1), got {dropout!r}")
         _check_choice(activation, ACTIVATIONS, "activation", owner)
         _check_choice(norm, NORMS, "norm", owner)
+        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
+            raise ValueError(f"{owner}: eps must be a non-negative finite float, got {eps!r}")
         self.d_model, self.n_heads, self.n_kv_heads, self.d_ff = d_model, n_heads, n_kv_heads, d_ff
         self.head_dim = d_model // n_heads
         self.dropout, self.activation, self.norm = float(dropout), activation, norm
@@ -168,6 +170,9 @@ def _is_causal_mask(mask: torch.Tensor) -> bool:
 
 
 def _to_batch_first(block, x: torch.Tensor) -> torch.Tensor:
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        got = f"a {x.dtype} tensor" if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"{type(block).__name__}: x must be a floating-point tensor, got {got}")
     if x.dim() != 3 or x.shape[-1] != block.d_model:
         layout = "(batch, seq, d_model)" if block.batch_first else "(seq, batch, d_model)"
         raise ValueError(

@@ -73,6 +73,9 @@ def _why_not(model: nn.Module) -> str | None:
     causal_loss = getattr(sys.modules.get("transformers.loss.loss_utils"), "ForCausalLMLoss", None)
     if causal_loss is None or model.loss_function is not causal_loss:
         return f"its loss_function is not Hugging Face's ForCausalLMLoss (loss_type={getattr(model, 'loss_type', None)!r})"
+    reason = _loss_not_from_loss_function(type(model))
+    if reason is not None:
+        return reason
     base = model.base_model
     if base is model or base is None:
         return f"{type(model).__name__} has no base model (base_model_prefix={model.base_model_prefix!r})"
@@ -85,6 +88,26 @@ def _why_not(model: nn.Module) -> str | None:
         if value is not None and value != 1:
             return f"its config sets {name}={value}, which rescales the logits; loss='chunked' does not"
     return None
+
+
+def _loss_not_from_loss_function(cls: type) -> str | None:
+    """Why ``cls.forward`` may compute its loss otherwise than with ``self.loss_function``, or
+    None. loss_function is a PreTrainedModel property every model has; a forward that computes
+    its loss itself (BartForCausalLM's and XLM's CrossEntropyLoss over unshifted labels) never
+    uses it. Read from the source: a forward that calls ``super().forward`` defers to the next
+    class's."""
+    for owner in cls.__mro__:
+        if "forward" not in vars(owner):
+            continue
+        try:
+            source = inspect.getsource(vars(owner)["forward"])
+        except (OSError, TypeError):
+            return f"the source of {owner.__name__}.forward cannot be read to see that it uses loss_function"
+        if "self.loss_function(" in source:
+            return None
+        if "super().forward(" not in source:
+            return f"{owner.__name__}.forward computes its loss itself, not with loss_function (ForCausalLMLoss)"
+    return f"{cls.__name__}.forward computes its loss itself, not with loss_function (ForCausalLMLoss)"
 
 
 def causal_lm(model: nn.Module) -> nn.Module | None:

@@ -23,8 +23,10 @@ path holds the layer's cached tensors on the device until its forward ends.
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import inspect
+import sys
 import weakref
 from collections import defaultdict
 from typing import Any, Callable
@@ -199,6 +201,19 @@ class _CacheEntriesToHost:
 # plainly, as ``"full"`` would (everything from the inputs), with this checkpoint's forward
 # modes lifted off the stack (``_SuspendedModes``) and every buffer of its modules put back after.
 # The cache is left as the forward made it for the real backward.
+#
+# Note: [a key/value cache argument]
+#
+# A Hugging Face layer given a key/value cache (``transformers.Cache``) appends its keys and
+# values to it: the forward changes one of ``fn``'s inputs, so a recompute would attend over them
+# twice. XLM passes its layers a cache it builds on every call, ``use_cache=False`` or not. Each
+# cache argument is copied when the forward starts (``copy_cache``: new cache and layer objects
+# and containers, the tensors shared), and every recompute gets a fresh copy of that copy
+# (``_CacheAsCalled``): the cache as the forward saw it. The real cache gets the forward's
+# update once, as without checkpointing. Sharing the tensors is exact for caches that replace
+# their tensors on update (``DynamicCache``: ``torch.cat``); a cache that writes into them in
+# place (``StaticCache``) would change the copy too, so the forward's writes are looked for
+# (version counters) and refused with ``ValueError``.
 # ---------------------------------------------------------------------------------------------
 
 _WRITTEN_ARGS: dict = {}
@@ -383,6 +398,91 @@ class _BufferGuard:
             with torch.no_grad():
                 for buffer, value in saved:
                     buffer.copy_(value)
+
+
+def _cache_classes() -> tuple[type, ...]:
+    """``transformers``' cache and cache-layer base classes, if it is imported (a cache argument
+    can only come from it then); empty otherwise."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    names = ("Cache", "CacheLayerMixin", "LinearAttentionCacheLayerMixin")
+    return tuple(c for c in (getattr(cache_utils, n, None) for n in names) if isinstance(c, type))
+
+
+def is_cache(value: Any) -> bool:
+    """Whether ``value`` is a Hugging Face key/value cache (a ``transformers.Cache``)."""
+    classes = _cache_classes()
+    return bool(classes) and isinstance(value, classes[0])
+
+
+def copy_cache(cache: Any, versions: list | None = None) -> Any:
+    """A copy of a ``transformers.Cache`` that shares its tensors: the cache and cache-layer
+    objects and the lists, tuples and dicts they hold are new, so an update that replaces a
+    tensor (``DynamicCache``) changes the copy only. ``versions`` collects ``(tensor, version)``
+    of the shared tensors (note [a key/value cache argument])."""
+    classes = _cache_classes()
+    memo: dict[int, Any] = {}
+
+    def copied(value):
+        if isinstance(value, torch.Tensor):
+            if versions is not None:
+                versions.append((value, value._version))
+            return value
+        if id(value) in memo:
+            return memo[id(value)]
+        if isinstance(value, (list, dict)):
+            new = type(value)()
+            memo[id(value)] = new
+            if isinstance(value, list):
+                new.extend(copied(v) for v in value)
+            else:
+                new.update((k, copied(v)) for k, v in value.items())
+            return new
+        if isinstance(value, tuple):
+            return tuple(copied(v) for v in value)
+        if isinstance(value, classes) and hasattr(value, "__dict__"):
+            new = copy.copy(value)
+            memo[id(value)] = new
+            new.__dict__.update((k, copied(v)) for k, v in vars(value).items())
+            return new
+        return value  # numbers, dtypes, devices, streams, configs: not changed by an update
+
+    return copied(cache)
+
+
+class _CacheAsCalled:
+    """Note [a key/value cache argument]: ``fn`` called with its cache arguments as they were
+    when the forward started; the forward updates the real ones (and may not write into their
+    tensors), each later call (a recompute) gets fresh copies."""
+
+    def __init__(self, fn: Callable, args: tuple, kwargs: dict):
+        self.fn = fn
+        self.versions: list = []
+        self.positions = [i for i, a in enumerate(args) if is_cache(a)]
+        self.keys = [k for k, v in kwargs.items() if is_cache(v)]
+        self.as_called = [copy_cache(args[i], self.versions) for i in self.positions] + [
+            copy_cache(kwargs[k], self.versions) for k in self.keys
+        ]
+        self.forward_done = False
+
+    def __call__(self, *args, **kwargs):
+        if not self.forward_done:
+            self.forward_done = True
+            out = self.fn(*args, **kwargs)
+            if any(t._version != version for t, version in self.versions):
+                names = [f"argument {i}" for i in self.positions] + [f"{k}=" for k in self.keys]
+                raise ValueError(
+                    f"memopt.checkpoint: fn wrote into the tensors of its key/value cache ({', '.join(names)}: "
+                    f"{', '.join(sorted({type(c).__name__ for c in self.as_called}))}) in place; a recompute "
+                    "cannot see the cache as the forward did. Train with a cache that grows by concatenation "
+                    "(DynamicCache), without a cache, or do not checkpoint this function"
+                )
+            return out
+        fresh = [copy_cache(c) for c in self.as_called]
+        args = list(args)
+        for i, cache in zip(self.positions, fresh):
+            args[i] = cache
+        kwargs = {**kwargs, **dict(zip(self.keys, fresh[len(self.positions):]))}
+        return self.fn(*args, **kwargs)
 
 
 class _Contexts:
@@ -599,6 +699,10 @@ def checkpoint(
         )
     if not isinstance(debug, bool):
         raise TypeError(f"memopt.checkpoint: debug must be a bool, got {debug!r}")
+    if not isinstance(preserve_rng_state, bool):
+        raise TypeError(f"memopt.checkpoint: preserve_rng_state must be a bool, got {preserve_rng_state!r}")
+    if determinism_check not in ("default", "none"):
+        raise ValueError(f"memopt.checkpoint: determinism_check must be 'default' or 'none', got {determinism_check!r}")
     if offload:
         # Inputs that need no gradient (attention masks, rotary tables) are held by the caller,
         # usually for every layer: moving them would free nothing.
@@ -661,5 +765,7 @@ def checkpoint(
         if "context_fn" in options and global_debug
         else contextlib.nullcontext()
     )
+    if guarded and torch.is_grad_enabled() and any(is_cache(v) for v in (*args, *kwargs.values())):
+        fn = _CacheAsCalled(fn, args, kwargs)
     with no_global_debug:
         return torch.utils.checkpoint.checkpoint(fn, *args, **options, **kwargs)

@@ -135,6 +135,9 @@ class OffloadEngine:
         _check_nonnegative_int(prefetch, "prefetch")
         _check_nonnegative_int(coalesce_bytes, "coalesce_bytes")
         _check_nonnegative_int(staging_bytes, "staging_bytes")
+        for name, flag in (("pin_memory", pin_memory), ("allow_cpu_source", allow_cpu_source)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"memopt.offload: {name} must be a bool, got {flag!r}")
         if staging_bytes < coalesce_bytes:
             raise ValueError(
                 f"memopt.offload: staging_bytes must be >= coalesce_bytes ({coalesce_bytes}), got {staging_bytes}"
@@ -425,6 +428,10 @@ def offload_module_groups(off: Offload, modules: Iterable[nn.Module]) -> _Module
         if off.active:
             off.next_group()
 
+    if not isinstance(modules, Iterable):
+        raise TypeError(
+            f"memopt.offload_module_groups: modules must be an iterable of nn.Modules, got {type(modules).__name__}"
+        )
     handles = []
     for module in modules:
         if not isinstance(module, nn.Module):

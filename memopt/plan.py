@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
-from memopt.checkpoint import checkpoint
+from memopt.checkpoint import checkpoint, copy_cache, is_cache
 from memopt.offload import Offload, default_offload, is_parameter_like
 from memopt.policy import POLICIES, check_offload, check_policy
 from memopt.saved import SavedTensorCounter, storage_key
@@ -202,6 +202,8 @@ class Plan:
     @classmethod
     def from_dict(cls, data: dict) -> "Plan":
         """A plan from :meth:`to_dict`'s data (e.g. ``json.load``-ed); validated with :meth:`check`."""
+        if not isinstance(data, dict):
+            raise TypeError(f"memopt.Plan.from_dict: data must be a dict (Plan.to_dict's), got {type(data).__name__}")
         required = {"layer_names", "choices", "layer_costs", "other_bytes"}
         missing = required - set(data)
         if missing:
@@ -301,6 +303,9 @@ def _fresh_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Te
     no_grad_inputs: list[torch.Tensor] = []
 
     def fresh(x):
+        if is_cache(x):
+            # As the layer was called, for every run (note [a key/value cache argument]).
+            return copy_cache(x)
         if not isinstance(x, torch.Tensor):
             return x
         leaf = x.detach().requires_grad_(x.requires_grad)
@@ -663,6 +668,8 @@ def plan(
         ``RuntimeError`` (``memopt.wrap.check_layer_call``) for a layer that checkpointing cannot
         change (run with gradients off inside the model's own ``autograd.Function``: Reformer).
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"memopt.plan: model must be an nn.Module, got {type(model).__name__}")
     if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
         raise ValueError(f"memopt.plan: budget_bytes must be a non-negative int, got {budget_bytes!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:

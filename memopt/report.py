@@ -91,14 +91,19 @@ def memory_report(device=None) -> MemoryReport:
     """The memory of ``device`` now (default: the current CUDA device, else the CPU process)."""
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(device)
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(f"memopt.memory_report: device must be a torch.device, a str or an int, got {device!r}")
+    try:
+        device = torch.device(device)
+    except RuntimeError as error:
+        raise ValueError(f"memopt.memory_report: device must name a device ('cpu', 'cuda:0'), got {device!r}") from error
     if device.type == "cpu":
         rss = _current_rss()
         return MemoryReport(device="cpu", allocated=rss, peak_allocated=max(rss, _peak_rss()),
                             notes=["CPU tensors come from the system allocator: figures are the whole "
                                    "process's resident memory, not tensor bytes"])
     if device.type != "cuda":
-        raise ValueError(f"device must be a CUDA device or 'cpu', got {device}")
+        raise ValueError(f"memopt.memory_report: device must be a CUDA device or 'cpu', got {device}")
     if not torch.cuda.is_available():
         raise RuntimeError(f"device {device} requested but torch.cuda.is_available() is False")
     if device.index is None:

@@ -9,7 +9,7 @@ out by default: they exist whether or not anything is saved.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -46,14 +46,29 @@ class SavedTensorCounter:
         exclude: Iterable[torch.Tensor] = (),
         on_save: Callable[[torch.Tensor, tuple[int, str], int], None] | None = None,
     ):
-        self._excluded = {storage_key(t) for t in exclude if isinstance(t, torch.Tensor)}
+        if on_save is not None and not callable(on_save):
+            raise TypeError(f"memopt.SavedTensorCounter: on_save must be callable or None, got {type(on_save).__name__}")
+        self._excluded: set = set()
+        self._exclude(exclude, "memopt.SavedTensorCounter")
         self._storages: dict[tuple[int, str], int] = {}
         self._on_save = on_save
         self.num_tensors = 0
         self._hooks = None
 
     def exclude(self, tensors: Iterable[torch.Tensor]) -> None:
-        self._excluded.update(storage_key(t) for t in tensors if isinstance(t, torch.Tensor))
+        self._exclude(tensors, "memopt.SavedTensorCounter.exclude")
+
+    def _exclude(self, tensors, owner: str) -> None:
+        if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Iterable):
+            raise TypeError(f"{owner}: exclude must be an iterable of tensors, got {type(tensors).__name__}")
+        # None stands for an absent optional tensor (a norm without bias) and is skipped.
+        tensors = [t for t in tensors if t is not None]
+        wrong = sorted({type(t).__name__ for t in tensors if not isinstance(t, torch.Tensor)})
+        if wrong:
+            raise TypeError(
+                f"{owner}: exclude must be an iterable of tensors (or None), got elements of type {', '.join(wrong)}"
+            )
+        self._excluded.update(storage_key(t) for t in tensors)
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         key = storage_key(t)
@@ -93,6 +108,10 @@ def saved_bytes(fn: Callable, *args, exclude: Iterable[torch.Tensor] = (), **kwa
     tensors in ``exclude`` are not counted. The result of ``fn`` is discarded; use
     :class:`SavedTensorCounter` to keep it.
     """
+    if not callable(fn):
+        raise TypeError(f"memopt.saved_bytes: fn must be callable, got {type(fn).__name__}")
+    if isinstance(exclude, torch.Tensor) or not isinstance(exclude, Iterable):
+        raise TypeError(f"memopt.saved_bytes: exclude must be an iterable of tensors, got {type(exclude).__name__}")
     excluded = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
     excluded += list(exclude)
     if isinstance(fn, torch.nn.Module):

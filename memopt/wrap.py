@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from memopt import causal_lm_loss, tiled_ffn
-from memopt.checkpoint import checkpoint
+from memopt.checkpoint import checkpoint, is_cache
 from memopt.offload import Offload
 from memopt.policy import check_offload, check_policy
 from memopt.torch_interop import swap_for_fused_block
@@ -110,7 +110,10 @@ def _default_layer_classes(model: nn.Module) -> set[type]:
     class stacked alone that holds at least a tenth of that one's parameters (an
     encoder-decoder's second stack: Whisper's or BART's decoder layers); and the other classes
     in a stack of a chosen class with at least a tenth of a chosen layer's parameters each (a
-    hybrid stack: Jamba's attention layers among its Mamba layers, Zamba2's hybrid layers)."""
+    hybrid stack: Jamba's attention layers among its Mamba layers, Zamba2's hybrid layers).
+    When no class repeats, the outermost members of the stacks holding at least a tenth of the
+    model's parameters each: one layer module that the forward runs several times (ALBERT's
+    shared layer group; each call is checkpointed on its own)."""
     stacks = _stacks(model)
     in_containers = [member for stack in stacks for member in stack]
     # classes that fill a whole stack on their own
@@ -118,10 +121,16 @@ def _default_layer_classes(model: nn.Module) -> set[type]:
     counts = Counter(type(module) for _, module in in_containers)
     candidates = {cls for cls, count in counts.items() if count >= 2}
     if not candidates:
-        raise ValueError(
-            "memopt.wrap: found no module class repeated inside an nn.ModuleList or nn.Sequential; "
-            "pass layers= (a class, a tuple of classes or a predicate)"
-        )
+        # One layer module the forward runs several times (ALBERT's shared layer group, run
+        # num_hidden_layers times): repeated in time, not in the containers.
+        model_params = _num_params(model)
+        shared = {type(m) for _, m in _outermost(in_containers) if _num_params(m) * 10 >= model_params > 0}
+        if not shared:
+            raise ValueError(
+                "memopt.wrap: found no module class repeated inside an nn.ModuleList or nn.Sequential, nor "
+                "one holding a tenth of the parameters; pass layers= (a class, a tuple of classes or a predicate)"
+            )
+        return shared
     # Keep classes that occur outside every other candidate (the blocks, not the experts or
     # sub-layers inside them), then take the most repeated of those.
     outer = _outermost([(name, m) for name, m in in_containers if type(m) in candidates])
@@ -150,7 +159,9 @@ def find_layers(model: nn.Module, layers: LayerSelector = None) -> list[tuple[st
             other stack: ``WhisperDecoderLayer`` beside ``WhisperEncoderLayer``), plus the other
             classes sharing a container with those, each with at least a tenth of a layer's
             parameters (hybrid stacks: Jamba's attention and Mamba layers, Zamba2's hybrid and
-            Mamba layers). An ``nn.ModuleList``/``nn.ModuleDict`` inside such a container is
+            Mamba layers). With no class repeated, the outermost container members holding a
+            tenth of the model's parameters each (ALBERT's one layer group, which the forward
+            runs num_hidden_layers times). An ``nn.ModuleList``/``nn.ModuleDict`` inside such a container is
             opened (Funnel's blocks, PoolFormer's stages): the model iterates it, it is never a
             layer. A class or tuple of classes selects instances of those; a callable
             ``layers(module) -> bool`` selects where it returns True (selecting a
@@ -236,18 +247,25 @@ class _LayerWrap:
 
 def check_layer_call(name: str, layer: nn.Module, args: tuple, kwargs: dict) -> None:
     """Refuse a layer call that checkpointing would get wrong or leave unchanged (``wrap``'s and
-    ``memopt.plan``'s): a key/value cache while computing gradients (the recompute would append
-    to it twice), or gradients off on inputs that need them (the model runs the layer inside its
-    own ``autograd.Function``, as Reformer's reversible layers do, and computes its backward
-    itself: a checkpoint there saves nothing and changes nothing)."""
+    ``memopt.plan``'s): a key/value cache while computing gradients that the recompute cannot
+    see as the forward did (:func:`memopt.checkpoint` copies a ``transformers.Cache`` for it,
+    note [a key/value cache argument]; any other cache object, or any cache under
+    ``torch.compile``, would be appended to twice), or gradients off on inputs that need them
+    (the model runs the layer inside its own ``autograd.Function``, as Reformer's reversible
+    layers do, and computes its backward itself: a checkpoint there saves nothing and changes
+    nothing)."""
     if torch.is_grad_enabled():
-        cache = next((k for k in _CACHE_KWARGS if kwargs.get(k) is not None), None)
+        compiling = torch.compiler.is_compiling()
+        cache = next(
+            (k for k in _CACHE_KWARGS if kwargs.get(k) is not None and (compiling or not is_cache(kwargs[k]))), None
+        )
         if cache is not None:
             raise ValueError(
-                f"memopt.wrap: layer {name!r} ({type(layer).__name__}) got a key/value cache ({cache}=) while "
-                "computing gradients; the recompute would append to the cache twice. Train with use_cache=False; "
-                "a model that passes its layers a cache even then (XLM builds one on every call) cannot have "
-                "them checkpointed: leave them out with layers="
+                f"memopt.wrap: layer {name!r} ({type(layer).__name__}) got a key/value cache ({cache}=, "
+                f"{type(kwargs[cache]).__name__}) while computing gradients"
+                f"{' under torch.compile' if compiling else ''}; the recompute would append to the cache twice. "
+                "Train with use_cache=False, or pass a transformers.Cache"
+                f"{' and run without torch.compile' if compiling else ''}"
             )
         return
     if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs))):
@@ -377,9 +395,12 @@ def wrap(
     own forward through :func:`memopt.checkpoint`, and ``("none", False)`` leaves them as they are.
 
     Wrapping twice raises ``RuntimeError``: call :func:`unwrap` first. Hugging Face models get
-    ``config.use_cache = False`` while wrapped (a key/value cache cannot be recomputed), as their
-    own gradient checkpointing does, on every config in the model (an encoder-decoder's decoder
-    stack has its own copy); ``unwrap`` restores them.
+    ``config.use_cache = False`` while wrapped (a cache built while training holds every layer's
+    keys and values until the backward), as their own gradient checkpointing does, on every
+    config in the model (an encoder-decoder's decoder stack has its own copy); ``unwrap``
+    restores them. A ``transformers.Cache`` a layer gets anyway (``use_cache=True``, or XLM's,
+    built on every call) is exact: each recompute sees a copy of it as the forward did
+    (:func:`memopt.checkpoint`, note [a key/value cache argument]).
 
     Returns:
         ``model``.
@@ -521,6 +542,8 @@ def unwrap(model: nn.Module) -> nn.Module:
 
     Raises ``ValueError`` when ``model`` is not wrapped. Returns ``model``.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"memopt.unwrap: model must be an nn.Module, got {type(model).__name__}")
     state: _WrapState | None = getattr(model, _STATE_ATTR, None)
     if state is None:
         raise ValueError("memopt.unwrap: model is not wrapped by memopt.wrap")

@@ -193,14 +193,6 @@ def test_wrap_refuses_model_with_hf_checkpointing_on():
         memopt.wrap(model)
 
 
-def test_cache_while_training_raises_clear_error():
-    model = _llama("sdpa")
-    memopt.wrap(model)
-    ids = _input_ids()
-    with pytest.raises(ValueError, match="use_cache=False"):
-        model(input_ids=ids, use_cache=True)
-
-
 @pytest.mark.parametrize("name", ["llama-sdpa", "gpt2-eager"])
 def test_plan_predicts_counted_bytes(name):
     torch.manual_seed(0)

@@ -220,11 +220,50 @@ def test_reversible_layers_are_refused_by_name():
         model(**inputs)
 
 
-def test_a_cache_built_even_with_use_cache_off_is_named():
-    """XLM builds a key/value cache on every call: use_cache=False cannot stop it, and the error
-    says so, naming the layer."""
+def test_a_model_building_a_cache_on_every_call_is_planned_within_budget():
+    """XLM passes its layers a key/value cache it builds on every call: the plan measures each
+    layer on the cache as the layer saw it, and the model under the plan keeps the budget."""
     torch.manual_seed(0)
     config = transformers.XLMConfig(vocab_size=VOCAB, emb_dim=16, n_layers=2, n_heads=2, dropout=0.0, attention_dropout=0.0)
-    model = memopt.wrap(transformers.XLMModel(config).train())
-    with pytest.raises(ValueError, match=r"'attentions\.0' \(MultiHeadAttention\).*XLM builds one on every call"):
-        model(input_ids=_ids(), use_cache=False)
+    model, inputs = transformers.XLMModel(config).train(), {"input_ids": _ids()}
+    plain = _counted(model, inputs)
+    plan, counted = _plan_and_count(model, inputs, plain // 2)
+    assert "attentions.0" in plan.layer_names
+    assert counted <= plan.budget_bytes
+
+
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_a_shared_layer_is_found_and_wrapped_exactly(policy):
+    """ALBERT's one layer group sits alone in its ModuleList and runs num_hidden_layers times:
+    the default finds it (no class repeats), and every call is checkpointed with loss and every
+    gradient equal to the unwrapped model's (float64). Before: "no module class repeated"."""
+    torch.manual_seed(0)
+    model = _albert().double()
+    ids = _ids()
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids).last_hidden_state
+        out.square().mean().backward()
+        return out.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    ref_out, ref_grads = step()
+    assert [name for name, _ in wrap_module.find_layers(model)] == ["encoder.albert_layer_groups.0"]
+    memopt.wrap(model, policy=policy)
+    with memopt.SavedTensorCounter(exclude=list(model.parameters()) + list(model.buffers())) as counter:
+        out, grads = step()
+    torch.testing.assert_close(out, ref_out, rtol=1e-12, atol=1e-12)
+    assert grads.keys() == ref_grads.keys()
+    for name in ref_grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-10, atol=1e-12, msg=name)
+    memopt.unwrap(model)
+    assert counter.total_bytes < _counted(model, {"input_ids": ids})
+
+
+def test_a_shared_layer_found_by_default_is_planned_within_budget():
+    torch.manual_seed(0)
+    model, inputs = _albert(), {"input_ids": _ids()}
+    plain = _counted(model, inputs)
+    plan, counted = _plan_and_count(model, inputs, plain // 2)
+    assert plan.layer_names == ["encoder.albert_layer_groups.0"]
+    assert counted <= plan.budget_bytes

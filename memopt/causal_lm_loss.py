@@ -206,6 +206,11 @@ class _ChunkedLossForward:
         call.update(kwargs)
         if call.get("labels") is None:
             return original(*args, **kwargs)
+        if call.get("fused_lm_head"):
+            # TRL's SFTTrainer patches the forward with its own fused LM-head loss and asks for it
+            # with fused_lm_head=True: that loss materialises no logits either, and is the one the
+            # unwrapped trainer computes, so it runs as asked.
+            return original(*args, **kwargs)
         return self._chunked(original, call)
 
     def _chunked(self, original, call: dict):

@@ -110,7 +110,7 @@ CASES = [
     ("wrap-model-None", lambda: memopt.wrap(None), TypeError, "model must be an nn.Module"),
     ("wrap-policy-unknown", lambda: memopt.wrap(_two_linears(), policy="bogus"), ValueError,
      "policy for layer '0' must be one of"),
-    ("wrap-policy-int", lambda: memopt.wrap(_two_linears(), policy=5), TypeError, "policy must be a string, a list or a dict"),
+    ("wrap-policy-int", lambda: memopt.wrap(_two_linears(), policy=5), TypeError, "policy must be a string or a policy function, a list or a dict"),
     ("wrap-offload-str", lambda: memopt.wrap(_two_linears(), offload="no"), TypeError, "offload must be a bool"),
     ("wrap-layers-str", lambda: memopt.wrap(_two_linears(), layers="Linear"), TypeError, "layers must be None, a class"),
     ("wrap-loss-unknown", lambda: memopt.wrap(_two_linears(), loss="bogus"), ValueError,

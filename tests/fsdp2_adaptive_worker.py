@@ -11,8 +11,6 @@ Prints ``CHECK <name> ok <micro_batch> <retries>`` on rank 0; any mismatch raise
 """
 
 import copy
-import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -21,6 +19,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 import memopt
+from helpers import leave_without_gloo_teardown  # the script's folder is on sys.path
 
 
 class Net(torch.nn.Module):
@@ -78,11 +77,7 @@ def main() -> None:
     limit = 2 if rank == 1 else 10**9
     check("fsdp2-accumulate-oom-rank1", model, [2 * g for g in reference], stepper.accumulate(local))
 
-    # Every check has passed. Leave without tearing down gloo (see distributed_wrap_worker.py).
-    dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_without_gloo_teardown()  # every check has passed
 
 
 if __name__ == "__main__":

@@ -15,8 +15,6 @@ Prints ``CHECK <name> ok`` on rank 0; any mismatch raises.
 """
 
 import importlib
-import os
-import sys
 
 import torch
 import torch.distributed as dist
@@ -25,6 +23,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 import memopt
+from helpers import leave_without_gloo_teardown  # the script's folder is on sys.path
 
 WIDTH, LAYERS, BATCH, MICRO_BATCHES = 16, 4, 8, 4
 
@@ -103,11 +102,7 @@ def main() -> None:
             if rank == 0:
                 print(f"CHECK {schedule.__name__}-dropout-{policy} ok", flush=True)
 
-    # Every check has passed. Leave without tearing down gloo (see distributed_wrap_worker.py).
-    dist.barrier()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_without_gloo_teardown()  # every check has passed
 
 
 if __name__ == "__main__":

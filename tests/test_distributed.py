@@ -22,84 +22,66 @@ CHECKS = [
     "ddp-no-sync-wrap-offload",
     "ddp-no-sync-stack-offload",
 ]
+needs_gloo = pytest.mark.skipif(
+    not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="needs gloo"
+)
 
 
-@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="needs gloo")
-def test_ddp_and_fsdp2_gradients_match_single_process():
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
+def _torchrun(script: Path, timeout: int = 240) -> tuple[str, str]:
+    """Run ``script`` on two processes (one thread each) with this checkout importable; assert it
+    exited cleanly and return (its stdout, stdout + stderr for failure messages)."""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent.parent), env.get("PYTHONPATH", "")])
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(WORKER)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+        env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
+    return result.stdout, output
+
+
+@needs_gloo
+def test_ddp_and_fsdp2_gradients_match_single_process():
+    stdout, output = _torchrun(WORKER, timeout=300)
     for name in CHECKS:
-        assert f"CHECK {name} ok" in result.stdout, output[-6000:]
+        assert f"CHECK {name} ok" in stdout, output[-6000:]
 
 
-@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="needs gloo")
+@needs_gloo
 def test_fsdp2_adaptive_batch_matches_single_process_under_oom_on_one_rank():
     """AdaptiveBatch on a fully_shard model, two gloo ranks; rank 1 runs out of memory in the loss
     above 2 samples (checks listed in tests/fsdp2_adaptive_worker.py)."""
     worker = WORKER.with_name("fsdp2_adaptive_worker.py")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent.parent), env.get("PYTHONPATH", "")])
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(worker)],
-        env=env, capture_output=True, text=True, timeout=240)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-6000:]
+    stdout, output = _torchrun(worker)
     # (micro-batch, retries) on rank 0: both ranks halve together, 6 -> 3 -> 1, for rank 1's OOM.
     for line in ["fsdp2-adaptive-oom-rank1 ok 1 2", "fsdp2-adaptive-one-micro-step ok 6 0",
                  "fsdp2-accumulate-oom-rank1 ok 1 2"]:
-        assert f"CHECK {line}" in result.stdout, output[-6000:]
+        assert f"CHECK {line}" in stdout, output[-6000:]
 
 
-@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="needs gloo")
+@needs_gloo
 def test_fsdp2_adaptive_example_runs_and_is_the_readme_block():
     example = WORKER.parent.parent / "examples" / "fsdp2_adaptive.py"
     assert example.read_text() in (WORKER.parent.parent / "README.md").read_text()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent.parent), env.get("PYTHONPATH", "")])
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(example)],
-        env=env, capture_output=True, text=True, timeout=240)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-6000:]
-    assert "micro-batch 16" in result.stdout, output[-6000:]
+    stdout, output = _torchrun(example)
+    assert "micro-batch 16" in stdout, output[-6000:]
 
 
-@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="needs gloo")
+@needs_gloo
 def test_pipeline_stages_match_single_process():
     """Two PipelineStages of memopt-wrapped layers under ScheduleGPipe and Schedule1F1B (checks
     listed in tests/pipeline_worker.py)."""
     worker = WORKER.with_name("pipeline_worker.py")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent.parent), env.get("PYTHONPATH", "")])
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(worker)],
-        env=env, capture_output=True, text=True, timeout=240)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-6000:]
+    stdout, output = _torchrun(worker)
     for schedule in ("ScheduleGPipe", "Schedule1F1B"):
         for check in ("selective", "full", "full-offload", "dropout-selective", "dropout-full"):
-            assert f"CHECK {schedule}-{check} ok" in result.stdout, output[-6000:]
+            assert f"CHECK {schedule}-{check} ok" in stdout, output[-6000:]
 
 
-@pytest.mark.skipif(not torch.distributed.is_available() or not torch.distributed.is_gloo_available(), reason="needs gloo")
+@needs_gloo
 def test_pipeline_example_runs_and_is_the_readme_block():
     example = WORKER.parent.parent / "examples" / "pipeline_parallel.py"
     assert example.read_text() in (WORKER.parent.parent / "README.md").read_text()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent.parent), env.get("PYTHONPATH", "")])
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(example)],
-        env=env, capture_output=True, text=True, timeout=240)
-    output = result.stdout + result.stderr
-    assert result.returncode == 0, output[-6000:]
-    assert "loss " in result.stdout, output[-6000:]
+    stdout, output = _torchrun(example)
+    assert "loss " in stdout, output[-6000:]

@@ -611,6 +611,20 @@ def write_results(result: dict, out_dir: Path, stem: str) -> Path:
     return path
 
 
+def save_run(result: dict, out_dir: Path, kind: str, preset: str, device: str, plot: bool) -> Path:
+    """Write ``result`` as ``<kind>-<preset>-<device type>-<date>.json`` in ``out_dir``, print its
+    path and, with ``plot``, the plots ``bench.plot`` draws from it; returns the JSON's path."""
+    stamp = result["environment"]["date"].replace("-", "").replace(":", "")
+    path = write_results(result, out_dir, f"{kind}-{preset}-{resolve_device(device).type}-{stamp}")
+    print(f"\nresults: {path}")
+    if plot:
+        from bench.plot import plot_file
+
+        for png in plot_file(path):
+            print(f"plot: {png}")
+    return path
+
+
 def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     parser = argparse.ArgumentParser(
         prog="python -m bench",
@@ -734,14 +748,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         print()
         print(markdown_table(result["rows"]))
-    stamp = env["date"].replace("-", "").replace(":", "")
-    stem = f"{result['kind']}-{settings.preset}-{resolve_device(settings.device).type}-{stamp}"
-    path = write_results(result, args.out, stem)
-    print(f"\nresults: {path}")
-    if not args.no_plot:
-        from bench.plot import plot_file
-
-        for png in plot_file(path):
-            print(f"plot: {png}")
+    save_run(result, args.out, result["kind"], settings.preset, settings.device, plot=not args.no_plot)
     print(f"total {result['wall_s']:.1f} s")
     return 0

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import memopt
-from bench.compare import DTYPES, RESULTS_DIR, cpu_threads, environment, resolve_device, write_results
+from bench.compare import DTYPES, RESULTS_DIR, cpu_threads, environment, resolve_device, save_run
 from bench.kernels import bytes_text, time_fwd_bwd
 from bench.memory import LiveTensorTracker
 from memopt.ops.cross_entropy import IMPLEMENTATIONS, default_chunk_tokens, linear_cross_entropy_ref
@@ -205,9 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"d {settings.dim}, vocab {settings.vocab}, {settings.dtype}"
           f"{', autocast ' + settings.autocast if settings.autocast else ''}, chunk {result['arguments']['chunk_tokens_used']} tokens\n")
     print(markdown_table(result["rows"]))
-    stamp = env["date"].replace("-", "").replace(":", "")
-    path = write_results(result, args.out, f"cross_entropy-{settings.preset}-{resolve_device(settings.device).type}-{stamp}")
-    print(f"\nresults: {path}")
+    save_run(result, args.out, "cross_entropy", settings.preset, settings.device, plot=False)
     return 0
 
 

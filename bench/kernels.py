@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 import memopt
-from bench.compare import DTYPES, RESULTS_DIR, cpu_threads, environment, quantile, resolve_device, write_results
+from bench.compare import DTYPES, RESULTS_DIR, cpu_threads, environment, quantile, resolve_device, save_run
 
 PROVIDERS = ("memopt", "eager", "compile")
 
@@ -475,14 +475,7 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown_table(result["rows"]))
     print(f"\nmemopt forward + backward time / eager's (median of {settings.repeats} interleaved repeats):\n")
     print(ratio_table(result["rows"]))
-    stamp = env["date"].replace("-", "").replace(":", "")
-    path = write_results(result, args.out, f"kernels-{settings.preset}-{resolve_device(settings.device).type}-{stamp}")
-    print(f"\nresults: {path}")
-    if not args.no_plot:
-        from bench.plot import plot_file
-
-        for png in plot_file(path):
-            print(f"plot: {png}")
+    save_run(result, args.out, "kernels", settings.preset, settings.device, plot=not args.no_plot)
     return 0
 
 

@@ -40,7 +40,7 @@ from pathlib import Path
 import torch
 
 import memopt
-from bench.compare import DTYPES, RESULTS_DIR, cpu_threads, environment, resolve_device, write_results
+from bench.compare import DTYPES, RESULTS_DIR, cpu_threads, environment, resolve_device, save_run
 from bench.cross_entropy import ChunkAwareTracker
 from bench.kernels import bytes_text
 from memopt.estimate import ModelConfig, strategies
@@ -252,14 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     env = result["environment"]
     print(f"memopt {env['memopt']} | torch {env['torch']} | {env['device_name']} | commit {env['commit'][:12]}\n")
     print(markdown_table(result["rows"]))
-    stamp = env["date"].replace("-", "").replace(":", "")
-    path = write_results(result, args.out, f"long_context-{settings.preset}-{resolve_device(settings.device).type}-{stamp}")
-    print(f"\nresults: {path}")
-    if not args.no_plot:
-        from bench.plot import plot_file
-
-        for png in plot_file(path):
-            print(f"plot: {png}")
+    save_run(result, args.out, "long_context", settings.preset, settings.device, plot=not args.no_plot)
     return 0
 
 

@@ -61,14 +61,6 @@ def test_fsdp2_adaptive_batch_matches_single_process_under_oom_on_one_rank():
 
 
 @needs_gloo
-def test_fsdp2_adaptive_example_runs_and_is_the_readme_block():
-    example = WORKER.parent.parent / "examples" / "fsdp2_adaptive.py"
-    assert example.read_text() in (WORKER.parent.parent / "README.md").read_text()
-    stdout, output = _torchrun(example)
-    assert "micro-batch 16" in stdout, output[-6000:]
-
-
-@needs_gloo
 def test_pipeline_stages_match_single_process():
     """Two PipelineStages of memopt-wrapped layers under ScheduleGPipe and Schedule1F1B (checks
     listed in tests/pipeline_worker.py)."""
@@ -80,8 +72,9 @@ def test_pipeline_stages_match_single_process():
 
 
 @needs_gloo
-def test_pipeline_example_runs_and_is_the_readme_block():
-    example = WORKER.parent.parent / "examples" / "pipeline_parallel.py"
+@pytest.mark.parametrize("example,printed", [("fsdp2_adaptive.py", "micro-batch 16"), ("pipeline_parallel.py", "loss ")])
+def test_example_runs_and_is_the_readme_block(example, printed):
+    example = WORKER.parent.parent / "examples" / example
     assert example.read_text() in (WORKER.parent.parent / "README.md").read_text()
     stdout, output = _torchrun(example)
-    assert "loss " in stdout, output[-6000:]
+    assert printed in stdout, output[-6000:]

@@ -1,4 +1,4 @@
-"""What the op families (norm, activation, dropout) share.
+"""What the op families (norm, activation, dropout, attention) share.
 
 * Argument checks: each error names the op, the argument and what was expected, before anything
   reaches a kernel (whose own checks raise RuntimeError).
@@ -8,6 +8,7 @@
   its forward in differentiable PyTorch ops and differentiates that instead, so gradient
   penalties, Hessian-vector products and MAML get exact second derivatives; an ordinary backward
   keeps the kernels.
+* The attention output's layout, which the Triton and the PyTorch backends allocate alike.
 """
 
 from __future__ import annotations
@@ -101,3 +102,13 @@ def grads_with_graph(output: torch.Tensor, inputs, grad_output: torch.Tensor | N
         if wanted and grad_output is not None else [None] * len(wanted)
     )
     return [next(grads) if t is not None and t.requires_grad else None for t in inputs]
+
+
+def attention_out_empty(q: torch.Tensor) -> torch.Tensor:
+    """The uninitialised attention output for ``q`` (B, H, Sq, D), in every backend's layout (the
+    contract in ``memopt.ops.attention``): contiguous when q is, else a (B, H, Sq, D) view of a
+    (B, Sq, H, D) buffer."""
+    if q.is_contiguous():
+        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    batch, heads, seq, head_dim = q.shape
+    return torch.empty((batch, seq, heads, head_dim), dtype=q.dtype, device=q.device).transpose(1, 2)

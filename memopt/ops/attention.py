@@ -1,16 +1,16 @@
 """attention: scaled dot-product attention that stores no probability matrix.
 
 Layers: the ops ``torch.ops.memopt.attention_fwd`` / ``attention_bwd`` (``torch.library.define``
-with CPU and CUDA kernels and fake impls so ``torch.compile`` traces them); ``AttentionFunction`` saves q, k, v, the output,
-one log-sum-exp per row (float32, float64 for float64 inputs) and the 16-byte RNG key, O(seq) bytes
+with CPU and CUDA kernels and fake impls so ``torch.compile`` traces them); ``AttentionFunction``
+saves q, k, v, the output, one log-sum-exp per row (float32, float64 for float64 inputs) and the 16-byte RNG key, O(seq) bytes
 where eager attention keeps the (B, H, Sq, Sk) probabilities and dropout mask; the backward
 recomputes the probabilities block by block. ``attention_ref`` is the plain PyTorch reference.
 
 The contract every backend keeps (so the block, the policies and the tests do not care which one
 ran): ``out`` (B, H, Sq, D) is contiguous when q is (no copy into another layout: ATen's CPU
 kernel writes q's layout) and else a view of a (B, Sq, H, D) buffer (q, k, v as views of a fused
-qkv projection, the block's case, whose reshape to (tokens, H * D) is then free); ``lse`` (B, H, Sq) is contiguous in
-the accumulation dtype and is the natural-log log-sum-exp of each row of scaled scores (the same
+qkv projection, the block's case, whose reshape to (tokens, H * D) is then free)
+(``_common.attention_out_empty``); ``lse`` (B, H, Sq) is contiguous in the accumulation dtype and is the natural-log log-sum-exp of each row of scaled scores (the same
 number whichever kernel computed it, so any backward can consume any forward's lse), the gradients
 are (B, H, S, D) views of (B, S, H, D) buffers, and a dropout mask is the Philox mask of
 ``attention_triton``'s docstring, regenerated from the RNG key in every backward and recompute.
@@ -59,7 +59,7 @@ import math
 import torch
 
 from memopt.ops import philox_mask as _philox_mask  # noqa: F401  (registers the fake of philox_dropout_scale)
-from memopt.ops._common import building_graph, grads_with_graph
+from memopt.ops._common import attention_out_empty, building_graph, grads_with_graph
 from memopt.ops._philox import dropout_keep_mask
 from memopt.ops._rng import new_rng_key
 
@@ -298,14 +298,6 @@ def _as_bshd(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _out_empty(q: torch.Tensor) -> torch.Tensor:
-    """The uninitialised output for ``q``: contiguous when q is, else a (B, H, Sq, D) view of a
-    (B, Sq, H, D) buffer (module docstring: the contract's output layout)."""
-    if q.is_contiguous():
-        return torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    return _bshd_empty(*q.shape, q)
-
-
 def _as_out_layout(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """``out`` in the output layout for ``q``: itself when it has it (ATen's CPU kernel writes
     q's layout), else a copy."""
@@ -383,7 +375,7 @@ def _attention_fwd_native(q, k, v, causal, dropout_p, scale, rng_key):
         acc_rows = acc[:, :, :, rows]
         acc_rows.mul_(alpha).add_(torch.matmul(probs, v_chunk))
         row_max[:, :, :, rows] = new_max
-    out = _out_empty(q)
+    out = attention_out_empty(q)
     torch.div(acc.view(batch, heads, seq_q, head_dim), row_sum.view(batch, heads, seq_q, 1), out=out)
     lse = (row_max + torch.log(row_sum)).view(batch, heads, seq_q)
     return out, lse
@@ -555,8 +547,8 @@ def attention_fwd(
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention forward. Returns ``out`` (B, H, Sq, D), contiguous when q is, else stored in
-    (B, Sq, H, D) memory order, and ``lse`` (B, H, Sq), contiguous, in ``lse_dtype(q.dtype)``: the natural-log log-sum-exp of
-    each row of scaled scores."""
+    (B, Sq, H, D) memory order, and ``lse`` (B, H, Sq), contiguous, in ``lse_dtype(q.dtype)``: the
+    natural-log log-sum-exp of each row of scaled scores."""
     backend = _check_inputs(q, k, v, causal, dropout_p, rng_key, backend)
     if backend == "native":
         return _attention_fwd_native(q, k, v, causal, dropout_p, scale, rng_key)
@@ -584,7 +576,7 @@ torch.library.impl("memopt::attention_fwd", ("cpu", "cuda"), _without_grad(atten
 
 @torch.library.register_fake("memopt::attention_fwd")
 def _attention_fwd_fake(q, k, v, causal, dropout_p, scale, rng_key, backend="auto"):
-    out = _out_empty(q)
+    out = attention_out_empty(q)
     lse = q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype))
     return out, lse
 

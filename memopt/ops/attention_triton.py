@@ -43,6 +43,8 @@ import torch
 import triton
 import triton.language as tl
 
+from memopt.ops._common import attention_out_empty
+
 LOG2E = 1.4426950408889634
 
 
@@ -480,11 +482,7 @@ def attention_fwd_triton(q, k, v, causal: bool, dropout_p: float, scale: float, 
     of a (B, Sq, H, D) buffer) and ``lse`` ((B, H, Sq) float32). Inputs are validated by the caller."""
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
-    # The output layout of memopt.ops.attention's contract: contiguous when q is, else (B, Sq, H, D).
-    if q.is_contiguous():
-        out = torch.empty_like(q)
-    else:
-        out = torch.empty((batch, seq_q, heads, head_dim), device=q.device, dtype=q.dtype).transpose(1, 2)
+    out = attention_out_empty(q)
     lse = torch.empty((batch, heads, seq_q), device=q.device, dtype=torch.float32)
     seed, offset, threshold, keep_scale = _dropout_args(dropout_p, rng_key)
     block_m, block_n, num_warps, num_stages = launch_config("fwd", head_dim, dropout_p > 0.0)

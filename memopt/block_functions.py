@@ -479,9 +479,8 @@ def _tiled_ffn_backward(call: BlockCall, grad_y: Tensor, h: Tensor, need: BlockP
             if grad is not None:
                 grad = grad.float() if grad.dtype in (torch.float16, torch.bfloat16) else grad
                 totals[i] = grad if totals[i] is None else totals[i].add_(grad)
-    dtypes = (call.params.norm2_weight, call.params.norm2_bias, call.params.fc1_weight, call.params.fc1_bias,
-              call.params.fc2_weight, call.params.fc2_bias)  # fmt: skip
-    return grad_h, tuple(_cast(t, p.dtype) if t is not None else None for t, p in zip(totals, dtypes))
+    ffn_params = call.params[6:]  # BlockParams: the FFN half's six come last
+    return grad_h, tuple(_cast(t, p.dtype) if t is not None else None for t, p in zip(totals, ffn_params))
 
 
 def _attention_backward(call: BlockCall, grad_h: Tensor, half: AttentionHalf, need: BlockParams, need_x: bool):

@@ -47,6 +47,11 @@ TORCH_LIBRARY(memopt, m) {
   // tensor, e.g. one key chunk of the attention probabilities, without an index tensor.
   m.def("philox_dropout_scale(int[] size, int[] index_strides, int index_offset, float p, Tensor rng_key,"
         " ScalarType dtype) -> Tensor scale");
+  // softmax(q @ k^T * scale + causal mask) @ v without dropout on CPU, through ATen's flash kernels
+  // under a C++ autograd node that saves q, k, v, out and the log-sum-exp (attention_cpu.cpp);
+  // grouped-query heads when q's heads are a multiple of k's. memopt.attention calls it after its
+  // checks; with dropout it runs the attention_fwd / attention_bwd ops (memopt/ops/attention.py).
+  m.def("attention_flash_cpu(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> Tensor out");
 }
 
 namespace {

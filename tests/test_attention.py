@@ -242,7 +242,10 @@ def test_saves_only_qkv_out_lse_and_key(backend, dropout_p, dtype):
     elem = dtype.itemsize
     tensor_bytes = batch * heads * seq * head_dim * elem
     # q, k, v, out, lse (one per row, float64 for float64) and the 16-byte key: O(seq), no Sq x Sk.
-    assert counter.total_bytes == 4 * tensor_bytes + batch * heads * seq * elem + 16
+    # ATen's kernels on CPU run without dropout under memopt.attention_flash_cpu's C++ node,
+    # which has no mask to replay: no key.
+    key_bytes = 0 if backend == "aten_flash" else 16
+    assert counter.total_bytes == 4 * tensor_bytes + batch * heads * seq * elem + key_bytes
     qe, ke, ve = (t.detach().requires_grad_() for t in (q, k, v))
     eager = memopt.saved_bytes(
         lambda a, b, c: torch.softmax(a @ b.transpose(-1, -2), -1) @ c, qe, ke, ve
@@ -650,9 +653,9 @@ def test_direct_op_calls_give_values_and_torch_warns_when_they_are_backpropagate
         out.sum().backward()
 
 
-@pytest.mark.parametrize("dropout_p", [0.0, 0.2])
+@pytest.mark.parametrize("backend,dropout_p", [("native", 0.0), ("native", 0.2), ("aten_flash", 0.0)])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_second_derivatives_match_the_reference(causal, dropout_p):
+def test_second_derivatives_match_the_reference(causal, backend, dropout_p):
     # Gradient penalty through attention (grouped-query heads): d/d(q, k, v) of |grad_q|^2 + sum(grad_v),
     # float64, against the same through the plain reference with the same dropout key.
     key = rng_key(11)
@@ -665,8 +668,53 @@ def test_second_derivatives_match_the_reference(causal, dropout_p):
         grad_q, grad_k, grad_v = torch.autograd.grad((out * weight).sum(), (q, k, v), create_graph=True)
         return torch.autograd.grad(grad_q.pow(2).sum() + grad_k.sum() + (grad_v * grad_v).sum(), (q, k, v))
 
-    actual = penalty_grads(lambda *t: memopt.attention(*t, causal=causal, dropout_p=dropout_p, rng_key=key, backend="native"))
+    actual = penalty_grads(lambda *t: memopt.attention(*t, causal=causal, dropout_p=dropout_p, rng_key=key, backend=backend))
     expected = penalty_grads(lambda *t: attention_ref(*t, causal=causal, dropout_p=dropout_p, rng_key=key))
     for name, a, e in zip("qkv", actual, expected):
         torch.testing.assert_close(a, e, atol=1e-10, rtol=1e-10, msg=lambda m, n=name: f"d{n}: {m}")
         assert a.abs().max() > 0
+
+
+# -- attention_flash_cpu: ATen's CPU kernels under a C++ autograd node (csrc/attention_cpu.cpp) --
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_flash_cpu_op_opcheck(causal, dtype):
+    # Grouped-query heads, seq_q != seq_k; q, k, v require grad so the autograd kernel is checked.
+    q = torch.randn(1, 4, 9, 16, dtype=dtype, requires_grad=True)
+    k = torch.randn(1, 2, 11, 16, dtype=dtype, requires_grad=True)
+    v = torch.randn(1, 2, 11, 16, dtype=dtype, requires_grad=True)
+    torch.library.opcheck(torch.ops.memopt.attention_flash_cpu.default, (q, k, v, causal, 0.25))
+
+
+def test_cpu_attention_without_dropout_runs_the_cpp_node_and_matches_the_reference():
+    # memopt.attention's CPU path without dropout: one C++ node (no Python autograd Function), the
+    # output and gradients of the float64 reference, and memopt's layouts: out contiguous for a
+    # contiguous q, a view of a (B, S, H, D) buffer for q a view of a fused projection.
+    q, k, v = (t.double() for t in _inputs((2, 4, 2, 13, 11, 16)))
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    out = memopt.attention(q, k, v, causal=True)
+    assert "FlashAttentionCpuFunction" in out.grad_fn.name()
+    assert out.is_contiguous()
+    grad = torch.randn_like(out)
+    ref = attention_ref(q, k, v, causal=True)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
+    actual = torch.autograd.grad(out, (q, k, v), grad)
+    expected = torch.autograd.grad(ref, (q, k, v), grad)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e, atol=1e-12, rtol=1e-12)
+        assert a.transpose(1, 2).is_contiguous()
+    fused = torch.randn(2, 13, 3, 4, 16, dtype=torch.float64)  # (B, S, qkv, H, D)
+    fq, fk, fv = fused.permute(2, 0, 3, 1, 4).unbind(0)
+    fused_out = memopt.attention(fq, fk, fv, causal=True)
+    assert fused_out.transpose(1, 2).is_contiguous()
+    torch.testing.assert_close(fused_out, attention_ref(fq, fk, fv, causal=True), atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_flash_cpu_gradcheck_and_gradgradcheck(causal):
+    q, k, v = _inputs((1, 2, 1, 7, 9, 16), dtype=torch.float64)
+    fn = lambda a, b, c: memopt.attention(a, b, c, causal=causal, scale=0.3)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, k, v), **GRADCHECK_TOLERANCES)
+    assert torch.autograd.gradgradcheck(fn, (q, k, v), eps=1e-6, atol=1e-7, rtol=1e-6)

@@ -36,5 +36,7 @@ def test_cpu_preset_writes_rows(tmp_path):
     for (provider, seq, name), nbytes in saved.items():
         if provider.startswith("memopt"):
             # out (float32) + lse + key, q/k/v excluded; eager keeps the seq x seq probabilities.
-            assert nbytes == batch * heads * seq * (head_dim + 1) * 4 + 16, provider
+            # Without dropout on CPU, ATen's kernels under memopt's C++ node keep no key.
+            flash_cpu = name.endswith("p0") and provider in ("memopt:auto", "memopt:aten_flash")
+            assert nbytes == batch * heads * seq * (head_dim + 1) * 4 + (0 if flash_cpu else 16), provider
             assert saved[("eager", seq, name)] >= batch * heads * seq * seq * 4

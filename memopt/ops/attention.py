@@ -4,7 +4,11 @@ Layers: the ops ``torch.ops.memopt.attention_fwd`` / ``attention_bwd`` (``torch.
 with CPU and CUDA kernels and fake impls so ``torch.compile`` traces them); ``AttentionFunction``
 saves q, k, v, the output, one log-sum-exp per row (float32, float64 for float64 inputs) and the 16-byte RNG key, O(seq) bytes
 where eager attention keeps the (B, H, Sq, Sk) probabilities and dropout mask; the backward
-recomputes the probabilities block by block. ``attention_ref`` is the plain PyTorch reference.
+recomputes the probabilities block by block. Without dropout on CPU, :func:`attention` calls
+the C++ op ``torch.ops.memopt.attention_flash_cpu`` instead (``csrc/attention_cpu.cpp``: ATen's
+flash kernels, which keep this contract as they are, under a C++ autograd node that saves q, k,
+v, out and lse, so no Python runs in its forward or backward; second derivatives exact as here).
+``attention_ref`` is the plain PyTorch reference.
 
 The contract every backend keeps (so the block, the policies and the tests do not care which one
 ran): ``out`` (B, H, Sq, D) is contiguous when q is (no copy into another layout: ATen's CPU
@@ -625,6 +629,11 @@ def attention_bwd(
 torch.library.impl("memopt::attention_bwd", ("cpu", "cuda"), _without_grad(attention_bwd))
 
 
+@torch.library.register_fake("memopt::attention_flash_cpu")
+def _attention_flash_cpu_fake(q, k, v, causal, scale):
+    return attention_out_empty(q)
+
+
 @torch.library.register_fake("memopt::attention_bwd")
 def _attention_bwd_fake(grad_out, q, k, v, out, lse, causal, dropout_p, scale, rng_key, backend="auto"):
     grads = []
@@ -740,6 +749,10 @@ def attention(
         scale = 1.0 / math.sqrt(q.shape[-1])
     if rng_key is None:
         rng_key = new_rng_key() if dropout_p > 0.0 else _NO_DROPOUT_KEY
+    if dropout_p == 0.0 and q.device.type == "cpu" and _check_inputs(q, k, v, causal, 0.0, rng_key, backend) == "aten_flash":
+        # ATen's kernels under a C++ autograd node (csrc/attention_cpu.cpp): the same kernels and
+        # saved tensors as AttentionFunction on this backend, without its Python overhead.
+        return torch.ops.memopt.attention_flash_cpu(q, k, v, causal, float(scale))
     return AttentionFunction.apply(q, k, v, causal, float(dropout_p), float(scale), rng_key, backend)
 
 

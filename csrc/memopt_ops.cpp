@@ -30,6 +30,12 @@ TORCH_LIBRARY(memopt, m) {
         " -> (Tensor y, Tensor residual_out, Tensor rstd)");
   m.def("rms_norm_bwd(Tensor grad_y, Tensor x, Tensor? weight, Tensor rstd, Tensor? grad_x_extra,"
         " bool return_y) -> (Tensor grad_x, Tensor grad_weight, Tensor y)");
+  // The differentiable norms (memopt.layer_norm / rms_norm): the forward op under a C++ autograd
+  // node that saves x (residual_out with a residual), the statistics and the parameters
+  // (norm_autograd.cpp). residual_out is empty without a residual.
+  m.def("layer_norm(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, float eps)"
+        " -> (Tensor y, Tensor residual_out)");
+  m.def("rms_norm(Tensor x, Tensor? residual, Tensor? weight, float eps) -> (Tensor y, Tensor residual_out)");
   // y = act(x + bias), activation in {"relu", "gelu", "gelu_tanh", "silu"}. Only x is saved for
   // backward; the backward recomputes act and act' (and y when return_y).
   m.def("bias_act_fwd(Tensor x, Tensor? bias, str activation) -> Tensor y");

@@ -7,9 +7,7 @@ import torch.nn.functional as F
 
 import memopt
 from memopt.ops.norm import (
-    LayerNormFunction,
     NormLinearFunction,
-    RMSNormFunction,
     layer_norm_ref,
     rms_norm_ref,
 )
@@ -273,17 +271,31 @@ def test_norm_linear_under_autocast_matches_norm_then_linear(norm, device, dtype
 
 
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
-def test_gradcheck_layer_norm_function(with_residual):
+def test_gradcheck_layer_norm(with_residual):
+    # memopt.layer_norm's C++ autograd node (csrc/norm_autograd.cpp): first and second derivatives.
     x, residual, weight, bias = (double_leaf(t) for t in make_inputs((5, 7), "cpu", torch.float64,
                                                                        "weight_bias", with_residual))
-    assert torch.autograd.gradcheck(lambda *a: LayerNormFunction.apply(*a, 1e-5), (x, residual, weight, bias))
+    fn = lambda x, r, w, b: memopt.layer_norm(x, w, b, eps=1e-5, residual=r)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, residual, weight, bias))
+    assert torch.autograd.gradgradcheck(fn, (x, residual, weight, bias))
 
 
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
-def test_gradcheck_rms_norm_function(with_residual):
+def test_gradcheck_rms_norm(with_residual):
     x, residual, weight, _ = (double_leaf(t) for t in make_inputs((5, 7), "cpu", torch.float64, "weight",
                                                                    with_residual, norm="rmsnorm"))
-    assert torch.autograd.gradcheck(lambda *a: RMSNormFunction.apply(*a, 1e-6), (x, residual, weight))
+    fn = lambda x, r, w: memopt.rms_norm(x, w, eps=1e-6, residual=r)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (x, residual, weight))
+    assert torch.autograd.gradgradcheck(fn, (x, residual, weight))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+def test_opcheck_differentiable_norm_ops(with_residual, dtype):
+    x, residual, weight, bias = make_inputs((6, 16), "cpu", dtype, "weight_bias", with_residual)
+    x, weight, bias = (t.requires_grad_() for t in (x, weight, bias))
+    torch.library.opcheck(torch.ops.memopt.layer_norm.default, (x, residual, weight, bias, 1e-5))
+    torch.library.opcheck(torch.ops.memopt.rms_norm.default, (x, residual, weight, 1e-6))
 
 
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])

@@ -4,7 +4,10 @@ Layers: kernels in ``csrc/norm.cpp`` (CPU) and ``csrc/norm_cuda.cu`` (CUDA), reg
 ``torch.ops.memopt.{layer_norm,rms_norm}_{fwd,bwd}``; the fake impls below let ``torch.compile``
 trace them. The forward returns per-row statistics (mean, rstd); the backward rebuilds the
 normalised input from the input and the statistics instead of keeping it, and with
-``return_y=True`` also rebuilds the normalised output. ``NormLinearFunction`` uses that to drop
+``return_y=True`` also rebuilds the normalised output. :func:`layer_norm` and :func:`rms_norm`
+call the differentiable ops ``torch.ops.memopt.{layer_norm,rms_norm}``, whose autograd node is
+C++ (``csrc/norm_autograd.cpp``: saves x or residual_out, the statistics and the parameters;
+second derivatives exact), so no Python runs in their forward or backward. ``NormLinearFunction`` uses that to drop
 the normalised output that ``F.linear`` would otherwise keep for its weight gradient.
 ``layer_norm_ref`` / ``rms_norm_ref`` are the plain PyTorch references.
 """
@@ -64,6 +67,16 @@ def _rms_norm_bwd_fake(grad_y, x, weight, rstd, grad_x_extra, return_y):
     return _like(x), _param_grad_fake(x, weight), y
 
 
+@torch.library.register_fake("memopt::layer_norm")
+def _layer_norm_fake(x, residual, weight, bias, eps):
+    return _like(x), _like(x) if residual is not None else _absent(x)
+
+
+@torch.library.register_fake("memopt::rms_norm")
+def _rms_norm_fake(x, residual, weight, eps):
+    return _like(x), _like(x) if residual is not None else _absent(x)
+
+
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.contiguous()
 
@@ -96,17 +109,6 @@ def _norm_bwd(is_rms: bool, grad_y, x, weight, bias, mean, rstd, grad_x_extra, r
     )
 
 
-def _norm_function_forward(ctx, is_rms: bool, x, residual, weight, bias, eps):
-    """Saves the normalised input (x, or residual_out when a residual was added: it is an output
-    anyway), the per-row statistics and the parameters; nothing of the size of y."""
-    y, residual_out, mean, rstd = _norm_fwd(is_rms, x, residual, weight, bias, eps)
-    ctx.has_residual = residual is not None
-    ctx.eps = eps
-    ctx.set_materialize_grads(False)
-    ctx.save_for_backward(residual_out if residual is not None else x, weight, bias, mean, rstd)
-    return y if residual is None else (y, residual_out)
-
-
 def _norm_differentiable(is_rms: bool, x, weight, bias, eps: float) -> torch.Tensor:
     """The norm in differentiable PyTorch ops, in the kernels' statistics dtype, returned in x's
     dtype: the graph a backward under ``create_graph=True`` differentiates."""
@@ -120,64 +122,6 @@ def _norm_differentiable(is_rms: bool, x, weight, bias, eps: float) -> torch.Ten
     if bias is not None:
         y = y + bias.to(compute)
     return y.to(x.dtype)
-
-
-def _norm_double_backward(ctx, is_rms: bool, grad_y, grad_residual_out):
-    """The backward as differentiable ops, for ``create_graph=True`` (double backward): the norm
-    is run again in plain PyTorch and differentiated, so second derivatives are exact."""
-    x, weight, bias, _, _ = ctx.saved_tensors
-    with torch.enable_grad():
-        y = _norm_differentiable(is_rms, x, weight, bias, ctx.eps)
-    grad_x, grad_weight, grad_bias = grads_with_graph(y, [x, weight, bias], grad_y)
-    if grad_residual_out is not None:
-        grad_x = grad_residual_out if grad_x is None else grad_x + grad_residual_out
-    return grad_x, (grad_x if ctx.has_residual else None), grad_weight, grad_bias
-
-
-def _norm_function_backward(ctx, is_rms: bool, grad_y, grad_residual_out):
-    if building_graph():
-        return _norm_double_backward(ctx, is_rms, grad_y, grad_residual_out)
-    x, weight, bias, mean, rstd = ctx.saved_tensors
-    if grad_y is None:
-        grad_y = torch.zeros_like(x)
-    grad_x, grad_weight, grad_bias, _ = _norm_bwd(
-        is_rms, grad_y, x, weight, bias, mean, rstd, grad_residual_out, return_y=False
-    )
-    grad_residual = grad_x if ctx.has_residual else None
-    return grad_x, grad_residual, grad_weight, grad_bias
-
-
-class LayerNormFunction(torch.autograd.Function):
-    """LayerNorm (+ residual); ``apply(x, residual, weight, bias, eps)``, all tensors contiguous.
-
-    Returns y, or ``(y, residual_out)`` when residual is not None. Saves x (or residual_out),
-    mean, rstd and the parameters.
-    """
-
-    @staticmethod
-    def forward(ctx, x, residual, weight, bias, eps):
-        return _norm_function_forward(ctx, False, x, residual, weight, bias, eps)
-
-    @staticmethod
-    def backward(ctx, grad_y, grad_residual_out=None):
-        return *_norm_function_backward(ctx, False, grad_y, grad_residual_out), None
-
-
-class RMSNormFunction(torch.autograd.Function):
-    """RMSNorm (+ residual); ``apply(x, residual, weight, eps)``, all tensors contiguous.
-
-    Returns y, or ``(y, residual_out)`` when residual is not None. Saves x (or residual_out),
-    rstd and the weight.
-    """
-
-    @staticmethod
-    def forward(ctx, x, residual, weight, eps):
-        return _norm_function_forward(ctx, True, x, residual, weight, None, eps)
-
-    @staticmethod
-    def backward(ctx, grad_y, grad_residual_out=None):
-        grad_x, grad_residual, grad_weight, _ = _norm_function_backward(ctx, True, grad_y, grad_residual_out)
-        return grad_x, grad_residual, grad_weight, None
 
 
 def _check_public(op: str, x, residual, weight, bias, weight_name: str = "weight", bias_name: str = "bias") -> None:
@@ -227,7 +171,8 @@ def layer_norm(
     """
     _check_public("layer_norm", x, residual, weight, bias)
     eps = check_eps("layer_norm", eps)
-    return LayerNormFunction.apply(x.contiguous(), _contiguous(residual), weight, bias, eps)
+    y, residual_out = torch.ops.memopt.layer_norm(x.contiguous(), _contiguous(residual), weight, bias, eps)
+    return y if residual is None else (y, residual_out)
 
 
 def rms_norm(
@@ -251,7 +196,8 @@ def rms_norm(
     """
     _check_public("rms_norm", x, residual, weight, None)
     eps = check_eps("rms_norm", eps)
-    return RMSNormFunction.apply(x.contiguous(), _contiguous(residual), weight, eps)
+    y, residual_out = torch.ops.memopt.rms_norm(x.contiguous(), _contiguous(residual), weight, eps)
+    return y if residual is None else (y, residual_out)
 
 
 class NormLinearFunction(torch.autograd.Function):

@@ -199,7 +199,8 @@ class ModelConfig:
             ``memopt.ops.cross_entropy.default_chunk_tokens(vocab_size)``).
         ffn_chunk_tokens: the sequence-tiled FFN (``memopt.wrap(model, ffn_chunk_tokens=...)``):
             the MLP's ``(tokens x d_ff)`` intermediates exist for this many tokens at a time, and
-            only the MLP input is kept for its backward (``"llama"`` only).
+            only the MLP input is kept for its backward; the norms (each layer's two and the final
+            one) run tiled too and keep only their inputs (``"llama"`` only).
         lora_rank: LoRA adapters of this rank on ``lora_targets`` (PEFT's ``LoraConfig`` defaults:
             rank 8 on ``q_proj`` and ``v_proj``): base weights frozen (no gradient, no optimizer
             state), adapters in float32 (PEFT's ``autocast_adapter_dtype=True``) with their
@@ -1082,7 +1083,7 @@ def strategies(config: ModelConfig) -> dict[str, ModelConfig]:
     - ``memopt selective`` / ``memopt full``: ``memopt.wrap(model, policy=...)`` with its default
       chunked loss;
     - ``memopt long-context``: ``policy="full", offload=True`` (layer inputs in host memory as
-      far as ``host_memory_bytes`` holds them), the tiled FFN (``ffn_chunk_tokens``
+      far as ``host_memory_bytes`` holds them), the tiled FFN and norms (``ffn_chunk_tokens``
       :data:`LONG_CONTEXT_FFN_CHUNK_TOKENS`, Llama layout only) and the chunked loss.
     """
     check = lambda c: ModelConfig(**{f.name: getattr(c, f.name) for f in dataclasses.fields(c)})  # noqa: E731

@@ -32,10 +32,11 @@ Two users:
   but Hugging Face's ``LlamaRMSNorm`` (and its copies) keeps a float32 copy of its input and its
   ``rstd`` for backward, and in a bf16 model that copy is twice the input: tiled, a norm saves
   only its input, in the model dtype, and its float32 intermediates exist for one chunk at a time
-  in the forward and in the recompute (at Llama-3-8B, 32 KiB per token per layer less in a
-  layer's recompute, 8 KiB per token less before the LM head). The attention projections are not
-  tiled: unlike a norm, a linear layer costs a matmul to recompute, and the float32 input copies
-  PEFT's LoRA adapters make of their input stay (:func:`memopt.estimate.llama_layer_saved`).
+  in the forward and in the recompute (at Llama-3-8B in bf16 a layer's recompute keeps 8 KiB per
+  token of norm inputs instead of 32 KiB of float32 copies, the final norm 8 KiB instead of 16).
+  The attention projections are not tiled: unlike a norm, a linear layer costs a matmul to
+  recompute, and the float32 input copies PEFT's LoRA adapters make of their input stay
+  (:func:`memopt.estimate.llama_layer_saved`).
   Limits: that Function holds the module and reads the RNG state, so ``torch.compile`` does not
   trace it (a graph break; ``fullgraph=True`` raises); not tried under FSDP.
 
@@ -192,6 +193,9 @@ class TiledFFNFunction(torch.autograd.Function):
                     out = piece.new_empty(rows.shape[0], piece.shape[-1])
                 out[start:end] = piece.reshape(end - start, -1)
                 del piece
+            if out is None:  # no tokens: fn's output on the empty input gives the width and dtype
+                piece = fn(_chunk_view(rows, x.shape))
+                out = piece.new_empty(0, piece.shape[-1])
         ctx.fn, ctx.chunk_tokens = fn, chunk_tokens
         ctx.save_for_backward(x, *params)
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -219,6 +223,8 @@ class TiledFFNFunction(torch.autograd.Function):
                 for i, grad in zip(wanted, found):
                     if grad is not None:
                         grads[i] = grad if grads[i] is None else grads[i].add_(grad)
+        if rows.shape[0] == 0:  # no tokens: the parameters' gradients are zero, as the untiled fn's are
+            grads = [torch.zeros_like(params[i]) if i in wanted else None for i in range(len(params))]
         return (None, None, grad_x.view(x.shape) if need_x else None, *grads)
 
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import memopt
-from memopt.tiled_ffn import find_norms, find_stack_norms, norm_width
+from memopt.tiled_ffn import find_norms, find_stack_norms, norm_width, tiled_ffn
 
 transformers = pytest.importorskip("transformers")
 
@@ -20,7 +20,7 @@ VOCAB = 128
 def _assert_exact(got, want, label=""):
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
-        scale = w.abs().max().item() or 1.0
+        scale = (w.abs().max().item() if w.numel() else 0.0) or 1.0
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12 * scale, msg=lambda m: f"{label} [{i}]: {m}")
 
 
@@ -277,3 +277,16 @@ def test_tiled_norm_called_otherwise_raises_naming_it():
         model(torch.randn(3, 5, 8))
     with pytest.raises(TypeError, match=r"the norm 'final' was called with more than one tensor argument"):
         model.final(torch.randn(3, 8), torch.randn(3, 8))
+
+
+def test_tiled_norm_of_no_tokens_equals_untiled():
+    """An empty sequence: the output and the gradients (zeros for the weight and bias, as the
+    untiled norm gives) are the untiled norm's."""
+    norm = nn.LayerNorm(8, dtype=torch.float64)
+    x = torch.randn(2, 0, 8, dtype=torch.float64, requires_grad=True)
+    want = [norm(x)]
+    want += torch.autograd.grad(want[0].sum(), (x, *norm.parameters()))
+    got = [tiled_ffn(norm, x, 4, list(norm.parameters()))]
+    got += torch.autograd.grad(got[0].sum(), (x, *norm.parameters()))
+    assert [tuple(t.shape) for t in got] == [tuple(t.shape) for t in want]
+    _assert_exact(got, want)

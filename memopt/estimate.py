@@ -68,8 +68,7 @@ host memory (``Estimate.host_bytes``) instead of on the device, one layer's set 
 has its per-layer formula, equal to the bytes counted on the model in
 ``tests/test_estimate_llama.py``), with what long-context training changes: ``loss="chunked"``
 (the LM-head loss without materialised logits), ``ffn_chunk_tokens`` (the sequence-tiled FFN and
-norms),
-``policy="full", offload=True`` (the checkpointed layer inputs in host memory, as many as
+norms), ``policy="full", offload=True`` (the checkpointed layer inputs in host memory, as many as
 ``host_memory_bytes`` holds), and LoRA (``lora_rank``: frozen base weights, float32 adapters with
 their gradients and optimizer state). Attention is SDPA's flash-style kernel: it saves one
 float32 log-sum-exp per head and token (``attention_logsumexp``), and its backward's dq, dk, dv
@@ -583,8 +582,8 @@ def llama_layer_saved(cfg: ModelConfig, *, input_requires_grad: bool = True) -> 
     adapter unless the model is float32) and saves it and its rank-wide ``lora_A`` output.
     ``input_requires_grad=False`` is the first layer under LoRA (frozen embeddings): its first
     norm saves nothing, and with no adapter on the attention projections neither does the
-    attention half (nor does it keep the rotary ``cos``/``sin``). The rotary ``cos``/``sin`` are shared by every layer and counted once in
-    the model (``embeddings_head``).
+    attention half (nor does it keep the rotary ``cos``/``sin``). The rotary ``cos``/``sin`` are
+    shared by every layer and counted once in the model (``embeddings_head``).
 
     With ``cfg.ffn_chunk_tokens`` it is the layer as ``memopt.wrap(model, ffn_chunk_tokens=n)``
     runs it (:mod:`memopt.tiled_ffn`): each norm saves only its input, in the model dtype (its

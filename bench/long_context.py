@@ -4,9 +4,9 @@ For each configuration (a scaled-down Hugging Face Llama with random weights, vo
 that the logits matter), sequence length and training strategy (``memopt.estimate.strategies``:
 no checkpointing; Hugging Face checkpointing; ``memopt.wrap`` with ``policy="selective"`` and
 ``"full"``, chunked loss; memopt long-context: ``policy="full"`` with offloaded layer inputs,
-the tiled FFN and the chunked loss), one training micro-step is measured with gradients and Adam
-state resident (a first step and ``optimizer.step()`` run before, gradients kept, as under
-gradient accumulation) and set beside :func:`memopt.estimate` of the same setup.
+the tiled FFN and norms and the chunked loss), one training micro-step is measured with
+gradients and Adam state resident (a first step and ``optimizer.step()`` run before, gradients
+kept, as under gradient accumulation) and set beside :func:`memopt.estimate` of the same setup.
 
 Measured peak = the resident tensors (parameters, gradients, buffers, optimizer state, counted
 by storage) + the peak of the tracked live bytes of the step. On CPU the tracker is

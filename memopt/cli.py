@@ -59,7 +59,7 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--dropout", type=float, help="default 0.1, or the preset's")
     est.add_argument("--loss", choices=LOSSES, help="plain (materialised logits, the default) or chunked")
     est.add_argument("--loss-chunk-tokens", type=int, help="tokens per chunk of the chunked loss")
-    est.add_argument("--ffn-chunk-tokens", type=int, help="sequence-tiled FFN: tokens per chunk (arch llama)")
+    est.add_argument("--ffn-chunk-tokens", type=int, help="sequence-tiled FFN and norms: tokens per chunk (arch llama)")
     est.add_argument("--lora", action="store_true", help=f"LoRA fine-tuning (rank {_LORA_DEFAULT_RANK} on "
                      f"{','.join(LORA_DEFAULT_TARGETS)} unless --lora-rank/--lora-targets say otherwise; arch llama)")
     est.add_argument("--lora-rank", type=int, help="LoRA rank (implies --lora)")

@@ -67,8 +67,8 @@ host memory (``Estimate.host_bytes``) instead of on the device, one layer's set 
 ``arch="llama"`` describes a Hugging Face ``LlamaForCausalLM`` instead (:func:`llama_layer_saved`
 has its per-layer formula, equal to the bytes counted on the model in
 ``tests/test_estimate_llama.py``), with what long-context training changes: ``loss="chunked"``
-(the LM-head loss without materialised logits), ``ffn_chunk_tokens`` (the sequence-tiled FFN),
-``policy="full", offload=True`` (the checkpointed layer inputs in host memory, as many as
+(the LM-head loss without materialised logits), ``ffn_chunk_tokens`` (the sequence-tiled FFN and
+norms), ``policy="full", offload=True`` (the checkpointed layer inputs in host memory, as many as
 ``host_memory_bytes`` holds), and LoRA (``lora_rank``: frozen base weights, float32 adapters with
 their gradients and optimizer state). Attention is SDPA's flash-style kernel: it saves one
 float32 log-sum-exp per head and token (``attention_logsumexp``), and its backward's dq, dk, dv
@@ -198,7 +198,8 @@ class ModelConfig:
             ``memopt.ops.cross_entropy.default_chunk_tokens(vocab_size)``).
         ffn_chunk_tokens: the sequence-tiled FFN (``memopt.wrap(model, ffn_chunk_tokens=...)``):
             the MLP's ``(tokens x d_ff)`` intermediates exist for this many tokens at a time, and
-            only the MLP input is kept for its backward (``"llama"`` only).
+            only the MLP input is kept for its backward; the norms (each layer's two and the final
+            one) run tiled too and keep only their inputs (``"llama"`` only).
         lora_rank: LoRA adapters of this rank on ``lora_targets`` (PEFT's ``LoraConfig`` defaults:
             rank 8 on ``q_proj`` and ``v_proj``): base weights frozen (no gradient, no optimizer
             state), adapters in float32 (PEFT's ``autocast_adapter_dtype=True``) with their
@@ -580,39 +581,82 @@ def llama_layer_saved(cfg: ModelConfig, *, input_requires_grad: bool = True) -> 
     ``down_proj`` trains. A LoRA adapter (PEFT) casts its input to float32 (a new copy per
     adapter unless the model is float32) and saves it and its rank-wide ``lora_A`` output.
     ``input_requires_grad=False`` is the first layer under LoRA (frozen embeddings): its first
-    norm saves nothing. The rotary ``cos``/``sin`` are shared by every layer and counted once in
-    the model (``embeddings_head``).
+    norm saves nothing, and with no adapter on the attention projections neither does the
+    attention half (nor does it keep the rotary ``cos``/``sin``). The rotary ``cos``/``sin`` are
+    shared by every layer and counted once in the model (``embeddings_head``).
+
+    With ``cfg.ffn_chunk_tokens`` it is the layer as ``memopt.wrap(model, ffn_chunk_tokens=n)``
+    runs it (:mod:`memopt.tiled_ffn`): each norm saves only its input, in the model dtype (its
+    float32 copy, ``rstd`` and normalized rows exist for one chunk at a time), and the MLP saves
+    only its input (the second norm's output); what one chunk of the MLP saves while it is
+    recomputed is :func:`_llama_mlp_saved` per token.
     """
-    d, f, e = cfg.d_model, cfg.d_ff, cfg.param_bytes
+    d, e = cfg.d_model, cfg.param_bytes
     kv = cfg.n_kv_heads * (d // cfg.n_heads)
     full_finetune = cfg.lora_rank is None
     targets = set() if full_finetune else set(cfg.lora_targets)
-
-    def adapters(names: tuple[str, ...], width: int, input_saved: bool) -> int:
-        hit = [n for n in names if n in targets]
-        if not hit:
-            return 0
-        inputs = len(hit) * width * 4 if e != 4 else (0 if input_saved else width * e)
-        return inputs + len(hit) * cfg.lora_rank * _LORA_DTYPE_BYTES
-
+    tiled = cfg.ffn_chunk_tokens is not None
     grad_input = input_requires_grad
     grad_residual = grad_input or full_finetune or bool(targets & {"q_proj", "k_proj", "v_proj", "o_proj"})
+    norms = grad_input + grad_residual  # the norms whose input needs a gradient
     attention = {
-        # the input's float32 copy (the input itself in a float32 model) and rstd, per norm
-        "norm_inputs": 4 * d * (grad_input + grad_residual),
-        "norm_stats": 4 * (grad_input + grad_residual),
-        "norm_outputs": 2 * d * e if full_finetune else 0,
-        "qkv_input": (d * e if full_finetune else 0) + adapters(("q_proj", "k_proj", "v_proj"), d, full_finetune),
+        # per norm: the input's float32 copy (the input itself in a float32 model, or tiled) and rstd
+        "norm_inputs": (e if tiled else 4) * d * norms,
+        "norm_stats": 0 if tiled else 4 * norms,
+        "norm_outputs": 2 * d * e if full_finetune and not tiled else 0,
+        "qkv_input": (d * e if full_finetune else 0) + _lora_saved(cfg, ("q_proj", "k_proj", "v_proj"), d, full_finetune),
         "q_k_v": (d + 2 * kv) * e,
-        "attention_output": d * e + adapters(("o_proj",), d, True),
+        "attention_output": d * e + _lora_saved(cfg, ("o_proj",), d, True),
         "attention_logsumexp": cfg.n_heads * 4,
     }
-    mlp = {
-        "mlp_input": (d * e if full_finetune else 0) + adapters(("gate_proj", "up_proj"), d, full_finetune),
-        "mlp_hidden": 3 * f * e if grad_residual or targets & {"gate_proj", "up_proj"} else 0,
-        "mlp_product": (f * e if full_finetune else 0) + adapters(("down_proj",), f, full_finetune),
+    if not grad_residual:  # nothing of the attention half needs a gradient: it saves nothing
+        attention = dict.fromkeys(attention, 0)
+    if tiled:
+        mlp_trains = grad_residual or bool(targets & {"gate_proj", "up_proj", "down_proj"})
+        return attention, {"mlp_input": d * e if mlp_trains else 0}
+    return attention, _llama_mlp_saved(cfg, grad_residual)
+
+
+def llama_final_norm_saved(cfg: ModelConfig) -> int:
+    """Bytes per token the final norm of a Hugging Face ``LlamaModel`` (``model.norm``, before the
+    LM head) saves: untiled, its input's float32 copy (the input itself in a float32 model) and
+    ``rstd``, and the normalized rows when its weight trains (full fine-tuning); with
+    ``cfg.ffn_chunk_tokens`` (``memopt.wrap`` tiles it, :func:`memopt.tiled_ffn.find_stack_norms`)
+    its input only, in the model dtype. Checked against counted bytes in
+    ``tests/test_estimate_llama.py``."""
+    d, e = cfg.d_model, cfg.param_bytes
+    if cfg.ffn_chunk_tokens is not None:
+        return d * e
+    return 4 * d + 4 + (d * e if cfg.lora_rank is None else 0)
+
+
+def _lora_saved(cfg: ModelConfig, names: tuple[str, ...], width: int, input_saved: bool) -> int:
+    """Bytes per token the LoRA adapters on ``names`` (those of them in ``cfg.lora_targets``) save:
+    each its float32 input copy (in a float32 model the input itself, once, unless the base
+    linear saves it already: ``input_saved``) and its rank-wide ``lora_A`` output."""
+    hit = [] if cfg.lora_rank is None else [n for n in names if n in cfg.lora_targets]
+    if not hit:
+        return 0
+    e = cfg.param_bytes
+    inputs = len(hit) * width * 4 if e != 4 else (0 if input_saved else width * e)
+    return inputs + len(hit) * cfg.lora_rank * _LORA_DTYPE_BYTES
+
+
+def _llama_mlp_saved(cfg: ModelConfig, grad_residual: bool = True) -> dict[str, int]:
+    """Bytes per token the untiled SwiGLU MLP of a Llama layer saves: ``silu`` saves gate and the
+    product ``silu(gate) * up`` saves up when a gradient flows through gate, and ``silu(gate)``
+    when one flows through up; the input and the product where the projections that read them
+    train. ``grad_residual``: whether the MLP input needs a gradient."""
+    d, f, e = cfg.d_model, cfg.d_ff, cfg.param_bytes
+    full_finetune = cfg.lora_rank is None
+    targets = set() if full_finetune else set(cfg.lora_targets)
+    gate_grad = grad_residual or "gate_proj" in targets
+    up_grad = grad_residual or "up_proj" in targets
+    return {
+        "mlp_input": (d * e if full_finetune else 0) + _lora_saved(cfg, ("gate_proj", "up_proj"), d, full_finetune),
+        "mlp_hidden": f * e * (2 * gate_grad + up_grad),
+        "mlp_product": (f * e if full_finetune else 0) + _lora_saved(cfg, ("down_proj",), f, full_finetune),
     }
-    return attention, mlp
 
 
 def _llama_selective_per_token(cfg: ModelConfig) -> int:
@@ -673,24 +717,26 @@ def _llama_estimate(cfg: ModelConfig) -> Estimate:
     mlp_tokens = min(cfg.ffn_chunk_tokens or tokens, tokens)
     tiled = cfg.ffn_chunk_tokens is not None
 
-    def eager(input_requires_grad: bool, mlp_tokens: int) -> tuple[dict[str, int], dict[str, int]]:
+    def saved(input_requires_grad: bool) -> tuple[dict[str, int], dict[str, int]]:
         attention, mlp = llama_layer_saved(cfg, input_requires_grad=input_requires_grad)
-        return {k: v * tokens for k, v in attention.items()}, {k: v * mlp_tokens for k, v in mlp.items()}
+        return {k: v * tokens for k, v in attention.items()}, {k: v * tokens for k, v in mlp.items()}
 
-    attention, mlp = eager(True, tokens)
+    # What the layer keeps (tiled: the FFN and the norms keep only their inputs), and what the MLP
+    # saves over the tokens it runs at once (tiled: one chunk, rebuilt in the backward).
+    attention, kept_mlp = saved(True)
+    mlp = {k: v * tokens for k, v in _llama_mlp_saved(cfg).items()}
+    chunk_mlp = {k: v * mlp_tokens for k, v in _llama_mlp_saved(cfg).items()}
     layer_input = tokens * d * e
-    # The tiled FFN keeps only its input (the second norm's output) and rebuilds each chunk.
-    kept_mlp = {"mlp_input": tokens * d * e} if tiled else mlp
-    chunk_attention, chunk_mlp = eager(True, mlp_tokens)
-    # In a float32 model the first norm saves the layer input itself: the checkpointed copy.
-    recompute_attention = sum(chunk_attention.values()) - (layer_input if e == 4 else 0)
+    # In a float32 model, or with the norms tiled, the first norm saves the layer input itself:
+    # the checkpointed copy.
+    recompute_attention = sum(attention.values()) - (layer_input if e == 4 or tiled else 0)
     recompute = recompute_attention + sum(chunk_mlp.values())
     policy = "eager" if cfg.policy == "none" else cfg.policy
     host = 0
     if policy == "eager":
-        first_attention, first_mlp = eager(not lora, tokens)
+        first_attention, first_mlp = saved(not lora)
         per_layer = attention | kept_mlp
-        first = sum(first_attention.values()) + sum(({"mlp_input": tokens * d * e} if tiled else first_mlp).values())
+        first = sum(first_attention.values()) + sum(first_mlp.values())
         activations = first + (cfg.n_layers - 1) * sum(per_layer.values())
         recompute_attention, recompute = 0, (sum(chunk_mlp.values()) if tiled else 0)
         freed_mlp = 0 if tiled else sum(mlp.values())
@@ -733,7 +779,7 @@ def _llama_estimate(cfg: ModelConfig) -> Estimate:
 
     head_trains = not lora
     loss_saved, held_logits, loss_peak = _loss_terms(cfg, head_trains, e, 4)
-    final_norm = tokens * (4 * d + 4 + (d * e if head_trains else 0))
+    final_norm = tokens * llama_final_norm_saved(cfg)
     head_input = tokens * d * e if head_trains or cfg.loss == "chunked" else 0
     rope = cfg.seq_len * 2 * (d // cfg.n_heads) * e  # cos and sin, one row per position (batch broadcast)
     ids = 3 * tokens * _INDEX_BYTES + cfg.seq_len * _INDEX_BYTES  # input ids, labels, shifted labels, positions
@@ -1036,7 +1082,7 @@ def strategies(config: ModelConfig) -> dict[str, ModelConfig]:
     - ``memopt selective`` / ``memopt full``: ``memopt.wrap(model, policy=...)`` with its default
       chunked loss;
     - ``memopt long-context``: ``policy="full", offload=True`` (layer inputs in host memory as
-      far as ``host_memory_bytes`` holds them), the tiled FFN (``ffn_chunk_tokens``
+      far as ``host_memory_bytes`` holds them), the tiled FFN and norms (``ffn_chunk_tokens``
       :data:`LONG_CONTEXT_FFN_CHUNK_TOKENS`, Llama layout only) and the chunked loss.
     """
     check = lambda c: ModelConfig(**{f.name: getattr(c, f.name) for f in dataclasses.fields(c)})  # noqa: E731

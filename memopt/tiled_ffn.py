@@ -23,10 +23,22 @@ Two users:
   replayed exactly per chunk from the block's key (:func:`chunk_rng_key`), so tiled and untiled
   blocks give the same result with the same seed.
 * ``memopt.wrap(model, ffn_chunk_tokens=n)``: each layer's MLP submodule (:func:`find_ffn`:
-  ``mlp``, ``feed_forward``, ``ffn``; ``nn.TransformerEncoderLayer``'s ``_ff_block``) gets a
-  forward (:func:`install`) that runs it through :class:`TiledFFNFunction`. Limits: that
-  Function holds the module and reads the RNG state, so ``torch.compile`` does not trace it (a
-  graph break; ``fullgraph=True`` raises); not tried under FSDP.
+  ``mlp``, ``feed_forward``, ``ffn``; ``nn.TransformerEncoderLayer``'s ``_ff_block``) and the
+  token-wise norms around it (:func:`find_norms`: every RMSNorm/LayerNorm of the layer outside
+  the MLP, Llama's ``input_layernorm`` and ``post_attention_layernorm``, GPT-2's ``ln_1`` and
+  ``ln_2``, Gemma's four; and the final norm of the stack holding the layers,
+  :func:`find_stack_norms`: Llama's ``model.norm``, GPT-2's ``transformer.ln_f``) get a forward
+  (:func:`install`) that runs them through :class:`TiledFFNFunction`. A norm is cheap to run,
+  but Hugging Face's ``LlamaRMSNorm`` (and its copies) keeps a float32 copy of its input and its
+  ``rstd`` for backward, and in a bf16 model that copy is twice the input: tiled, a norm saves
+  only its input, in the model dtype, and its float32 intermediates exist for one chunk at a time
+  in the forward and in the recompute (at Llama-3-8B in bf16 a layer's recompute keeps 8 KiB per
+  token of norm inputs instead of 32 KiB of float32 copies, the final norm 8 KiB instead of 16).
+  The attention projections are not tiled: unlike a norm, a linear layer costs a matmul to
+  recompute, and the float32 input copies PEFT's LoRA adapters make of their input stay
+  (:func:`memopt.estimate.llama_layer_saved`).
+  Limits: that Function holds the module and reads the RNG state, so ``torch.compile`` does not
+  trace it (a graph break; ``fullgraph=True`` raises); not tried under FSDP.
 
 :func:`tiled_ffn_ref` is the plain PyTorch reference: the same chunks through ordinary autograd
 (every chunk's intermediates kept), for tests.
@@ -49,7 +61,11 @@ __all__ = [
     "check_ffn_chunk_tokens",
     "chunk_rng_key",
     "find_ffn",
+    "find_norms",
+    "find_stack_norms",
     "install",
+    "install_norms",
+    "norm_width",
     "remove",
     "tiled_ffn",
     "tiled_ffn_ref",
@@ -59,6 +75,9 @@ __all__ = [
 # Names under which layers hold their token-wise MLP: Llama, Mistral, Qwen2/3, Gemma, Phi-3,
 # GPT-2, GPT-NeoX, Falcon (``mlp``); Mllama-style and other ``feed_forward``/``ffn`` layers.
 FFN_ATTRIBUTES = ("mlp", "feed_forward", "ffn")
+# How the classes of token-wise norms end their names outside torch.nn: Hugging Face's
+# LlamaRMSNorm, GemmaRMSNorm, T5LayerNorm, OlmoLayerNorm, ...
+NORM_CLASS_SUFFIXES = ("RMSNorm", "LayerNorm")
 
 
 def check_ffn_chunk_tokens(value, owner: str, name: str = "ffn_chunk_tokens") -> int | None:
@@ -155,8 +174,9 @@ class TiledFFNFunction(torch.autograd.Function):
 
     ``apply(fn, chunk_tokens, x (..., D), *params) -> (..., D_out)``: ``fn`` is token-wise (row
     ``i`` of its output depends on row ``i`` of its input only) and uses ``params``, the tensors
-    whose gradients this Function returns. The CPU and CUDA RNG states are restored for the
-    backward's recompute, so a random op in ``fn`` replays its draws.
+    whose gradients this Function returns. The CPU and CUDA RNG states and the autocast state of
+    the forward are restored for the backward's recompute, so a random op in ``fn`` replays its
+    draws and a matmul under autocast runs in the same dtype again.
     """
 
     @staticmethod
@@ -164,6 +184,7 @@ class TiledFFNFunction(torch.autograd.Function):
         rows = x.reshape(-1, x.shape[-1])
         out = None
         ctx.rng = _rng_state(x.device)
+        ctx.autocast = _autocast_state(x.device)
         with _outside_selective_checkpoint():
             for start, end in token_chunks(rows.shape[0], chunk_tokens, width=1):
                 piece = fn(_chunk_view(rows[start:end], x.shape))
@@ -172,6 +193,9 @@ class TiledFFNFunction(torch.autograd.Function):
                     out = piece.new_empty(rows.shape[0], piece.shape[-1])
                 out[start:end] = piece.reshape(end - start, -1)
                 del piece
+            if out is None:  # no tokens: fn's output on the empty input gives the width and dtype
+                piece = fn(_chunk_view(rows, x.shape))
+                out = piece.new_empty(0, piece.shape[-1])
         ctx.fn, ctx.chunk_tokens = fn, chunk_tokens
         ctx.save_for_backward(x, *params)
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -185,7 +209,7 @@ class TiledFFNFunction(torch.autograd.Function):
         grad_rows = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = torch.empty_like(rows) if need_x else None
         grads: list[Tensor | None] = [None] * len(params)
-        with torch.random.fork_rng(devices=_rng_devices(x.device)), torch.enable_grad():
+        with torch.random.fork_rng(devices=_rng_devices(x.device)), torch.enable_grad(), _autocast_as(ctx.autocast):
             _set_rng_state(ctx.rng, x.device)
             for start, end in token_chunks(rows.shape[0], ctx.chunk_tokens, width=1):
                 piece_in = rows[start:end].detach().requires_grad_(need_x)
@@ -199,6 +223,8 @@ class TiledFFNFunction(torch.autograd.Function):
                 for i, grad in zip(wanted, found):
                     if grad is not None:
                         grads[i] = grad if grads[i] is None else grads[i].add_(grad)
+        if rows.shape[0] == 0:  # no tokens: the parameters' gradients are zero, as the untiled fn's are
+            grads = [torch.zeros_like(params[i]) if i in wanted else None for i in range(len(params))]
         return (None, None, grad_x.view(x.shape) if need_x else None, *grads)
 
 
@@ -231,6 +257,22 @@ def _set_rng_state(state, device: torch.device) -> None:
         torch.cuda.set_rng_state(cuda, device)
 
 
+def _autocast_state(device: torch.device) -> tuple[list[tuple[str, bool, torch.dtype]], bool]:
+    """``([(device type, enabled, dtype)], cache enabled)`` of autocast for CPU and ``device``'s type:
+    the backward runs outside the user's autocast context, and its recompute must not change dtype."""
+    types = dict.fromkeys(t for t in ("cpu", device.type) if t != "meta")
+    return [(t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types], torch.is_autocast_cache_enabled()
+
+
+@contextlib.contextmanager
+def _autocast_as(state) -> Iterator[None]:
+    per_type, cache_enabled = state
+    with contextlib.ExitStack() as stack:
+        for device_type, enabled, dtype in per_type:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled))
+        yield
+
+
 def tiled_ffn(fn: Callable[[Tensor], Tensor], x: Tensor, chunk_tokens: int, params=()) -> Tensor:
     """``fn(x)`` for a token-wise ``fn``, run ``chunk_tokens`` tokens at a time (tokens are the
     rows of ``x.reshape(-1, x.shape[-1])``); saves ``x`` only for backward.
@@ -260,7 +302,7 @@ def tiled_ffn_ref(fn: Callable[[Tensor], Tensor], x: Tensor, chunk_tokens: int) 
 
 
 # ----------------------------------------------------------------------------------------------
-# memopt.wrap: a layer's MLP submodule, tiled.
+# memopt.wrap: a layer's MLP submodule and its norms, tiled.
 
 
 @dataclass
@@ -268,7 +310,7 @@ class TiledLayer:
     """What :func:`install` changed, for :func:`remove`."""
 
     owner: nn.Module  # the module whose attribute was replaced
-    attribute: str  # "forward" of the MLP, or "_ff_block" of an nn.TransformerEncoderLayer
+    attribute: str  # "forward" of the MLP or norm, or "_ff_block" of an nn.TransformerEncoderLayer
     previous: Callable | None  # the instance attribute it had before, None for the class's
 
 
@@ -290,29 +332,86 @@ def find_ffn(layer: nn.Module, layer_name: str = "layer") -> tuple[nn.Module, st
     )
 
 
+def norm_width(module: nn.Module) -> int | None:
+    """The width ``module`` normalises if it is a token-wise norm (each row of its input's last dim
+    normalised on its own), else None.
+
+    Token-wise norms: ``nn.LayerNorm``/``nn.RMSNorm`` over one trailing dim, and leaf modules whose
+    class name ends in one of :data:`NORM_CLASS_SUFFIXES` with a one-entry ``normalized_shape`` or
+    a one-dim ``weight``, not channels-first (``data_format``). A norm with submodules (an adaptive
+    norm conditioned on another input) or over several dims is not one.
+    """
+    if isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+        shape = module.normalized_shape
+        return shape[0] if len(shape) == 1 else None
+    if not type(module).__name__.endswith(NORM_CLASS_SUFFIXES) or next(module.children(), None) is not None:
+        return None
+    if getattr(module, "data_format", "channels_last") != "channels_last":
+        return None
+    shape = getattr(module, "normalized_shape", None)
+    if shape is not None:
+        shape = (shape,) if isinstance(shape, int) else tuple(shape)
+        return shape[0] if len(shape) == 1 and isinstance(shape[0], int) else None
+    weight = getattr(module, "weight", None)
+    return weight.shape[0] if isinstance(weight, Tensor) and weight.dim() == 1 else None
+
+
+def find_norms(layer: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The token-wise norms (:func:`norm_width`) inside ``layer`` but outside its MLP
+    (:func:`find_ffn`, which runs its own norms chunk by chunk already), as ``(name in layer, module)``."""
+    owner, attribute = find_ffn(layer)
+    inside_mlp = set() if attribute == "_ff_block" else {id(m) for m in owner.modules()}
+    return [(name, m) for name, m in layer.named_modules() if id(m) not in inside_mlp and norm_width(m) is not None]
+
+
+def find_stack_norms(model: nn.Module, layer_names: list[str]) -> list[tuple[str, nn.Module]]:
+    """The token-wise norms that are direct children of the modules holding the layers named
+    ``layer_names`` (the closest ancestor of each that is not an ``nn.ModuleList``/``nn.Sequential``/
+    ``nn.ModuleDict``): a decoder stack's final norm (Llama's ``model.norm``, GPT-2's
+    ``transformer.ln_f``, ``nn.TransformerEncoder``'s ``norm``), as ``(qualified name, module)``."""
+    containers = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+    stacks: dict[str, nn.Module] = {}
+    for name in layer_names:
+        parent = name.rpartition(".")[0]
+        while parent and isinstance(model.get_submodule(parent), containers):
+            parent = parent.rpartition(".")[0]
+        stacks.setdefault(parent, model.get_submodule(parent))
+    return [
+        (f"{stack_name}.{child_name}" if stack_name else child_name, child)
+        for stack_name, stack in stacks.items()
+        for child_name, child in stack.named_children()
+        if norm_width(child) is not None
+    ]
+
+
 class _TiledForward:
-    """The forward :func:`install` puts on an MLP: an object holding the module (not a closure),
-    so a wrapped model pickles and deep-copies like ``memopt.wrap``'s own forwards."""
+    """The forward :func:`install` puts on an MLP or a norm: an object holding the module (not a
+    closure), so a wrapped model pickles and deep-copies like ``memopt.wrap``'s own forwards."""
 
-    __slots__ = ("owner", "attribute", "previous", "chunk_tokens", "layer_name")
+    __slots__ = ("owner", "attribute", "previous", "chunk_tokens", "where", "width")
 
-    def __init__(self, owner: nn.Module, attribute: str, previous, chunk_tokens: int, layer_name: str):
+    def __init__(self, owner: nn.Module, attribute: str, previous, chunk_tokens: int, where: str, width: int | None):
         self.owner, self.attribute, self.previous = owner, attribute, previous
-        self.chunk_tokens, self.layer_name = chunk_tokens, layer_name
+        self.chunk_tokens, self.where, self.width = chunk_tokens, where, width
 
     def __call__(self, x, *args, **kwargs):
         owner = self.owner
         original = self.previous or functools.partial(getattr(type(owner), self.attribute), owner)
         if args or kwargs or not isinstance(x, Tensor):
             raise TypeError(
-                f"memopt.wrap: ffn_chunk_tokens: the MLP of layer {self.layer_name!r} was called with more than one "
-                "tensor argument; only a token-wise function of the hidden states can be tiled"
+                f"memopt.wrap: ffn_chunk_tokens: {self.where} was called with more than one tensor argument; "
+                "only a token-wise function of the hidden states can be tiled"
+            )
+        if self.width is not None and (x.dim() == 0 or x.shape[-1] != self.width):
+            raise ValueError(
+                f"memopt.wrap: ffn_chunk_tokens: {self.where} normalises {self.width} features but got an input of "
+                f"shape {tuple(x.shape)}: it is not token-wise over the last dim here; leave ffn_chunk_tokens None"
             )
         if owner.training:
             active = [f"{type(m).__name__}(p={m.p})" for m in self._dropouts() if m.p > 0]
             if active:
                 raise ValueError(
-                    f"memopt.wrap: ffn_chunk_tokens: the MLP of layer {self.layer_name!r} has active dropout "
+                    f"memopt.wrap: ffn_chunk_tokens: {self.where} has active dropout "
                     f"{active}: torch's RNG draws per call, so chunks would drop other elements than the untiled "
                     "layer; set that dropout to 0, train in eval mode, or leave ffn_chunk_tokens None"
                 )
@@ -320,7 +419,7 @@ class _TiledForward:
         return tiled_ffn(original, x, self.chunk_tokens, params)
 
     def _modules_used(self) -> list[nn.Module]:
-        """The modules the tiled function runs: the MLP, or an encoder layer's two linears."""
+        """The modules the tiled function runs: the MLP or norm, or an encoder layer's two linears."""
         if self.attribute == "_ff_block":
             return [self.owner.linear1, self.owner.linear2]
         return [self.owner]
@@ -331,13 +430,28 @@ class _TiledForward:
         return [m for m in self.owner.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
 
 
-def install(layer: nn.Module, chunk_tokens: int, layer_name: str = "layer") -> TiledLayer:
-    """Tile ``layer``'s MLP (:func:`find_ffn`) ``chunk_tokens`` tokens at a time; undo with
-    :func:`remove`."""
-    owner, attribute = find_ffn(layer, layer_name)
+def _tile(owner: nn.Module, attribute: str, chunk_tokens: int, where: str, width: int | None) -> TiledLayer | None:
     previous = owner.__dict__.get(attribute)
-    setattr(owner, attribute, _TiledForward(owner, attribute, previous, chunk_tokens, layer_name))
+    if isinstance(previous, _TiledForward):  # one module reached twice (shared between layers)
+        return None
+    setattr(owner, attribute, _TiledForward(owner, attribute, previous, chunk_tokens, where, width))
     return TiledLayer(owner, attribute, previous)
+
+
+def install(layer: nn.Module, chunk_tokens: int, layer_name: str = "layer") -> list[TiledLayer]:
+    """Tile ``layer``'s MLP (:func:`find_ffn`) and its norms (:func:`find_norms`) ``chunk_tokens``
+    tokens at a time; undo each with :func:`remove`."""
+    owner, attribute = find_ffn(layer, layer_name)
+    mlp = _tile(owner, attribute, chunk_tokens, f"the MLP of layer {layer_name!r}", None)
+    norms = install_norms([(f"{layer_name}.{name}", module) for name, module in find_norms(layer)], chunk_tokens)
+    return ([mlp] if mlp is not None else []) + norms
+
+
+def install_norms(norms: list[tuple[str, nn.Module]], chunk_tokens: int) -> list[TiledLayer]:
+    """Tile each ``(name, norm)`` of ``norms`` (token-wise: :func:`norm_width`) ``chunk_tokens``
+    tokens at a time; undo each with :func:`remove`."""
+    tiled = [_tile(m, "forward", chunk_tokens, f"the norm {name!r}", norm_width(m)) for name, m in norms]
+    return [t for t in tiled if t is not None]
 
 
 def remove(tiled: TiledLayer) -> None:

@@ -60,7 +60,7 @@ class _WrapState:
     loss_forward: Any = None
     # the model's hooks of _RunCheck until its first forward with gradients has been checked
     run_check: list = field(default_factory=list)
-    # the MLPs tiled for ffn_chunk_tokens (memopt.tiled_ffn.install)
+    # the MLPs and norms tiled for ffn_chunk_tokens (memopt.tiled_ffn.install, install_norms)
     tiled_ffns: list = field(default_factory=list)
 
 
@@ -386,6 +386,12 @@ def wrap(
             ``nn.TransformerEncoderLayer``'s fused block; another encoder layer's ``_ff_block``)
             runs this many tokens at a time, so its ``(tokens, d_ff)`` intermediates exist for one
             chunk at a time (:mod:`memopt.tiled_ffn`). A layer without one raises ``ValueError``.
+            The token-wise norms around it run the same way: each layer's RMSNorm/LayerNorm
+            modules outside the MLP (:func:`memopt.tiled_ffn.find_norms`: Llama's
+            ``input_layernorm`` and ``post_attention_layernorm``, GPT-2's ``ln_1``/``ln_2``) and
+            the final norm beside the layers (:func:`memopt.tiled_ffn.find_stack_norms`: Llama's
+            ``model.norm``, GPT-2's ``ln_f``), so that a norm saves only its input, in the
+            model's dtype, and not the float32 copy Hugging Face's RMSNorm makes of it.
 
     An ``nn.TransformerEncoderLayer`` that does not offload is replaced by a
     ``memopt.torch_interop.FusedTransformerEncoderLayer``: the torch layer's call run by a
@@ -456,7 +462,7 @@ def wrap(
             state.swapped.append((parent, attr, layer))
             continue
         if ffn_chunk_tokens is not None:
-            state.tiled_ffns.append(tiled_ffn.install(layer, ffn_chunk_tokens, name))
+            state.tiled_ffns += tiled_ffn.install(layer, ffn_chunk_tokens, name)
         if layer_policy == "none" and not layer_offload:
             continue
         layer_wrap = _LayerWrap(name, layer_policy, layer.__dict__.get("forward"), layer_offload)
@@ -464,6 +470,9 @@ def wrap(
         layer.forward = _CheckpointedForward(layer)
         state.wrapped.append(layer)
 
+    if ffn_chunk_tokens is not None:
+        final_norms = tiled_ffn.find_stack_norms(model, [name for name, _ in found])
+        state.tiled_ffns += tiled_ffn.install_norms(final_norms, ffn_chunk_tokens)
     state.use_cache = _disable_use_cache(model)
     if chunked_loss_lm is not None:
         state.loss_forward = causal_lm_loss.install(chunked_loss_lm)

@@ -415,3 +415,25 @@ def test_wrap_hf_working_set_does_not_grow_with_tokens_at_fixed_chunk(policy):
     assert tiled[1][1] - tiled[0][1] < d_ff_bytes / 2
     if policy != "full":
         assert untiled[0][0] - tiled[0][0] >= 2 * d_ff_bytes  # gate and up projections no longer held
+
+
+def test_wrap_tiled_recompute_keeps_the_forwards_autocast():
+    """The backward runs outside the user's autocast context: the tiled MLP's and norms' recompute
+    must run in the forward's dtypes again, or the gradient is that of another (float32) function
+    (0.7% off on this model before the recompute restored autocast). One chunk of all the
+    tokens computes what the untiled model does, so the gradients agree to float32 rounding."""
+    torch.manual_seed(0)
+    model = _llama()
+    ids = torch.randint(0, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", torch.bfloat16):
+            loss = model(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    want = run()
+    memopt.wrap(model, policy="none", ffn_chunk_tokens=24, loss="plain")
+    for i, (got, ref) in enumerate(zip(run(), want)):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item(), msg=lambda m: f"[{i}] {m}")

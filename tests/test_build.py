@@ -37,6 +37,16 @@ def test_cpu_only_build_where_expected():
 # Ops that cannot reach a CUDA kernel: their only tensor argument is the RNG key, which memopt
 # keeps on the CPU (seed, offset), so the dispatcher always picks the CPU kernel.
 HOST_ONLY_OPS = {"memopt::philox_dropout_scale": "the native CPU attention path's dropout factors"}
+# Ops that wrap a CPU-only ATen kernel: memopt.attention calls this one for CPU tensors only (CUDA
+# attention runs attention_fwd / attention_bwd); a CUDA tensor gets the dispatcher's "could not
+# run with arguments from the 'CUDA' backend".
+CPU_ONLY_OPS = {"memopt::attention_flash_cpu": "ATen's CPU flash attention kernels under a C++ autograd node"}
+
+
+def _has_kernel(name: str, key: str) -> bool:
+    """A kernel for ``key``, its own or a CompositeExplicitAutograd one (the differentiable norms:
+    their autograd node calls the per-backend forward and backward ops)."""
+    return any(torch._C._dispatch_has_kernel_for_dispatch_key(name, k) for k in (key, "CompositeExplicitAutograd"))
 
 
 def test_every_op_has_cpu_and_cuda_kernels_and_a_fake_impl():
@@ -49,7 +59,10 @@ def test_every_op_has_cpu_and_cuda_kernels_and_a_fake_impl():
             schema = getattr(getattr(torch.ops, namespace), op).default._schema
             tensors = [a.name for a in schema.arguments if str(a.type).startswith("Tensor")]
             assert tensors == ["rng_key"], f"{name} takes tensors {tensors}: it needs a CUDA kernel after all"
+        elif name in CPU_ONLY_OPS:
+            assert not _has_kernel(name, "CUDA"), f"{name} has a CUDA kernel now: take it out of CPU_ONLY_OPS"
         elif with_cuda:
-            assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CUDA"), f"{name} has no CUDA kernel"
+            assert _has_kernel(name, "CUDA"), f"{name} has no CUDA kernel"
+        assert _has_kernel(name, "CPU"), f"{name} has no CPU kernel"
         fake = torch._library.simple_registry.singleton.find(name).fake_impl.kernel
         assert fake is not None, f"{name} has no fake impl (torch.library.register_fake)"

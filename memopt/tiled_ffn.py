@@ -55,6 +55,8 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
+from memopt.ops._common import autocast_as, autocast_state
+
 __all__ = [
     "FFN_ATTRIBUTES",
     "TiledFFNFunction",
@@ -184,7 +186,8 @@ class TiledFFNFunction(torch.autograd.Function):
         rows = x.reshape(-1, x.shape[-1])
         out = None
         ctx.rng = _rng_state(x.device)
-        ctx.autocast = _autocast_state(x.device)
+        # The backward runs outside the user's autocast context: its recompute must not change dtype.
+        ctx.autocast = [autocast_state(t) for t in dict.fromkeys(("cpu", x.device.type))]
         with _outside_selective_checkpoint():
             for start, end in token_chunks(rows.shape[0], chunk_tokens, width=1):
                 piece = fn(_chunk_view(rows[start:end], x.shape))
@@ -209,7 +212,9 @@ class TiledFFNFunction(torch.autograd.Function):
         grad_rows = grad_out.reshape(-1, grad_out.shape[-1])
         grad_x = torch.empty_like(rows) if need_x else None
         grads: list[Tensor | None] = [None] * len(params)
-        with torch.random.fork_rng(devices=_rng_devices(x.device)), torch.enable_grad(), _autocast_as(ctx.autocast):
+        with torch.random.fork_rng(devices=_rng_devices(x.device)), torch.enable_grad(), contextlib.ExitStack() as stack:
+            for state in ctx.autocast:
+                stack.enter_context(autocast_as(state))
             _set_rng_state(ctx.rng, x.device)
             for start, end in token_chunks(rows.shape[0], ctx.chunk_tokens, width=1):
                 piece_in = rows[start:end].detach().requires_grad_(need_x)
@@ -255,22 +260,6 @@ def _set_rng_state(state, device: torch.device) -> None:
     torch.set_rng_state(cpu)
     if cuda is not None:
         torch.cuda.set_rng_state(cuda, device)
-
-
-def _autocast_state(device: torch.device) -> tuple[list[tuple[str, bool, torch.dtype]], bool]:
-    """``([(device type, enabled, dtype)], cache enabled)`` of autocast for CPU and ``device``'s type:
-    the backward runs outside the user's autocast context, and its recompute must not change dtype."""
-    types = dict.fromkeys(t for t in ("cpu", device.type) if t != "meta")
-    return [(t, torch.is_autocast_enabled(t), torch.get_autocast_dtype(t)) for t in types], torch.is_autocast_cache_enabled()
-
-
-@contextlib.contextmanager
-def _autocast_as(state) -> Iterator[None]:
-    per_type, cache_enabled = state
-    with contextlib.ExitStack() as stack:
-        for device_type, enabled, dtype in per_type:
-            stack.enter_context(torch.autocast(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled))
-        yield
 
 
 def tiled_ffn(fn: Callable[[Tensor], Tensor], x: Tensor, chunk_tokens: int, params=()) -> Tensor:

@@ -724,8 +724,9 @@ def _llama_estimate(cfg: ModelConfig) -> Estimate:
     # What the layer keeps (tiled: the FFN and the norms keep only their inputs), and what the MLP
     # saves over the tokens it runs at once (tiled: one chunk, rebuilt in the backward).
     attention, kept_mlp = saved(True)
-    mlp = {k: v * tokens for k, v in _llama_mlp_saved(cfg).items()}
-    chunk_mlp = {k: v * mlp_tokens for k, v in _llama_mlp_saved(cfg).items()}
+    mlp_per_token = _llama_mlp_saved(cfg)
+    mlp = {k: v * tokens for k, v in mlp_per_token.items()}
+    chunk_mlp = {k: v * mlp_tokens for k, v in mlp_per_token.items()}
     layer_input = tokens * d * e
     # In a float32 model, or with the norms tiled, the first norm saves the layer input itself:
     # the checkpointed copy.

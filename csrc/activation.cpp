@@ -17,15 +17,30 @@ at::Tensor bias_act_fwd_cpu(const at::Tensor& x, const std::optional<at::Tensor>
   return call.y;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bias_act_bwd_cpu(const at::Tensor& grad_y, const at::Tensor& x,
-                                                                const std::optional<at::Tensor>& bias,
-                                                                const std::string& activation, bool return_y) {
-  ActBackward call = prepare_bias_act_bwd(grad_y, x, bias, activation, return_y);
+// The kernel reads grad_y[i] and x[i] before it writes grad_x[i] and y[i], element by element, so
+// call.grad_x may be grad_y itself (bias_act_bwd_inplace).
+void run_bias_act_bwd_cpu(const ActBackward& call, const at::Tensor& grad_y, const at::Tensor& x,
+                          const std::optional<at::Tensor>& bias, bool return_y) {
   const CpuParamGrad grad_bias(call.grad_bias, bias, x);
   MEMOPT_CPU_KERNEL(bias_act_bwd_kernel)(call.activation, grad_y, x, cpu_param(bias, x), call.grad_x,
                                          return_y ? call.y : at::Tensor(), grad_bias.kernel_output());
   grad_bias.finish();
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bias_act_bwd_cpu(const at::Tensor& grad_y, const at::Tensor& x,
+                                                                const std::optional<at::Tensor>& bias,
+                                                                const std::string& activation, bool return_y) {
+  const ActBackward call = prepare_bias_act_bwd(grad_y, x, bias, activation, return_y);
+  run_bias_act_bwd_cpu(call, grad_y, x, bias, return_y);
   return {call.grad_x, call.grad_bias, call.y};
+}
+
+std::tuple<at::Tensor, at::Tensor> bias_act_bwd_inplace_cpu(const at::Tensor& grad_y, const at::Tensor& x,
+                                                            const std::optional<at::Tensor>& bias,
+                                                            const std::string& activation, bool return_y) {
+  const ActBackward call = prepare_bias_act_bwd_inplace(grad_y, x, bias, activation, return_y);
+  run_bias_act_bwd_cpu(call, grad_y, x, bias, return_y);
+  return {call.grad_bias, call.y};
 }
 
 at::Tensor swiglu_fwd_cpu(const at::Tensor& x, const std::optional<at::Tensor>& bias) {
@@ -50,6 +65,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_bwd_cpu(const at::Tensor& 
 TORCH_LIBRARY_IMPL(memopt, CPU, m) {
   m.impl("bias_act_fwd", &bias_act_fwd_cpu);
   m.impl("bias_act_bwd", &bias_act_bwd_cpu);
+  m.impl("bias_act_bwd_inplace", &bias_act_bwd_inplace_cpu);
   m.impl("swiglu_fwd", &swiglu_fwd_cpu);
   m.impl("swiglu_bwd", &swiglu_bwd_cpu);
 }

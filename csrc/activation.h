@@ -141,6 +141,11 @@ ActForward prepare_bias_act_fwd(const at::Tensor& x, const std::optional<at::Ten
                                 const std::string& activation);
 ActBackward prepare_bias_act_bwd(const at::Tensor& grad_y, const at::Tensor& x, const std::optional<at::Tensor>& bias,
                                  const std::string& activation, bool return_y);
+// The same checks; grad_x is grad_y itself (bias_act_bwd_inplace), nothing of x's size allocated
+// but y with return_y.
+ActBackward prepare_bias_act_bwd_inplace(const at::Tensor& grad_y, const at::Tensor& x,
+                                         const std::optional<at::Tensor>& bias, const std::string& activation,
+                                         bool return_y);
 ActForward prepare_swiglu_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias);
 ActBackward prepare_swiglu_bwd(const at::Tensor& grad_y, const at::Tensor& x, const std::optional<at::Tensor>& bias,
                                bool return_y);

@@ -1,5 +1,7 @@
 // bias_act / swiglu: the argument checks and output allocation that the CPU launchers
 // (activation.cpp) and the CUDA launchers (activation_cuda.cu) share.
+#include <ATen/MemoryOverlap.h>
+
 #include <vector>
 
 #include "activation.h"
@@ -88,6 +90,22 @@ ActBackward prepare_bias_act_bwd(const at::Tensor& grad_y, const at::Tensor& x, 
   const int64_t rows = check_act_inputs(x, bias, x.dim() >= 1 ? x.size(-1) : 0, kBiasAct);
   check_act_grad(grad_y, x, x.sizes(), kBiasAct);
   return allocate_backward(act, rows, x, bias, x.sizes(), return_y);
+}
+
+ActBackward prepare_bias_act_bwd_inplace(const at::Tensor& grad_y, const at::Tensor& x,
+                                         const std::optional<at::Tensor>& bias, const std::string& activation,
+                                         bool return_y) {
+  const Activation act = parse_activation(activation, kBiasAct);
+  const int64_t rows = check_act_inputs(x, bias, x.dim() >= 1 ? x.size(-1) : 0, kBiasAct);
+  check_act_grad(grad_y, x, x.sizes(), kBiasAct);
+  MEMOPT_CHECK(at::get_overlap_status(grad_y, x) == at::MemOverlapStatus::No, kBiasAct,
+               "grad_y is overwritten with grad_x, so it must not share memory with x");
+  return {act,
+          rows,
+          x.size(-1),
+          grad_y,
+          bias.has_value() ? at::empty_like(*bias, at::MemoryFormat::Contiguous) : absent_like(x),
+          return_y ? at::empty(x.sizes(), x.options()) : absent_like(x)};
 }
 
 ActForward prepare_swiglu_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias) {

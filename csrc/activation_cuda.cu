@@ -65,8 +65,8 @@ __global__ void bias_act_fwd_cuda_kernel(const scalar_t* __restrict__ x,
 }
 
 template <Activation A, typename scalar_t>
-__global__ void bias_act_bwd_cuda_kernel(const scalar_t* __restrict__ grad_y, const scalar_t* __restrict__ x,
-                                         scalar_t* __restrict__ grad_x,
+__global__ void bias_act_bwd_cuda_kernel(const scalar_t* grad_y, const scalar_t* __restrict__ x,
+                                         scalar_t* grad_x,  // may be grad_y (bias_act_bwd_inplace)
                                          scalar_t* __restrict__ y,  // rebuilt act(x), or null
                                          int64_t numel) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -79,9 +79,9 @@ __global__ void bias_act_bwd_cuda_kernel(const scalar_t* __restrict__ grad_y, co
 }
 
 template <Activation A, typename scalar_t, typename bias_t>
-__global__ void bias_act_bwd_bias_cuda_kernel(const scalar_t* __restrict__ grad_y, const scalar_t* __restrict__ x,
+__global__ void bias_act_bwd_bias_cuda_kernel(const scalar_t* grad_y, const scalar_t* __restrict__ x,
                                               const bias_t* __restrict__ bias,  // [cols]
-                                              scalar_t* __restrict__ grad_x,
+                                              scalar_t* grad_x,  // may be grad_y (bias_act_bwd_inplace)
                                               scalar_t* __restrict__ y,  // rebuilt act(x + bias), or null
                                               at::opmath_type<scalar_t>* __restrict__ partials,  // [chunks, cols]
                                               int64_t rows, int64_t cols, int64_t rows_per_chunk) {
@@ -250,15 +250,15 @@ at::Tensor bias_act_fwd_cuda(const at::Tensor& x, const std::optional<at::Tensor
   return y;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bias_act_bwd_cuda(const at::Tensor& grad_y, const at::Tensor& x,
-                                                                 const std::optional<at::Tensor>& bias,
-                                                                 const std::string& activation, bool return_y) {
-  const ActBackward call = prepare_bias_act_bwd(grad_y, x, bias, activation, return_y);
+// Each thread reads grad_y[i] and x[i] before it writes grad_x[i] and y[i], so call.grad_x may be
+// grad_y itself (bias_act_bwd_inplace): the kernels take grad_y and grad_x without __restrict__.
+void run_bias_act_bwd_cuda(const ActBackward& call, const at::Tensor& grad_y, const at::Tensor& x,
+                           const std::optional<at::Tensor>& bias, bool return_y) {
   const at::Tensor &grad_x = call.grad_x, &grad_bias = call.grad_bias, &y = call.y;
   const int64_t numel = x.numel();
   if (numel == 0) {
     if (bias.has_value()) grad_bias.zero_();
-    return {grad_x, grad_bias, y};
+    return;
   }
   const c10::cuda::CUDAGuard guard(x.device());
   const auto stream = at::cuda::getCurrentCUDAStream();
@@ -290,7 +290,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bias_act_bwd_cuda(const at::Tenso
       launch_reduce_partials<acc_t, bias_t>(partials, launch.chunks, call.cols, grad_bias);
     });
   });
-  return {grad_x, grad_bias, y};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bias_act_bwd_cuda(const at::Tensor& grad_y, const at::Tensor& x,
+                                                                 const std::optional<at::Tensor>& bias,
+                                                                 const std::string& activation, bool return_y) {
+  const ActBackward call = prepare_bias_act_bwd(grad_y, x, bias, activation, return_y);
+  run_bias_act_bwd_cuda(call, grad_y, x, bias, return_y);
+  return {call.grad_x, call.grad_bias, call.y};
+}
+
+std::tuple<at::Tensor, at::Tensor> bias_act_bwd_inplace_cuda(const at::Tensor& grad_y, const at::Tensor& x,
+                                                             const std::optional<at::Tensor>& bias,
+                                                             const std::string& activation, bool return_y) {
+  const ActBackward call = prepare_bias_act_bwd_inplace(grad_y, x, bias, activation, return_y);
+  run_bias_act_bwd_cuda(call, grad_y, x, bias, return_y);
+  return {call.grad_bias, call.y};
 }
 
 at::Tensor swiglu_fwd_cuda(const at::Tensor& x, const std::optional<at::Tensor>& bias) {
@@ -355,6 +370,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_bwd_cuda(const at::Tensor&
 TORCH_LIBRARY_IMPL(memopt, CUDA, m) {
   m.impl("bias_act_fwd", &bias_act_fwd_cuda);
   m.impl("bias_act_bwd", &bias_act_bwd_cuda);
+  m.impl("bias_act_bwd_inplace", &bias_act_bwd_inplace_cuda);
   m.impl("swiglu_fwd", &swiglu_fwd_cuda);
   m.impl("swiglu_bwd", &swiglu_bwd_cuda);
 }

@@ -41,6 +41,11 @@ TORCH_LIBRARY(memopt, m) {
   m.def("bias_act_fwd(Tensor x, Tensor? bias, str activation) -> Tensor y");
   m.def("bias_act_bwd(Tensor grad_y, Tensor x, Tensor? bias, str activation, bool return_y)"
         " -> (Tensor grad_x, Tensor grad_bias, Tensor y)");
+  // bias_act_bwd writing grad_x over grad_y (same shape, dtype and layout): the caller owns grad_y
+  // (the matmul output it just made) and needs it no more, so the backward allocates no d_ff-wide
+  // buffer for grad_x. Returns what bias_act_bwd returns besides grad_x.
+  m.def("bias_act_bwd_inplace(Tensor(a!) grad_y, Tensor x, Tensor? bias, str activation, bool return_y)"
+        " -> (Tensor grad_bias, Tensor y)");
   // x = [gate | up] on the last dim (2 * d); y = silu(gate + bias[:d]) * (up + bias[d:]).
   m.def("swiglu_fwd(Tensor x, Tensor? bias) -> Tensor y");
   m.def("swiglu_bwd(Tensor grad_y, Tensor x, Tensor? bias, bool return_y)"

@@ -416,8 +416,11 @@ def _ffn_backward(call: BlockCall, grad_y: Tensor, saved: FFNHalf | None, h: Ten
     grad_f = _cast(_dropout_backward(spec.residual_dropout, grad_s2, call.keys.ffn_residual), spec.compute_dtype)
     grad_fc2_bias = _bias_grad(call, grad_f, params.fc2_bias)
     grad_g = grad_f @ w.fc2_weight
+    # grad_g is this frame's own (a new matmul output, or its upcast copy): the activation's
+    # gradient is written over it, so no second d_ff-wide gradient buffer exists.
     grad_u, grad_fc1_bias, rebuilt_g = _activation_ops._act_backward(
-        _upcast(call, grad_g), _upcast(call, u), _upcast(call, w.fc1_bias), spec.activation, g is None
+        _upcast(call, grad_g), _upcast(call, u), _upcast(call, w.fc1_bias), spec.activation, g is None,
+        grad_y_is_scratch=True,
     )
     del grad_g, u
     grad_u = _cast(grad_u, spec.compute_dtype)

@@ -235,8 +235,62 @@ def test_opcheck(with_bias, return_y):
     for activation in ACTIVATIONS:
         torch.library.opcheck(torch.ops.memopt.bias_act_fwd.default, (x, bias, activation))
         torch.library.opcheck(torch.ops.memopt.bias_act_bwd.default, (grad, x, bias, activation, return_y))
+        torch.library.opcheck(
+            torch.ops.memopt.bias_act_bwd_inplace.default, (grad.clone(), x, bias, activation, return_y)
+        )
     torch.library.opcheck(torch.ops.memopt.swiglu_fwd.default, (x, bias))
     torch.library.opcheck(torch.ops.memopt.swiglu_bwd.default, (grad[:, :17].contiguous(), x, bias, return_y))
+
+
+@pytest.mark.parametrize("device,dtype", device_dtype_params())
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("return_y", [False, True])
+def test_bias_act_bwd_inplace_writes_grad_x_over_grad_y(device, dtype, with_bias, return_y):
+    x = torch.randn(97, 1025, device=device, dtype=dtype)
+    bias = torch.randn(1025, device=device, dtype=dtype) if with_bias else None
+    grad = torch.randn_like(x)
+    for activation in ACTIVATIONS:
+        ref, (ref_dx, ref_db) = _reference_grads(lambda a, b: bias_act_ref(a, b, activation), (x, bias), grad)
+        scratch = grad.clone()
+        grad_bias, y = torch.ops.memopt.bias_act_bwd_inplace(scratch, x, bias, activation, return_y)
+        torch.testing.assert_close(scratch.double(), ref_dx, **tolerances(dtype))
+        # The same numbers as the out-of-place op, bit for bit (one kernel, two destinations).
+        grad_x, grad_bias_copy, y_copy = torch.ops.memopt.bias_act_bwd(grad, x, bias, activation, return_y)
+        assert torch.equal(scratch, grad_x)
+        if with_bias:
+            torch.testing.assert_close(grad_bias.double(), ref_db, **tolerances(dtype))
+            assert torch.equal(grad_bias, grad_bias_copy)
+        else:
+            assert grad_bias.numel() == 0
+        if return_y:
+            torch.testing.assert_close(y.double(), ref.detach(), **tolerances(dtype))
+            assert torch.equal(y, y_copy)
+        else:
+            assert y.numel() == 0
+
+
+def test_act_linear_backward_allocates_one_activation_sized_gradient():
+    """act_linear's backward writes grad_x over its own grad_act (a new matmul output): of x's
+    size it allocates grad_act and the rebuilt activation only, where out-of-place it would
+    allocate grad_x as well."""
+    from bench.memory import LiveTensorTracker
+
+    x = torch.randn(64, 512, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(512, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(8, 512, dtype=torch.float64, requires_grad=True)
+    out = memopt.act_linear(x, bias, weight, activation="gelu")
+    grad_out = torch.randn_like(out)
+    x_bytes = x.numel() * x.element_size()
+    with LiveTensorTracker(exclude=[x, bias, weight, out, grad_out]) as tracker:
+        out.backward(grad_out)
+    # grad_act (becoming grad_x) + the rebuilt gelu(x + bias), then grad_weight, grad_bias: no third.
+    assert 2 * x_bytes <= tracker.peak_bytes("cpu") < 3 * x_bytes
+    ref_x = x.detach().clone().requires_grad_()
+    ref_b = bias.detach().clone().requires_grad_()
+    ref_w = weight.detach().clone().requires_grad_()
+    act_linear_ref(ref_x, ref_b, ref_w, None, activation="gelu").backward(grad_out)
+    for got, want in ((x, ref_x), (bias, ref_b), (weight, ref_w)):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-12, atol=1e-12)
 
 
 def test_compile_fullgraph(compile_cache):
@@ -349,6 +403,10 @@ def _raises(call, match):
                                                False), "grad_y must have the dtype of x"),
         (lambda: torch.ops.memopt.bias_act_bwd(torch.randn(3, 5), torch.randn(3, 4), None, "gelu", False),
          "grad_y must have the forward output's shape"),
+        (lambda: torch.ops.memopt.bias_act_bwd_inplace(torch.randn(3, 5), torch.randn(3, 4), None, "gelu", False),
+         "grad_y must have the forward output's shape"),
+        (lambda: (lambda x: torch.ops.memopt.bias_act_bwd_inplace(x, x, None, "gelu", False))(torch.randn(3, 4)),
+         "grad_y is overwritten with grad_x, so it must not share memory with x"),
         (lambda: torch.ops.memopt.swiglu_bwd(torch.randn(3, 4), torch.randn(3, 4), None, False),
          r"grad_y must have the forward output's shape \[3, 2\]"),
         (lambda: torch.ops.memopt.bias_act_fwd(torch.tensor(1.0), None, "gelu"), "at least 1 dimension"),

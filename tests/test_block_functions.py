@@ -56,3 +56,43 @@ def test_saved_names_are_fields_of_the_records():
 def test_param_names_match_the_module():
     block = memopt.FusedCheckpointBlock(D_MODEL, N_HEADS, 96)
     assert set(block_functions.PARAM_NAMES) == {name for name, _ in block.named_parameters()}
+
+
+# d_ff-wide buffers alive at once in the FFN backward: grad_g (the activation gradient is written
+# over it); under "selective" and "full" the rebuilt activation; under "full" the recomputed u.
+FFN_BACKWARD_BUFFERS = {"none": 1, "selective": 2, "full": 3}
+
+
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+def test_ffn_backward_writes_the_activation_gradient_over_its_own_input(policy, monkeypatch):
+    """The FFN backward's activation gradient is written over grad_g (its own matmul output): at
+    its peak it holds one d_ff-wide buffer fewer than with an out-of-place activation gradient,
+    and the gradients are the same bits."""
+    from bench.memory import LiveTensorTracker
+
+    tokens, d_ff = 2 * 128, 1024  # d_model 16: everything else in the backward is far smaller
+    buffer_bytes = tokens * d_ff * 8
+    torch.manual_seed(0)
+    block = memopt.FusedCheckpointBlock(16, 1, d_ff, causal=True, policy=policy, dtype=torch.float64)
+    x = torch.randn(2, 128, 16, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(2, 128, 16, dtype=torch.float64)
+
+    def backward_peak_and_grads():
+        for t in (x, *block.parameters()):
+            t.grad = None
+        out = block(x)
+        with LiveTensorTracker(exclude=[x, grad, out, *block.parameters()]) as tracker:
+            out.backward(grad)
+        return tracker.peak_bytes("cpu"), [t.grad.clone() for t in (x, *block.parameters())]
+
+    in_place_peak, in_place_grads = backward_peak_and_grads()
+    act_backward = block_functions._activation_ops._act_backward
+    monkeypatch.setattr(
+        block_functions._activation_ops, "_act_backward",
+        lambda *args, grad_y_is_scratch=False, **kwargs: act_backward(*args, **kwargs),
+    )  # fmt: skip
+    out_of_place_peak, out_of_place_grads = backward_peak_and_grads()
+    assert in_place_peak // buffer_bytes == FFN_BACKWARD_BUFFERS[policy]
+    assert out_of_place_peak // buffer_bytes == FFN_BACKWARD_BUFFERS[policy] + 1
+    for got, want in zip(in_place_grads, out_of_place_grads):
+        assert torch.equal(got, want)

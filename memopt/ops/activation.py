@@ -2,8 +2,9 @@
 
 Layers: kernels in ``csrc/activation.cpp`` (CPU) and ``csrc/activation_cuda.cu`` (CUDA), with the
 math shared in ``csrc/activation.h``, registered as ``torch.ops.memopt.bias_act_fwd`` /
-``bias_act_bwd`` / ``swiglu_fwd`` / ``swiglu_bwd``; the fake impls below let ``torch.compile``
-trace them.
+``bias_act_bwd`` / ``bias_act_bwd_inplace`` / ``swiglu_fwd`` / ``swiglu_bwd``; the fake impls below
+let ``torch.compile`` trace them. ``bias_act_bwd_inplace`` writes grad_x over grad_y, for callers
+that made grad_y themselves (a matmul output): ``ActLinearFunction`` and the block's FFN backward.
 
 * ``BiasActFunction`` / ``SwiGLUFunction`` save the pre-activation ``x`` (and the bias); the
   backward kernel recomputes ``act`` and ``act'`` from it.
@@ -39,6 +40,13 @@ def _bias_act_bwd_fake(grad_y, x, bias, activation, return_y):
     grad_bias = x.new_empty(0) if bias is None else torch.empty_like(bias, memory_format=torch.contiguous_format)
     y = torch.empty_like(x, memory_format=torch.contiguous_format) if return_y else x.new_empty(0)
     return grad_x, grad_bias, y
+
+
+@torch.library.register_fake("memopt::bias_act_bwd_inplace")
+def _bias_act_bwd_inplace_fake(grad_y, x, bias, activation, return_y):
+    grad_bias = x.new_empty(0) if bias is None else torch.empty_like(bias, memory_format=torch.contiguous_format)
+    y = torch.empty_like(x, memory_format=torch.contiguous_format) if return_y else x.new_empty(0)
+    return grad_bias, y
 
 
 @torch.library.register_fake("memopt::swiglu_fwd")
@@ -153,11 +161,19 @@ def _act_forward(x, bias, activation):
     return torch.ops.memopt.bias_act_fwd(x, bias, activation)
 
 
-def _act_backward(grad_y, x, bias, activation, return_y: bool = True):
+def _act_backward(grad_y, x, bias, activation, return_y: bool = True, grad_y_is_scratch: bool = False):
     """(grad_x, grad_bias, y): the gradient through the activation and the rebuilt activation
-    (an empty tensor when ``return_y`` is False)."""
+    (an empty tensor when ``return_y`` is False).
+
+    ``grad_y_is_scratch``: the caller made ``grad_y`` (a matmul output) and needs it no more, so
+    grad_x may be written over it (``bias_act_bwd_inplace``; swiglu's grad_x is twice as wide and
+    cannot be): the backward then allocates nothing of x's size besides the rebuilt y.
+    """
     if activation == "swiglu":
         return torch.ops.memopt.swiglu_bwd(grad_y, x, bias, return_y)
+    if grad_y_is_scratch:
+        grad_bias, y = torch.ops.memopt.bias_act_bwd_inplace(grad_y, x, bias, activation, return_y)
+        return grad_y, grad_bias, y
     return torch.ops.memopt.bias_act_bwd(grad_y, x, bias, activation, return_y)
 
 
@@ -195,8 +211,8 @@ class ActLinearFunction(torch.autograd.Function):
                     out = F.linear(_act_differentiable(x, bias, ctx.activation), weight)
                 grad_x, grad_bias, grad_weight = grads_with_graph(out, [x, bias, weight], grad_out)
             else:
-                grad_act = torch.matmul(grad_out, weight).to(x.dtype).contiguous()
-                grad_x, grad_bias, y = _act_backward(grad_act, x, bias, ctx.activation)
+                grad_act = torch.matmul(grad_out, weight).to(x.dtype).contiguous()  # a new tensor
+                grad_x, grad_bias, y = _act_backward(grad_act, x, bias, ctx.activation, grad_y_is_scratch=True)
                 grad_weight = None
                 if ctx.needs_input_grad[2]:
                     grad_weight = torch.matmul(grad_out_2d.t(), y.reshape(rows, y.shape[-1])).to(weight.dtype)

@@ -50,7 +50,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import memopt
-from bench.configs import GRAD_REFERENCE, RATIO_REFERENCE, BenchConfig, BuildContext, default_configs, eager_stack
+from bench.configs import EAGER_REFERENCE, GRAD_REFERENCE, RATIO_REFERENCE, BenchConfig, BuildContext, default_configs, eager_stack
 from bench.memory import LiveTensorTracker
 from bench.model import make_reference_blocks
 
@@ -276,6 +276,7 @@ def empty_row(config: BenchConfig, settings: Settings, device: torch.device, sta
         "step_time_ms_median": None,
         "step_time_ms_p20": None,
         "step_time_ms_p80": None,
+        "step_times_ms": None,
         "tokens_per_s": None,
         "peak_gpu_bytes": None,
         "activation_bytes": None,
@@ -288,6 +289,7 @@ def empty_row(config: BenchConfig, settings: Settings, device: torch.device, sta
         "grad_rtol": None,
         "grad_check": "n/a",
         "time_vs_checkpoint": None,
+        "time_vs_eager": None,
         "memory_vs_checkpoint": None,
     }
 
@@ -404,6 +406,7 @@ def finish_config(
         row["step_time_ms_median"] = quantile(times, 0.5) * 1e3
         row["step_time_ms_p20"] = quantile(times, 0.2) * 1e3
         row["step_time_ms_p80"] = quantile(times, 0.8) * 1e3
+        row["step_times_ms"] = [t * 1e3 for t in times]
         row["tokens_per_s"] = row["tokens_per_step"] / quantile(times, 0.5)
         model, step = p.model, p.step
         if device.type == "cuda":
@@ -456,16 +459,32 @@ def first_grad_reference(
     return GradReference(f"{name} in float32", fp32_grads, max(2 * baseline_error, GRAD_RTOL_FLOOR[dtype]))
 
 
-def add_ratios(rows: list[dict]) -> None:
+def time_ratio(row: dict, ref: dict, paired: bool) -> float:
+    """``row``'s step time over ``ref``'s. ``paired`` (interleaved rounds, the CPU default): the
+    median over rounds of the two steps timed in the same round, so that a slow spell of a shared
+    machine divides out instead of landing on one row; otherwise the ratio of the medians."""
+    times, ref_times = row["step_times_ms"] or [], ref["step_times_ms"] or []
+    if paired and times and len(times) == len(ref_times):
+        return quantile([t / r for t, r in zip(times, ref_times)], 0.5)
+    return row["step_time_ms_median"] / ref["step_time_ms_median"]
+
+
+def add_ratios(rows: list[dict], paired: bool = False) -> None:
     """Time and memory of every row as multiples of the torch-checkpoint row (GPU peak memory on
-    GPU, tracked activation bytes elsewhere)."""
+    GPU, tracked activation bytes elsewhere), and time as a multiple of the eager-sdpa row's (the
+    baseline of memopt "none" and "selective"); ``paired``: see :func:`time_ratio`."""
+    eager = next((r for r in rows if r["config"] == EAGER_REFERENCE and r["step_time_ms_median"]), None)
+    if eager is not None:
+        for row in rows:
+            if row["step_time_ms_median"]:
+                row["time_vs_eager"] = time_ratio(row, eager, paired)
     ref = next((r for r in rows if r["config"] == RATIO_REFERENCE and r["step_time_ms_median"]), None)
     if ref is None:
         return
     memory_key = "peak_gpu_bytes" if ref["peak_gpu_bytes"] else "activation_bytes"
     for row in rows:
         if row["step_time_ms_median"]:
-            row["time_vs_checkpoint"] = row["step_time_ms_median"] / ref["step_time_ms_median"]
+            row["time_vs_checkpoint"] = time_ratio(row, ref, paired)
         if row[memory_key] is not None and ref[memory_key]:
             row["memory_vs_checkpoint"] = row[memory_key] / ref[memory_key]
 
@@ -569,7 +588,7 @@ def _run_comparison(settings: Settings, configs: list[BenchConfig], progress: bo
     if bar is not None:
         bar.close()
     rows = [rows_by_name[c.name] for c in configs]
-    add_ratios(rows)
+    add_ratios(rows, paired=interleaved(settings, device))
     return rows
 
 
@@ -585,12 +604,12 @@ def markdown_table(rows: list[dict]) -> str:
     """The comparison as a markdown table (one line per configuration, unavailable ones too)."""
     header = (
         "| config | step ms (p20-p80) | tokens/s | peak GPU MiB | activations MiB | saved (hooks) MiB "
-        "| grad rel diff | grad check | time / ckpt | memory / ckpt |"
+        "| grad rel diff | grad check | time / eager | time / ckpt | memory / ckpt |"
     )
-    lines = [header, "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|"]
+    lines = [header, "|---|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['config']} | {r['status']} | | | | | | | | |")
+            lines.append(f"| {r['config']} | {r['status']} | | | | | | | | | |")
             continue
         act = _mib(r["activation_bytes"])
         if r["activation_host_bytes"]:
@@ -599,7 +618,8 @@ def markdown_table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['config']} | {time_cell} | {r['tokens_per_s']:,.0f} | {_mib(r['peak_gpu_bytes'])} | {act} "
             f"| {_mib(r['saved_bytes'])} | {_num(r['grad_max_rel_diff'], '.1e')} | {r['grad_check']} "
-            f"| {_num(r['time_vs_checkpoint'], '.2f')} | {_num(r['memory_vs_checkpoint'], '.2f')} |"
+            f"| {_num(r['time_vs_eager'], '.2f')} | {_num(r['time_vs_checkpoint'], '.2f')} "
+            f"| {_num(r['memory_vs_checkpoint'], '.2f')} |"
         )
     return "\n".join(lines)
 

@@ -176,6 +176,8 @@ def default_configs() -> list[BenchConfig]:
 
 GRAD_REFERENCE = "eager-math"
 RATIO_REFERENCE = "torch-checkpoint"
+# The baseline of memopt "none" and "selective" (the speed targets: at most 1.00x / 1.02x its time).
+EAGER_REFERENCE = "eager-sdpa"
 
 
 def config_names() -> list[str]:

@@ -28,6 +28,7 @@ METRIC_COLUMNS = (
     "grad_max_abs_diff",
     "grad_max_rel_diff",
     "time_vs_checkpoint",
+    "time_vs_eager",
     "memory_vs_checkpoint",
 )
 
@@ -66,9 +67,36 @@ def test_tiny_run_has_every_column_for_every_configuration(tiny_run):
         assert row["grad_check"] in ("ok", "reference"), row
     assert by_name["eager-math"]["grad_check"] == "reference"
     assert by_name["torch-checkpoint"]["time_vs_checkpoint"] == pytest.approx(1.0)
+    assert by_name["eager-sdpa"]["time_vs_eager"] == pytest.approx(1.0)
+    for row in result["rows"]:
+        if row["status"] == "ok":
+            assert len(row["step_times_ms"]) == row["steps_timed"]
+            assert min(row["step_times_ms"]) <= row["step_time_ms_median"] <= max(row["step_times_ms"])
     # Checkpointing must hold less for backward than the eager stack does.
     assert by_name["torch-checkpoint"]["activation_bytes"] < by_name["torch-selective"]["activation_bytes"]
     assert by_name["torch-selective"]["activation_bytes"] < by_name["eager-sdpa"]["activation_bytes"]
+
+
+def test_time_ratios_pair_the_steps_of_one_round_when_interleaved():
+    """Interleaved rounds: the ratio is the median of the per-round ratios (a slow round slows
+    both rows and divides out); otherwise the ratio of the medians."""
+    def row(name, times):
+        ordered = sorted(times)
+        return {"config": name, "step_times_ms": times, "step_time_ms_median": ordered[len(times) // 2],
+                "peak_gpu_bytes": None, "activation_bytes": 1, "time_vs_eager": None,
+                "time_vs_checkpoint": None, "memory_vs_checkpoint": None}
+
+    # round 2 ran in a slow spell of the machine (every row 3x slower)
+    eager = row("eager-sdpa", [10.0, 30.0, 10.0])
+    ckpt = row("torch-checkpoint", [13.0, 39.0, 13.0])
+    memopt_row = row("memopt-full", [12.0, 36.0, 12.5])
+    rows = [eager, ckpt, memopt_row]
+    compare.add_ratios(rows, paired=True)
+    assert memopt_row["time_vs_checkpoint"] == pytest.approx(sorted([12 / 13, 36 / 39, 12.5 / 13])[1])
+    assert memopt_row["time_vs_eager"] == pytest.approx(sorted([1.2, 1.2, 1.25])[1])
+    assert ckpt["time_vs_checkpoint"] == eager["time_vs_eager"] == 1.0
+    compare.add_ratios(rows, paired=False)
+    assert memopt_row["time_vs_checkpoint"] == pytest.approx(12.5 / 13)  # medians 12.5 and 13
 
 
 def test_tiny_run_writes_a_plot_and_plot_module_redraws_it(tiny_run, tmp_path):

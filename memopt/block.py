@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memopt import _extension
-from memopt.block_functions import PARAM_NAMES, SUPPORTED_HEAD_DIMS, BlockSpec, TransformerBlockFunction, saved_names
+from memopt.block_functions import PARAM_NAMES, SUPPORTED_HEAD_DIMS, BlockSpec, apply_block, saved_names
 from memopt.offload import Offload, offload_group
 from memopt.ops._rng import new_rng_key
 from memopt.policy import check_offload, check_policy
@@ -390,9 +390,9 @@ class FusedCheckpointBlock(_TransformerBlockBase):
         x_flat = x_bf.reshape(batch * seq, self.d_model).contiguous()
         if self.offload:
             with offload_group(self.offload):
-                y = TransformerBlockFunction.apply(spec, x_flat, rng_key, batch, seq, *params)
+                y = apply_block(spec, x_flat, rng_key, batch, seq, params)
         else:
-            y = TransformerBlockFunction.apply(spec, x_flat, rng_key, batch, seq, *params)
+            y = apply_block(spec, x_flat, rng_key, batch, seq, params)
         y = y.view(batch, seq, self.d_model)
         return y if self.batch_first else y.transpose(0, 1)
 

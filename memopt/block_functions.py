@@ -1,4 +1,9 @@
-"""The autograd Function behind ``memopt.FusedCheckpointBlock``: what each policy saves.
+"""The autograd Functions behind ``memopt.FusedCheckpointBlock``: what each policy saves.
+
+:func:`apply_block` runs a block: ``"full"`` and post-norm blocks as one autograd node
+(``TransformerBlockFunction``), pre-norm ``"none"`` / ``"selective"`` as two, the attention half
+(``BlockAttentionFunction``) and the FFN half (``BlockFFNFunction``), so that the FFN half's saved
+tensors are freed before the attention half's backward (the Note at the end of this file).
 
 ``TransformerBlockFunction`` is one transformer block as one ``torch.autograd.Function``. Its
 forward runs the registered memopt ops (norm, attention, bias+activation, dropout+residual) and
@@ -574,3 +579,110 @@ class TransformerBlockFunction(torch.autograd.Function):
             grad_x, attention_grads = _attention_backward(call, grad_h, attention, need, ctx.needs_input_grad[1])
         grads = (g if n else None for g, n in zip((*attention_grads, *ffn_grads), need))
         return (None, grad_x, None, None, None, *grads)
+
+
+# ----------------------------------------------------------------------------------------------
+# Pre-norm "none" / "selective": the two halves as two Functions.
+#
+# Note: one autograd node holds all of its saved tensors until its whole backward has run, so a
+# single-node block would keep the FFN half's (u, and n2 and g under "none": the widest) alive
+# through the attention half's backward, where an eager graph has already freed them, and its
+# step peak would exceed the eager block's. Split at h, the FFN half's saved tensors are freed as
+# soon as its backward returns. "full" stays one node (it saves x only; split, the FFN half would
+# have to keep h too), and so does post-norm (its FFN half's input h is norm1's output, which
+# "selective" rebuilds from the attention half's s1).
+
+_ATTENTION_SAVED = frozenset(("x", "qkv", "attn_out", "lse", "n1", "s1", *_stats(1, "layernorm")))
+
+
+def split_saved_names(policy: str, norm: str, tiled_ffn: bool = False) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``saved_names(policy, True, norm, tiled_ffn)`` as (the attention half's, the FFN half's)."""
+    names = saved_names(policy, True, norm, tiled_ffn)
+    return tuple(n for n in names if n in _ATTENTION_SAVED), tuple(n for n in names if n not in _ATTENTION_SAVED)
+
+
+def _half_params(half: str, params) -> BlockParams:
+    """A BlockParams with one half's six (in order) and None for the other half's."""
+    return BlockParams(*params, *(None,) * 6) if half == "attention" else BlockParams(*(None,) * 6, *params)
+
+
+def _half_needs(half: str, needs) -> BlockParams:
+    return BlockParams(*needs, *(False,) * 6) if half == "attention" else BlockParams(*(False,) * 6, *needs)
+
+
+class BlockAttentionFunction(torch.autograd.Function):
+    """The attention half of a pre-norm block: ``apply(spec, x, rng_key, batch, seq, *six
+    attention parameters)`` returns h; saves the attention half's names of
+    :func:`split_saved_names`."""
+
+    @staticmethod
+    def forward(ctx, spec, x, rng_key, batch, seq, *params):
+        call = BlockCall.make(spec, x.device.type, rng_key, batch, seq, _half_params("attention", params))
+        with torch.autocast(x.device.type, enabled=False):
+            attention, h = _attention_forward(call, x)
+        names = split_saved_names(spec.policy, spec.norm, spec.ffn_chunk_tokens is not None)[0]
+        ctx.spec, ctx.batch, ctx.seq, ctx.saved_tensor_names = spec, batch, seq, names
+        ctx.save_for_backward(*(_saved_tensor(name, attention, None, h) for name in names), rng_key, *params)
+        return h
+
+    @staticmethod
+    def backward(ctx, grad_h):
+        saved = ctx.saved_tensors
+        count = len(ctx.saved_tensor_names)
+        x, attention, _, _ = _saved_halves(ctx.saved_tensor_names, saved[:count])
+        params = _half_params("attention", saved[count + 1 :])
+        call = BlockCall.make(ctx.spec, x.device.type, saved[count], ctx.batch, ctx.seq, params)
+        need = _half_needs("attention", ctx.needs_input_grad[-6:])
+        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+            grad_x, grads = _attention_backward(call, grad_h.contiguous(), attention, need, ctx.needs_input_grad[1])
+        return (None, grad_x, None, None, None, *(g if n else None for g, n in zip(grads, need[:6])))
+
+
+class BlockFFNFunction(torch.autograd.Function):
+    """The FFN half of a pre-norm block: ``apply(spec, h, rng_key, batch, seq, *six FFN
+    parameters)`` returns the block output; saves the FFN half's names of
+    :func:`split_saved_names` (h only when the half is tiled)."""
+
+    @staticmethod
+    def forward(ctx, spec, h, rng_key, batch, seq, *params):
+        call = BlockCall.make(spec, h.device.type, rng_key, batch, seq, _half_params("ffn", params))
+        with torch.autocast(h.device.type, enabled=False):
+            if spec.ffn_chunk_tokens is None:
+                ffn, y = _ffn_forward(call, h)
+            else:
+                ffn, y = None, _tiled_ffn_forward(call, h)
+        names = split_saved_names(spec.policy, spec.norm, spec.ffn_chunk_tokens is not None)[1]
+        ctx.spec, ctx.batch, ctx.seq, ctx.saved_tensor_names = spec, batch, seq, names
+        ctx.save_for_backward(*(_saved_tensor(name, None, ffn, h) for name in names), rng_key, *params)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        grad_y = grad_y.contiguous()  # y.sum().backward() hands in a stride-0 expanded tensor
+        saved = ctx.saved_tensors
+        count = len(ctx.saved_tensor_names)
+        by_name = dict(zip(ctx.saved_tensor_names, saved[:count]))
+        h = by_name["h"]
+        ffn = None
+        if "u" in by_name:
+            stats = NormStats(by_name.get("norm2_mean"), by_name["norm2_rstd"])
+            ffn = FFNHalf(h, by_name["u"], stats, by_name.get("n2"), by_name.get("g"))
+        params = _half_params("ffn", saved[count + 1 :])
+        call = BlockCall.make(ctx.spec, h.device.type, saved[count], ctx.batch, ctx.seq, params)
+        need = _half_needs("ffn", ctx.needs_input_grad[-6:])
+        with torch.no_grad(), torch.autocast(h.device.type, enabled=False):
+            if ctx.spec.ffn_chunk_tokens is None:
+                grad_h, grads = _ffn_backward(call, grad_y, ffn, h, need)
+            else:
+                grad_h, grads = _tiled_ffn_backward(call, grad_y, h, need)
+        return (None, grad_h, None, None, None, *(g if n else None for g, n in zip(grads, need[6:])))
+
+
+def apply_block(spec: BlockSpec, x: Tensor, rng_key: Tensor | None, batch: int, seq: int, params) -> Tensor:
+    """The block on ``x`` (N, D) with ``params`` in ``PARAM_NAMES`` order: pre-norm "none" and
+    "selective" as the two half Functions (see the Note above), otherwise
+    :class:`TransformerBlockFunction`."""
+    if spec.policy == "full" or not spec.norm_first:
+        return TransformerBlockFunction.apply(spec, x, rng_key, batch, seq, *params)
+    h = BlockAttentionFunction.apply(spec, x, rng_key, batch, seq, *params[:6])
+    return BlockFFNFunction.apply(spec, h, rng_key, batch, seq, *params[6:])

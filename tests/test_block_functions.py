@@ -96,3 +96,38 @@ def test_ffn_backward_writes_the_activation_gradient_over_its_own_input(policy, 
     assert out_of_place_peak // buffer_bytes == FFN_BACKWARD_BUFFERS[policy] + 1
     for got, want in zip(in_place_grads, out_of_place_grads):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("policy", ["none", "selective"])
+def test_prenorm_block_frees_the_ffn_half_before_the_attention_backward(policy):
+    """Pre-norm "none"/"selective" run as two autograd nodes: by the time the attention half's
+    backward runs, the FFN half's saved d_ff-wide tensors (u; and g under "none") are freed, as
+    an eager graph frees them, instead of living through the whole block backward."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    tokens, d_ff = 2 * 8, 256
+    block = memopt.FusedCheckpointBlock(32, 2, d_ff, causal=True, policy=policy, dtype=torch.float64)
+    x = torch.randn(2, 8, 32, dtype=torch.float64, requires_grad=True)
+    wide = []
+
+    def pack(t):
+        if t.shape == (tokens, d_ff):
+            wide.append(weakref.ref(t))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = block(x)
+    assert len(wide) == (2 if policy == "none" else 1)  # u and g / u
+    alive = []
+
+    class AtAttentionBackward(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.memopt.attention_bwd.default:
+                alive.append(sum(ref() is not None for ref in wide))
+            return func(*args, **(kwargs or {}))
+
+    with AtAttentionBackward():
+        out.backward(torch.randn_like(out))
+    assert alive == [0]

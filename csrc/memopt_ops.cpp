@@ -26,10 +26,16 @@ TORCH_LIBRARY(memopt, m) {
   // the statistics so the next matmul's weight gradient need not keep it.
   m.def("layer_norm_bwd(Tensor grad_y, Tensor x, Tensor? weight, Tensor? bias, Tensor mean, Tensor rstd,"
         " Tensor? grad_x_extra, bool return_y) -> (Tensor grad_x, Tensor grad_weight, Tensor grad_bias, Tensor y)");
+  // The backward writing grad_x over grad_y (same shape, dtype, contiguous): for a caller that made
+  // grad_y (the next matmul's input gradient) and needs it no more; returns the rest.
+  m.def("layer_norm_bwd_inplace(Tensor(a!) grad_y, Tensor x, Tensor? weight, Tensor? bias, Tensor mean,"
+        " Tensor rstd, Tensor? grad_x_extra, bool return_y) -> (Tensor grad_weight, Tensor grad_bias, Tensor y)");
   m.def("rms_norm_fwd(Tensor x, Tensor? residual, Tensor? weight, float eps)"
         " -> (Tensor y, Tensor residual_out, Tensor rstd)");
   m.def("rms_norm_bwd(Tensor grad_y, Tensor x, Tensor? weight, Tensor rstd, Tensor? grad_x_extra,"
         " bool return_y) -> (Tensor grad_x, Tensor grad_weight, Tensor y)");
+  m.def("rms_norm_bwd_inplace(Tensor(a!) grad_y, Tensor x, Tensor? weight, Tensor rstd, Tensor? grad_x_extra,"
+        " bool return_y) -> (Tensor grad_weight, Tensor y)");
   // The differentiable norms (memopt.layer_norm / rms_norm): the forward op under a C++ autograd
   // node that saves x (residual_out with a residual), the statistics and the parameters
   // (norm_autograd.cpp). residual_out is empty without a residual.

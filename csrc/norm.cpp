@@ -24,8 +24,9 @@ NormFwdResult norm_fwd_cpu(const char* op, bool rms, const at::Tensor& x, const 
 NormBwdResult norm_bwd_cpu(const char* op, const at::Tensor& grad_y, const at::Tensor& x,
                            const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                            const at::Tensor* mean, const at::Tensor& rstd,
-                           const std::optional<at::Tensor>& grad_x_extra, bool return_y) {
-  NormBackward call = prepare_norm_bwd(op, grad_y, x, weight, bias, mean, rstd, grad_x_extra, return_y);
+                           const std::optional<at::Tensor>& grad_x_extra, bool return_y, bool grad_x_in_grad_y) {
+  NormBackward call =
+      prepare_norm_bwd(op, grad_y, x, weight, bias, mean, rstd, grad_x_extra, return_y, grad_x_in_grad_y);
   const CpuParamGrad grad_weight(call.grad_weight, weight, x);
   const CpuParamGrad grad_bias(call.grad_bias, bias, x);
   MEMOPT_CPU_KERNEL(norm_bwd_kernel)(grad_y, x, cpu_param(weight, x), cpu_param(bias, x),
@@ -44,8 +45,10 @@ using CpuNormOps = NormOps<norm_fwd_cpu, norm_bwd_cpu>;
 TORCH_LIBRARY_IMPL(memopt, CPU, m) {
   m.impl("layer_norm_fwd", &CpuNormOps::layer_norm_fwd);
   m.impl("layer_norm_bwd", &CpuNormOps::layer_norm_bwd);
+  m.impl("layer_norm_bwd_inplace", &CpuNormOps::layer_norm_bwd_inplace);
   m.impl("rms_norm_fwd", &CpuNormOps::rms_norm_fwd);
   m.impl("rms_norm_bwd", &CpuNormOps::rms_norm_bwd);
+  m.impl("rms_norm_bwd_inplace", &CpuNormOps::rms_norm_bwd_inplace);
 }
 
 }  // namespace memopt

@@ -43,14 +43,19 @@ NormForward prepare_norm_fwd(const char* op, bool rms, const at::Tensor& x, cons
 NormBackward prepare_norm_bwd(const char* op, const at::Tensor& grad_y, const at::Tensor& x,
                               const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                               const at::Tensor* mean, const at::Tensor& rstd,
-                              const std::optional<at::Tensor>& grad_x_extra, bool return_y);
+                              const std::optional<at::Tensor>& grad_x_extra, bool return_y,
+                              bool grad_x_in_grad_y = false);
 
 using NormFwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;  // y, residual_out, mean, rstd
 using NormBwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;  // grad_x, grad_w, grad_b, y
 
 // The schema's four ops over one backend's launchers
 //   NormFwdResult norm_fwd(op, rms, x, residual, weight, bias, eps)
-//   NormBwdResult norm_bwd(op, grad_y, x, weight, bias, mean (null for RMSNorm), rstd, grad_x_extra, return_y)
+//   NormBwdResult norm_bwd(op, grad_y, x, weight, bias, mean (null for RMSNorm), rstd, grad_x_extra, return_y,
+//                          grad_x_in_grad_y)
+// grad_x_in_grad_y (the *_bwd_inplace ops): grad_x is written over grad_y. Safe in every kernel:
+// a row's grad_y is read (pass 1, or cached in registers) before its grad_x is written, and each
+// element of grad_x is written by the thread that reads that element of grad_y.
 template <auto norm_fwd, auto norm_bwd>
 struct NormOps {
   static NormFwdResult layer_norm_fwd(const at::Tensor& x, const std::optional<at::Tensor>& residual,
@@ -63,7 +68,16 @@ struct NormOps {
                                       const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                                       const at::Tensor& mean, const at::Tensor& rstd,
                                       const std::optional<at::Tensor>& grad_x_extra, bool return_y) {
-    return norm_bwd("layer_norm", grad_y, x, weight, bias, &mean, rstd, grad_x_extra, return_y);
+    return norm_bwd("layer_norm", grad_y, x, weight, bias, &mean, rstd, grad_x_extra, return_y, false);
+  }
+
+  static std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_inplace(
+      const at::Tensor& grad_y, const at::Tensor& x, const std::optional<at::Tensor>& weight,
+      const std::optional<at::Tensor>& bias, const at::Tensor& mean, const at::Tensor& rstd,
+      const std::optional<at::Tensor>& grad_x_extra, bool return_y) {
+    auto [grad_x, grad_weight, grad_bias, y] =
+        norm_bwd("layer_norm", grad_y, x, weight, bias, &mean, rstd, grad_x_extra, return_y, true);
+    return {grad_weight, grad_bias, y};
   }
 
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> rms_norm_fwd(const at::Tensor& x,
@@ -80,8 +94,18 @@ struct NormOps {
                                                                      const std::optional<at::Tensor>& grad_x_extra,
                                                                      bool return_y) {
     auto [grad_x, grad_weight, grad_bias, y] =
-        norm_bwd("rms_norm", grad_y, x, weight, std::nullopt, nullptr, rstd, grad_x_extra, return_y);
+        norm_bwd("rms_norm", grad_y, x, weight, std::nullopt, nullptr, rstd, grad_x_extra, return_y, false);
     return {grad_x, grad_weight, y};
+  }
+
+  static std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_inplace(const at::Tensor& grad_y, const at::Tensor& x,
+                                                                 const std::optional<at::Tensor>& weight,
+                                                                 const at::Tensor& rstd,
+                                                                 const std::optional<at::Tensor>& grad_x_extra,
+                                                                 bool return_y) {
+    auto [grad_x, grad_weight, grad_bias, y] =
+        norm_bwd("rms_norm", grad_y, x, weight, std::nullopt, nullptr, rstd, grad_x_extra, return_y, true);
+    return {grad_weight, y};
   }
 };
 

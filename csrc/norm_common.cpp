@@ -1,5 +1,6 @@
 // layer_norm / rms_norm: the argument checks and output allocation that the CPU launchers
 // (norm.cpp) and the CUDA launchers (norm_cuda.cu) share.
+#include <ATen/MemoryOverlap.h>
 #include <cmath>
 #include <vector>
 
@@ -110,13 +111,18 @@ NormForward prepare_norm_fwd(const char* op, bool rms, const at::Tensor& x, cons
 NormBackward prepare_norm_bwd(const char* op, const at::Tensor& grad_y, const at::Tensor& x,
                               const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                               const at::Tensor* mean, const at::Tensor& rstd,
-                              const std::optional<at::Tensor>& grad_x_extra, bool return_y) {
+                              const std::optional<at::Tensor>& grad_x_extra, bool return_y,
+                              bool grad_x_in_grad_y) {
   const NormShape shape = check_norm_bwd_inputs(op, grad_y, x, weight, bias, mean, rstd, grad_x_extra);
+  if (grad_x_in_grad_y) {
+    MEMOPT_CHECK(at::get_overlap_status(grad_y, x) == at::MemOverlapStatus::No, op,
+                 "grad_y is overwritten with grad_x, so it must not share memory with x");
+  }
   const auto param_options = x.options().dtype(shape.param_dtype);
   return {shape.rows,
           shape.n,
           shape.param_dtype,
-          at::empty_like(x, at::MemoryFormat::Contiguous),
+          grad_x_in_grad_y ? grad_y : at::empty_like(x, at::MemoryFormat::Contiguous),
           weight.has_value() ? at::empty({shape.n}, param_options) : absent_like(x),
           bias.has_value() ? at::empty({shape.n}, param_options) : absent_like(x),
           return_y ? at::empty_like(x, at::MemoryFormat::Contiguous) : absent_like(x)};

@@ -114,13 +114,13 @@ __global__ void norm_fwd_cuda_kernel(const scalar_t* __restrict__ x,
 // RMSNorm (mean == null) drops the mean(g) term. Thread t owns columns t, t + blockDim.x, ...
 // in every row, so it alone updates those entries of its CTA's partial rows.
 template <typename scalar_t, typename param_t>
-__global__ void norm_bwd_cuda_kernel(const scalar_t* __restrict__ grad_y, const scalar_t* __restrict__ x,
+__global__ void norm_bwd_cuda_kernel(const scalar_t* grad_y, const scalar_t* __restrict__ x,
                                      const param_t* __restrict__ weight,  // null: no weight
                                      const param_t* __restrict__ bias,    // only read to rebuild y
                                      const float* __restrict__ mean,      // null for RMSNorm
                                      const float* __restrict__ rstd,
                                      const scalar_t* __restrict__ grad_x_extra,  // null: none
-                                     scalar_t* __restrict__ grad_x,
+                                     scalar_t* grad_x,  // may be grad_y (*_bwd_inplace)
                                      scalar_t* __restrict__ y,                 // null unless return_y
                                      float* __restrict__ weight_partials,  // [gridDim.x, n] or null
                                      float* __restrict__ bias_partials,    // [gridDim.x, n] or null
@@ -297,13 +297,13 @@ __global__ void __launch_bounds__(kMaxVecThreads) norm_fwd_vec_cuda_kernel(const
 // CTA's rows in registers and writes them once, to its CTA's partial row, at the end (every CTA
 // writes all of its partial row, zeros where it had no rows, so the partials need no memset).
 template <typename scalar_t, typename param_t>
-__global__ void __launch_bounds__(kMaxVecThreads) norm_bwd_vec_cuda_kernel(const scalar_t* __restrict__ grad_y, const scalar_t* __restrict__ x,
+__global__ void __launch_bounds__(kMaxVecThreads) norm_bwd_vec_cuda_kernel(const scalar_t* grad_y, const scalar_t* __restrict__ x,
                                          const param_t* __restrict__ weight,  // null: no weight
                                          const param_t* __restrict__ bias,    // only read to rebuild y
                                          const float* __restrict__ mean,      // null for RMSNorm
                                          const float* __restrict__ rstd,
                                          const scalar_t* __restrict__ grad_x_extra,  // null: none
-                                         scalar_t* __restrict__ grad_x,
+                                         scalar_t* grad_x,  // may be grad_y (*_bwd_inplace)
                                          scalar_t* __restrict__ y,             // null unless return_y
                                          float* __restrict__ weight_partials,  // [gridDim.x, n] or null
                                          float* __restrict__ bias_partials,    // [gridDim.x, n] or null
@@ -459,8 +459,9 @@ NormFwdResult norm_fwd_cuda(const char* op, bool rms, const at::Tensor& x, const
 NormBwdResult norm_bwd_cuda(const char* op, const at::Tensor& grad_y, const at::Tensor& x,
                             const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                             const at::Tensor* mean, const at::Tensor& rstd,
-                            const std::optional<at::Tensor>& grad_x_extra, bool return_y) {
-  const NormBackward problem = prepare_norm_bwd(op, grad_y, x, weight, bias, mean, rstd, grad_x_extra, return_y);
+                            const std::optional<at::Tensor>& grad_x_extra, bool return_y, bool grad_x_in_grad_y) {
+  const NormBackward problem =
+      prepare_norm_bwd(op, grad_y, x, weight, bias, mean, rstd, grad_x_extra, return_y, grad_x_in_grad_y);
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor &grad_x = problem.grad_x, &grad_weight = problem.grad_weight, &grad_bias = problem.grad_bias,
                    &y = problem.y;
@@ -523,8 +524,10 @@ using CudaNormOps = NormOps<norm_fwd_cuda, norm_bwd_cuda>;
 TORCH_LIBRARY_IMPL(memopt, CUDA, m) {
   m.impl("layer_norm_fwd", &CudaNormOps::layer_norm_fwd);
   m.impl("layer_norm_bwd", &CudaNormOps::layer_norm_bwd);
+  m.impl("layer_norm_bwd_inplace", &CudaNormOps::layer_norm_bwd_inplace);
   m.impl("rms_norm_fwd", &CudaNormOps::rms_norm_fwd);
   m.impl("rms_norm_bwd", &CudaNormOps::rms_norm_bwd);
+  m.impl("rms_norm_bwd_inplace", &CudaNormOps::rms_norm_bwd_inplace);
 }
 
 }  // namespace memopt

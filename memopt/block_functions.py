@@ -282,12 +282,15 @@ def _norm(call: BlockCall, x: Tensor, weight, bias) -> tuple[Tensor, NormStats]:
     return y, NormStats(mean, rstd)
 
 
-def _norm_backward(call: BlockCall, grad_y, x, weight, bias, stats: NormStats, grad_extra, return_y: bool):
+def _norm_backward(call: BlockCall, grad_y, x, weight, bias, stats: NormStats, grad_extra, return_y: bool,
+                   grad_y_is_scratch: bool = False):
     """``(grad_x, grad_weight, grad_bias, y or None)``; ``grad_extra`` (the residual's gradient)
-    is added to grad_x in the same kernel."""
+    is added to grad_x in the same kernel. ``grad_y_is_scratch``: grad_y is this backward's own
+    (a matmul output), grad_x is written over it."""
     return _norm_ops._norm_bwd(
-        call.spec.norm == "rmsnorm", _cast(grad_y, x.dtype), x, weight, bias, stats.mean, stats.rstd, grad_extra, return_y
-    )
+        call.spec.norm == "rmsnorm", _cast(grad_y, x.dtype), x, weight, bias, stats.mean, stats.rstd, grad_extra,
+        return_y, grad_y_is_scratch,
+    )  # fmt: skip
 
 
 def _upcast(call: BlockCall, t: Tensor | None) -> Tensor | None:
@@ -435,7 +438,7 @@ def _ffn_backward(call: BlockCall, grad_y: Tensor, saved: FFNHalf | None, h: Ten
     if spec.norm_first:
         grad_n2 = grad_u @ w.fc1_weight
         grad_h, grad_norm2_weight, grad_norm2_bias, rebuilt_n2 = _norm_backward(
-            call, grad_n2, h, w.norm2_weight, w.norm2_bias, stats, grad_s2, n2 is None
+            call, grad_n2, h, w.norm2_weight, w.norm2_bias, stats, grad_s2, n2 is None, grad_y_is_scratch=True
         )
         del grad_n2
         grad_fc1_weight = _weight_grad(grad_u, rebuilt_n2 if n2 is None else n2, params.fc1_weight) if need.fc1_weight else None
@@ -520,7 +523,8 @@ def _attention_backward(call: BlockCall, grad_h: Tensor, half: AttentionHalf, ne
     if spec.norm_first:
         grad_n1 = grad_qkv @ w.qkv_weight
         grad_x, grad_norm1_weight, grad_norm1_bias, rebuilt_n1 = _norm_backward(
-            call, grad_n1, half.x, w.norm1_weight, w.norm1_bias, half.norm1, grad_s1, half.n1 is None
+            call, grad_n1, half.x, w.norm1_weight, w.norm1_bias, half.norm1, grad_s1, half.n1 is None,
+            grad_y_is_scratch=True,
         )
         del grad_n1
         n1 = rebuilt_n1 if half.n1 is None else half.n1

@@ -152,6 +152,57 @@ def test_backward_rebuilds_y_exactly_as_forward(norm):
     assert torch.equal(rebuilt, y)
 
 
+@pytest.mark.parametrize("device,dtype", device_dtype_params())
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("with_extra", [False, True])
+@pytest.mark.parametrize("n", [1025, 512])  # odd: the scalar CUDA kernel; 512: the vectorised one
+def test_bwd_inplace_writes_grad_x_over_grad_y(device, dtype, norm, with_extra, n):
+    """The *_bwd_inplace ops give the out-of-place backward's grad_x bit for bit, written over
+    grad_y, and the same parameter gradients and rebuilt y; grad_x against float64 autograd."""
+    x = torch.randn(97, n, device=device, dtype=dtype)
+    weight = 1 + 0.5 * torch.randn(n, device=device, dtype=dtype)
+    bias = 0.5 * torch.randn(n, device=device, dtype=dtype) if norm == "layernorm" else None
+    grad_y = torch.randn_like(x)
+    extra = torch.randn_like(x) if with_extra else None
+    ops = torch.ops.memopt
+    scratch = grad_y.clone()
+    if norm == "layernorm":
+        _, _, mean, rstd = ops.layer_norm_fwd(x, None, weight, bias, 1e-5)
+        grad_x, grad_w, grad_b, y = ops.layer_norm_bwd(grad_y, x, weight, bias, mean, rstd, extra, True)
+        grad_w2, grad_b2, y2 = ops.layer_norm_bwd_inplace(scratch, x, weight, bias, mean, rstd, extra, True)
+        assert torch.equal(grad_b2, grad_b)
+        ref_fn = lambda a: layer_norm_ref(a, weight.double(), bias.double(), eps=1e-5)  # noqa: E731
+    else:
+        _, _, rstd = ops.rms_norm_fwd(x, None, weight, 1e-5)
+        grad_x, grad_w, y = ops.rms_norm_bwd(grad_y, x, weight, rstd, extra, True)
+        grad_w2, y2 = ops.rms_norm_bwd_inplace(scratch, x, weight, rstd, extra, True)
+        ref_fn = lambda a: rms_norm_ref(a, weight.double(), eps=1e-5)  # noqa: E731
+    assert torch.equal(scratch, grad_x) and torch.equal(grad_w2, grad_w) and torch.equal(y2, y)
+    x64 = x.detach().double().requires_grad_()
+    ref_fn(x64).backward(grad_y.double())
+    expected = x64.grad + (extra.double() if with_extra else 0)
+    torch.testing.assert_close(scratch.double(), expected, **tolerances(dtype))
+
+
+@pytest.mark.parametrize("norm", NORMS)
+def test_norm_linear_backward_writes_the_norm_gradient_over_its_own_buffer(norm):
+    """norm_linear's backward allocates of x's size only grad_y (grad_x is written over it) and
+    the rebuilt norm output: the eager norm + linear's count, where it used to allocate one more."""
+    from bench.memory import LiveTensorTracker
+
+    x = torch.randn(256, 512, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(512, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(512, dtype=torch.float64, requires_grad=True) if norm == "layernorm" else None
+    linear_w = torch.randn(8, 512, dtype=torch.float64, requires_grad=True)
+    out = memopt.norm_linear(x, w, b, linear_w, norm=norm)
+    grad_out = torch.randn_like(out)
+    leaves = [t for t in (x, w, b, linear_w) if t is not None]
+    with LiveTensorTracker(exclude=[*leaves, out, grad_out]) as tracker:
+        out.backward(grad_out)
+    x_bytes = x.numel() * x.element_size()
+    assert 2 * x_bytes <= tracker.peak_bytes("cpu") < 3 * x_bytes
+
+
 @pytest.mark.parametrize("norm", NORMS)
 def test_parameter_gradients_do_not_depend_on_thread_count(norm):
     x, residual, weight, bias = make_inputs((1000, 97), "cpu", torch.float32, "weight_bias", True, norm=norm)
@@ -329,6 +380,10 @@ def test_opcheck(optional, dtype):
     torch.library.opcheck(ops.layer_norm_bwd.default, (grad_y, x, weight, bias, mean, rstd, grad_x_extra, optional))
     _, _, rstd = ops.rms_norm_fwd(x, None, weight, 1e-5)
     torch.library.opcheck(ops.rms_norm_bwd.default, (grad_y, x, weight, rstd, grad_x_extra, optional))
+    torch.library.opcheck(
+        ops.layer_norm_bwd_inplace.default, (grad_y.clone(), x, weight, bias, mean, rstd, grad_x_extra, optional)
+    )
+    torch.library.opcheck(ops.rms_norm_bwd_inplace.default, (grad_y.clone(), x, weight, rstd, grad_x_extra, optional))
 
 
 def test_opcheck_float32_params_with_float64_x():

@@ -1,8 +1,9 @@
 """layer_norm and rms_norm with an optional fused residual add, and the fused norm -> linear.
 
 Layers: kernels in ``csrc/norm.cpp`` (CPU) and ``csrc/norm_cuda.cu`` (CUDA), registered as
-``torch.ops.memopt.{layer_norm,rms_norm}_{fwd,bwd}``; the fake impls below let ``torch.compile``
-trace them. The forward returns per-row statistics (mean, rstd); the backward rebuilds the
+``torch.ops.memopt.{layer_norm,rms_norm}_{fwd,bwd}`` (and ``_bwd_inplace``, which writes grad_x over
+grad_y, for callers that made grad_y themselves: ``NormLinearFunction``, the block's backward);
+the fake impls below let ``torch.compile`` trace them. The forward returns per-row statistics (mean, rstd); the backward rebuilds the
 normalised input from the input and the statistics instead of keeping it, and with
 ``return_y=True`` also rebuilds the normalised output. :func:`layer_norm` and :func:`rms_norm`
 call the differentiable ops ``torch.ops.memopt.{layer_norm,rms_norm}``, whose autograd node is
@@ -67,6 +68,18 @@ def _rms_norm_bwd_fake(grad_y, x, weight, rstd, grad_x_extra, return_y):
     return _like(x), _param_grad_fake(x, weight), y
 
 
+@torch.library.register_fake("memopt::layer_norm_bwd_inplace")
+def _layer_norm_bwd_inplace_fake(grad_y, x, weight, bias, mean, rstd, grad_x_extra, return_y):
+    y = _like(x) if return_y else _absent(x)
+    return _param_grad_fake(x, weight), _param_grad_fake(x, bias), y
+
+
+@torch.library.register_fake("memopt::rms_norm_bwd_inplace")
+def _rms_norm_bwd_inplace_fake(grad_y, x, weight, rstd, grad_x_extra, return_y):
+    y = _like(x) if return_y else _absent(x)
+    return _param_grad_fake(x, weight), y
+
+
 @torch.library.register_fake("memopt::layer_norm")
 def _layer_norm_fake(x, residual, weight, bias, eps):
     return _like(x), _like(x) if residual is not None else _absent(x)
@@ -91,10 +104,24 @@ def _norm_fwd(is_rms: bool, x, residual, weight, bias, eps):
     return y, (residual_out if residual is not None else None), mean, rstd
 
 
-def _norm_bwd(is_rms: bool, grad_y, x, weight, bias, mean, rstd, grad_x_extra, return_y: bool):
-    """(grad_x, grad_weight or None, grad_bias or None, y or None) from the registered backward op."""
+def _norm_bwd(is_rms: bool, grad_y, x, weight, bias, mean, rstd, grad_x_extra, return_y: bool,
+              grad_y_is_scratch: bool = False):
+    """(grad_x, grad_weight or None, grad_bias or None, y or None) from the registered backward op.
+
+    ``grad_y_is_scratch``: the caller made ``grad_y`` (a matmul output) and needs it no more, so
+    grad_x is written over it (``*_norm_bwd_inplace``) instead of into a new tensor.
+    """
     grad_y, grad_x_extra = grad_y.contiguous(), _contiguous(grad_x_extra)
-    if is_rms:
+    if grad_y_is_scratch:
+        if is_rms:
+            grad_weight, y = torch.ops.memopt.rms_norm_bwd_inplace(grad_y, x, weight, rstd, grad_x_extra, return_y)
+            grad_bias = None
+        else:
+            grad_weight, grad_bias, y = torch.ops.memopt.layer_norm_bwd_inplace(
+                grad_y, x, weight, bias, mean, rstd, grad_x_extra, return_y
+            )
+        grad_x = grad_y
+    elif is_rms:
         grad_x, grad_weight, y = torch.ops.memopt.rms_norm_bwd(grad_y, x, weight, rstd, grad_x_extra, return_y)
         grad_bias = None
     else:
@@ -239,11 +266,11 @@ class NormLinearFunction(torch.autograd.Function):
         with autocast_as((x.device.type, False, None)):
             grad_out_2d = grad_out.reshape(rows, out_features)
             weight_c = linear_weight.to(compute_dtype)
-            grad_y = (grad_out_2d @ weight_c).to(x.dtype).reshape(x.shape)
+            grad_y = (grad_out_2d @ weight_c).to(x.dtype).reshape(x.shape)  # a new tensor: grad_x goes over it
             need_linear_weight_grad = ctx.needs_input_grad[4]
             grad_x, grad_norm_weight, grad_norm_bias, y = _norm_bwd(
                 ctx.is_rms, grad_y, x, norm_weight, norm_bias, mean, rstd, grad_residual_out,
-                return_y=need_linear_weight_grad,
+                return_y=need_linear_weight_grad, grad_y_is_scratch=True,
             )
             grad_linear_weight = None
             if need_linear_weight_grad:

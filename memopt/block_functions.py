@@ -235,10 +235,16 @@ def _saved_halves(names: tuple[str, ...], tensors) -> tuple[Tensor, AttentionHal
     attention = AttentionHalf(
         saved["x"], saved["qkv"], saved["attn_out"], saved["lse"], stats(1), saved.get("n1"), saved.get("s1")
     )
-    ffn = None
-    if "u" in saved:
-        ffn = FFNHalf(saved.get("h"), saved["u"], stats(2), saved.get("n2"), saved.get("g"), saved.get("s2"))
-    return saved["x"], attention, ffn, saved.get("h")
+    return saved["x"], attention, _saved_ffn_half(saved), saved.get("h")
+
+
+def _saved_ffn_half(saved: dict[str, Tensor]) -> FFNHalf | None:
+    """The FFN half's record from the saved tensors by name; None when it kept no u (tiled, or
+    "full")."""
+    if "u" not in saved:
+        return None
+    stats = NormStats(saved.get("norm2_mean"), saved["norm2_rstd"])
+    return FFNHalf(saved.get("h"), saved["u"], stats, saved.get("n2"), saved.get("g"), saved.get("s2"))
 
 
 @dataclass(frozen=True)
@@ -494,6 +500,20 @@ def _tiled_ffn_backward(call: BlockCall, grad_y: Tensor, h: Tensor, need: BlockP
     return grad_h, tuple(_cast(t, p.dtype) if t is not None else None for t, p in zip(totals, ffn_params))
 
 
+def _ffn_half_forward(call: BlockCall, h: Tensor) -> tuple[FFNHalf | None, Tensor]:
+    """(the FFN half's record, or None when it runs tiled, and the block output)."""
+    if call.spec.ffn_chunk_tokens is None:
+        return _ffn_forward(call, h)
+    return None, _tiled_ffn_forward(call, h)
+
+
+def _ffn_half_backward(call: BlockCall, grad_y: Tensor, ffn: FFNHalf | None, h: Tensor, need: BlockParams):
+    """``(grad_h, six FFN parameter gradients)``, tiled or not as the forward ran."""
+    if call.spec.ffn_chunk_tokens is None:
+        return _ffn_backward(call, grad_y, ffn, h, need)
+    return _tiled_ffn_backward(call, grad_y, h, need)
+
+
 def _attention_backward(call: BlockCall, grad_h: Tensor, half: AttentionHalf, need: BlockParams, need_x: bool):
     """``(grad_x or None, six attention parameter gradients)``."""
     spec, w, params = call.spec, call.compute, call.params
@@ -550,10 +570,7 @@ class TransformerBlockFunction(torch.autograd.Function):
         # the "full" recompute bit-identical.
         with torch.autocast(x.device.type, enabled=False):
             attention, h = _attention_forward(call, x)
-            if spec.ffn_chunk_tokens is None:
-                ffn, y = _ffn_forward(call, h)
-            else:
-                ffn, y = None, _tiled_ffn_forward(call, h)
+            ffn, y = _ffn_half_forward(call, h)
         names = saved_names(spec.policy, spec.norm_first, spec.norm, spec.ffn_chunk_tokens is not None)
         ctx.spec, ctx.batch, ctx.seq = spec, batch, seq
         ctx.saved_tensor_names = names
@@ -575,10 +592,7 @@ class TransformerBlockFunction(torch.autograd.Function):
                 attention, h = _attention_forward(call, x)
             elif h is None:  # post-norm "selective": rebuild norm1's output
                 h, _ = _norm(call, attention.s1, params.norm1_weight, params.norm1_bias)
-            if ctx.spec.ffn_chunk_tokens is None:
-                grad_h, ffn_grads = _ffn_backward(call, grad_y, ffn, h, need)
-            else:
-                grad_h, ffn_grads = _tiled_ffn_backward(call, grad_y, h, need)
+            grad_h, ffn_grads = _ffn_half_backward(call, grad_y, ffn, h, need)
             del ffn, h
             grad_x, attention_grads = _attention_backward(call, grad_h, attention, need, ctx.needs_input_grad[1])
         grads = (g if n else None for g, n in zip((*attention_grads, *ffn_grads), need))
@@ -614,6 +628,25 @@ def _half_needs(half: str, needs) -> BlockParams:
     return BlockParams(*needs, *(False,) * 6) if half == "attention" else BlockParams(*(False,) * 6, *needs)
 
 
+def _save_half(ctx, half: str, spec: BlockSpec, batch: int, seq: int, tensor_of, rng_key, params) -> None:
+    """Saves one half's tensors (``tensor_of(name)`` for its names of :func:`split_saved_names`),
+    the RNG key and its six parameters, and what its backward needs besides."""
+    names = split_saved_names(spec.policy, spec.norm, spec.ffn_chunk_tokens is not None)[half == "ffn"]
+    ctx.spec, ctx.batch, ctx.seq, ctx.saved_tensor_names = spec, batch, seq, names
+    ctx.save_for_backward(*(tensor_of(name) for name in names), rng_key, *params)
+
+
+def _restore_half(ctx, half: str) -> tuple[dict[str, Tensor], BlockCall, BlockParams]:
+    """(the saved tensors by name, the call, which parameters need a gradient) of one half."""
+    saved = ctx.saved_tensors
+    count = len(ctx.saved_tensor_names)
+    by_name = dict(zip(ctx.saved_tensor_names, saved[:count]))
+    params = _half_params(half, saved[count + 1 :])
+    device_type = saved[0].device.type
+    call = BlockCall.make(ctx.spec, device_type, saved[count], ctx.batch, ctx.seq, params)
+    return by_name, call, _half_needs(half, ctx.needs_input_grad[-6:])
+
+
 class BlockAttentionFunction(torch.autograd.Function):
     """The attention half of a pre-norm block: ``apply(spec, x, rng_key, batch, seq, *six
     attention parameters)`` returns h; saves the attention half's names of
@@ -624,19 +657,13 @@ class BlockAttentionFunction(torch.autograd.Function):
         call = BlockCall.make(spec, x.device.type, rng_key, batch, seq, _half_params("attention", params))
         with torch.autocast(x.device.type, enabled=False):
             attention, h = _attention_forward(call, x)
-        names = split_saved_names(spec.policy, spec.norm, spec.ffn_chunk_tokens is not None)[0]
-        ctx.spec, ctx.batch, ctx.seq, ctx.saved_tensor_names = spec, batch, seq, names
-        ctx.save_for_backward(*(_saved_tensor(name, attention, None, h) for name in names), rng_key, *params)
+        _save_half(ctx, "attention", spec, batch, seq, lambda n: _saved_tensor(n, attention, None, h), rng_key, params)
         return h
 
     @staticmethod
     def backward(ctx, grad_h):
-        saved = ctx.saved_tensors
-        count = len(ctx.saved_tensor_names)
-        x, attention, _, _ = _saved_halves(ctx.saved_tensor_names, saved[:count])
-        params = _half_params("attention", saved[count + 1 :])
-        call = BlockCall.make(ctx.spec, x.device.type, saved[count], ctx.batch, ctx.seq, params)
-        need = _half_needs("attention", ctx.needs_input_grad[-6:])
+        by_name, call, need = _restore_half(ctx, "attention")
+        x, attention, _, _ = _saved_halves(ctx.saved_tensor_names, list(by_name.values()))
         with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
             grad_x, grads = _attention_backward(call, grad_h.contiguous(), attention, need, ctx.needs_input_grad[1])
         return (None, grad_x, None, None, None, *(g if n else None for g, n in zip(grads, need[:6])))
@@ -651,34 +678,17 @@ class BlockFFNFunction(torch.autograd.Function):
     def forward(ctx, spec, h, rng_key, batch, seq, *params):
         call = BlockCall.make(spec, h.device.type, rng_key, batch, seq, _half_params("ffn", params))
         with torch.autocast(h.device.type, enabled=False):
-            if spec.ffn_chunk_tokens is None:
-                ffn, y = _ffn_forward(call, h)
-            else:
-                ffn, y = None, _tiled_ffn_forward(call, h)
-        names = split_saved_names(spec.policy, spec.norm, spec.ffn_chunk_tokens is not None)[1]
-        ctx.spec, ctx.batch, ctx.seq, ctx.saved_tensor_names = spec, batch, seq, names
-        ctx.save_for_backward(*(_saved_tensor(name, None, ffn, h) for name in names), rng_key, *params)
+            ffn, y = _ffn_half_forward(call, h)
+        _save_half(ctx, "ffn", spec, batch, seq, lambda n: _saved_tensor(n, None, ffn, h), rng_key, params)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         grad_y = grad_y.contiguous()  # y.sum().backward() hands in a stride-0 expanded tensor
-        saved = ctx.saved_tensors
-        count = len(ctx.saved_tensor_names)
-        by_name = dict(zip(ctx.saved_tensor_names, saved[:count]))
+        by_name, call, need = _restore_half(ctx, "ffn")
         h = by_name["h"]
-        ffn = None
-        if "u" in by_name:
-            stats = NormStats(by_name.get("norm2_mean"), by_name["norm2_rstd"])
-            ffn = FFNHalf(h, by_name["u"], stats, by_name.get("n2"), by_name.get("g"))
-        params = _half_params("ffn", saved[count + 1 :])
-        call = BlockCall.make(ctx.spec, h.device.type, saved[count], ctx.batch, ctx.seq, params)
-        need = _half_needs("ffn", ctx.needs_input_grad[-6:])
         with torch.no_grad(), torch.autocast(h.device.type, enabled=False):
-            if ctx.spec.ffn_chunk_tokens is None:
-                grad_h, grads = _ffn_backward(call, grad_y, ffn, h, need)
-            else:
-                grad_h, grads = _tiled_ffn_backward(call, grad_y, h, need)
+            grad_h, grads = _ffn_half_backward(call, grad_y, _saved_ffn_half(by_name), h, need)
         return (None, grad_h, None, None, None, *(g if n else None for g, n in zip(grads, need[6:])))
 
 

@@ -38,7 +38,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bias_act_bwd_cpu(const at::Tensor
 std::tuple<at::Tensor, at::Tensor> bias_act_bwd_inplace_cpu(const at::Tensor& grad_y, const at::Tensor& x,
                                                             const std::optional<at::Tensor>& bias,
                                                             const std::string& activation, bool return_y) {
-  const ActBackward call = prepare_bias_act_bwd_inplace(grad_y, x, bias, activation, return_y);
+  const ActBackward call = prepare_bias_act_bwd(grad_y, x, bias, activation, return_y, /*grad_x_in_grad_y=*/true);
   run_bias_act_bwd_cpu(call, grad_y, x, bias, return_y);
   return {call.grad_bias, call.y};
 }

@@ -139,13 +139,10 @@ struct ActBackward {
 
 ActForward prepare_bias_act_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias,
                                 const std::string& activation);
+// grad_x_in_grad_y (bias_act_bwd_inplace): grad_x is grad_y itself, nothing of x's size is
+// allocated but y with return_y.
 ActBackward prepare_bias_act_bwd(const at::Tensor& grad_y, const at::Tensor& x, const std::optional<at::Tensor>& bias,
-                                 const std::string& activation, bool return_y);
-// The same checks; grad_x is grad_y itself (bias_act_bwd_inplace), nothing of x's size allocated
-// but y with return_y.
-ActBackward prepare_bias_act_bwd_inplace(const at::Tensor& grad_y, const at::Tensor& x,
-                                         const std::optional<at::Tensor>& bias, const std::string& activation,
-                                         bool return_y);
+                                 const std::string& activation, bool return_y, bool grad_x_in_grad_y = false);
 ActForward prepare_swiglu_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias);
 ActBackward prepare_swiglu_bwd(const at::Tensor& grad_y, const at::Tensor& x, const std::optional<at::Tensor>& bias,
                                bool return_y);

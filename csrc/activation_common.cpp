@@ -65,12 +65,14 @@ std::vector<int64_t> swiglu_out_sizes(const at::Tensor& x) {
   return sizes;
 }
 
+// grad_x is grad_y itself when grad_x_in_grad_y (bias_act_bwd_inplace), else a new tensor like x.
 ActBackward allocate_backward(Activation activation, int64_t rows, const at::Tensor& x,
-                              const std::optional<at::Tensor>& bias, at::IntArrayRef out_sizes, bool return_y) {
+                              const std::optional<at::Tensor>& bias, at::IntArrayRef out_sizes, bool return_y,
+                              const at::Tensor& grad_y, bool grad_x_in_grad_y) {
   return {activation,
           rows,
           x.size(-1),
-          at::empty_like(x, at::MemoryFormat::Contiguous),
+          grad_x_in_grad_y ? grad_y : at::empty_like(x, at::MemoryFormat::Contiguous),
           bias.has_value() ? at::empty_like(*bias, at::MemoryFormat::Contiguous) : absent_like(x),
           return_y ? at::empty(out_sizes, x.options()) : absent_like(x)};
 }
@@ -85,27 +87,15 @@ ActForward prepare_bias_act_fwd(const at::Tensor& x, const std::optional<at::Ten
 }
 
 ActBackward prepare_bias_act_bwd(const at::Tensor& grad_y, const at::Tensor& x, const std::optional<at::Tensor>& bias,
-                                 const std::string& activation, bool return_y) {
+                                 const std::string& activation, bool return_y, bool grad_x_in_grad_y) {
   const Activation act = parse_activation(activation, kBiasAct);
   const int64_t rows = check_act_inputs(x, bias, x.dim() >= 1 ? x.size(-1) : 0, kBiasAct);
   check_act_grad(grad_y, x, x.sizes(), kBiasAct);
-  return allocate_backward(act, rows, x, bias, x.sizes(), return_y);
-}
-
-ActBackward prepare_bias_act_bwd_inplace(const at::Tensor& grad_y, const at::Tensor& x,
-                                         const std::optional<at::Tensor>& bias, const std::string& activation,
-                                         bool return_y) {
-  const Activation act = parse_activation(activation, kBiasAct);
-  const int64_t rows = check_act_inputs(x, bias, x.dim() >= 1 ? x.size(-1) : 0, kBiasAct);
-  check_act_grad(grad_y, x, x.sizes(), kBiasAct);
-  MEMOPT_CHECK(at::get_overlap_status(grad_y, x) == at::MemOverlapStatus::No, kBiasAct,
-               "grad_y is overwritten with grad_x, so it must not share memory with x");
-  return {act,
-          rows,
-          x.size(-1),
-          grad_y,
-          bias.has_value() ? at::empty_like(*bias, at::MemoryFormat::Contiguous) : absent_like(x),
-          return_y ? at::empty(x.sizes(), x.options()) : absent_like(x)};
+  if (grad_x_in_grad_y) {
+    MEMOPT_CHECK(at::get_overlap_status(grad_y, x) == at::MemOverlapStatus::No, kBiasAct,
+                 "grad_y is overwritten with grad_x, so it must not share memory with x");
+  }
+  return allocate_backward(act, rows, x, bias, x.sizes(), return_y, grad_y, grad_x_in_grad_y);
 }
 
 ActForward prepare_swiglu_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias) {
@@ -120,7 +110,7 @@ ActBackward prepare_swiglu_bwd(const at::Tensor& grad_y, const at::Tensor& x, co
   const int64_t rows = check_act_inputs(x, bias, 2 * d, kSwiglu);
   const auto out_sizes = swiglu_out_sizes(x);
   check_act_grad(grad_y, x, out_sizes, kSwiglu);
-  return allocate_backward(Activation::kSilu, rows, x, bias, out_sizes, return_y);
+  return allocate_backward(Activation::kSilu, rows, x, bias, out_sizes, return_y, grad_y, false);
 }
 
 }  // namespace memopt

@@ -228,14 +228,13 @@ def _saved_halves(names: tuple[str, ...], tensors) -> tuple[Tensor, AttentionHal
     saved = dict(zip(names, tensors))
     if names == ("x",):
         return saved["x"], None, None, None
+    return saved["x"], _saved_attention_half(saved), _saved_ffn_half(saved), saved.get("h")
 
-    def stats(index: int) -> NormStats:
-        return NormStats(saved.get(f"norm{index}_mean"), saved[f"norm{index}_rstd"])
 
-    attention = AttentionHalf(
-        saved["x"], saved["qkv"], saved["attn_out"], saved["lse"], stats(1), saved.get("n1"), saved.get("s1")
-    )
-    return saved["x"], attention, _saved_ffn_half(saved), saved.get("h")
+def _saved_attention_half(saved: dict[str, Tensor]) -> AttentionHalf:
+    """The attention half's record from the saved tensors by name."""
+    stats = NormStats(saved.get("norm1_mean"), saved["norm1_rstd"])
+    return AttentionHalf(saved["x"], saved["qkv"], saved["attn_out"], saved["lse"], stats, saved.get("n1"), saved.get("s1"))
 
 
 def _saved_ffn_half(saved: dict[str, Tensor]) -> FFNHalf | None:
@@ -663,8 +662,8 @@ class BlockAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_h):
         by_name, call, need = _restore_half(ctx, "attention")
-        x, attention, _, _ = _saved_halves(ctx.saved_tensor_names, list(by_name.values()))
-        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+        attention = _saved_attention_half(by_name)
+        with torch.no_grad(), torch.autocast(attention.x.device.type, enabled=False):
             grad_x, grads = _attention_backward(call, grad_h.contiguous(), attention, need, ctx.needs_input_grad[1])
         return (None, grad_x, None, None, None, *(g if n else None for g, n in zip(grads, need[:6])))
 

@@ -379,7 +379,7 @@ class FusedCheckpointBlock(_TransformerBlockBase):
             eps=self.eps, attention_dropout=drop, residual_dropout=drop, compute_dtype=compute_dtype(x),
             ffn_chunk_tokens=self.ffn_chunk_tokens,
         )  # fmt: skip
-        params = [_param(self, name) for name in PARAM_NAMES]
+        params = [getattr(getattr(self, module), attr, None) for module, attr in _PARAM_PATHS]
         if batch * seq == 0:
             # No token: an empty output, as torch's layers give, whose backward gives the
             # parameters zero gradients (not None), as an eager block's would.
@@ -434,10 +434,8 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     return x.dtype
 
 
-def _param(block: nn.Module, name: str) -> torch.Tensor | None:
-    """The parameter ``name`` (``"norm1.bias"``) of ``block``, None when the block has none."""
-    module, attr = name.split(".")
-    return getattr(getattr(block, module), attr, None)
+# PARAM_NAMES as (submodule, attribute) pairs: the block's forward fetches its parameters by them.
+_PARAM_PATHS = tuple(tuple(name.split(".")) for name in PARAM_NAMES)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ FFN half needs ``h``) and dropped with the attention backward.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -56,6 +57,7 @@ from memopt.ops import activation as _activation_ops
 from memopt.ops import attention as _attention_ops
 from memopt.ops import dropout as _dropout_ops  # noqa: F401  (registers the dropout ops' fake impls)
 from memopt.ops import norm as _norm_ops
+from memopt.ops._common import autocast_off
 from memopt.tiled_ffn import chunk_rng_key, token_chunks
 
 SUPPORTED_HEAD_DIMS = _attention_ops.SUPPORTED_HEAD_DIMS
@@ -67,6 +69,7 @@ def _stats(index: int, norm: str) -> tuple[str, ...]:
     return tuple(f"norm{index}_{name}" for name in _NORM_STATS[norm])
 
 
+@functools.lru_cache(maxsize=None)  # called by every forward: a pure function of four strings / bools
 def saved_names(policy: str, norm_first: bool, norm: str, tiled_ffn: bool = False) -> tuple[str, ...]:
     """The intermediate tensors (names as in the module docstring) a policy keeps for backward.
 
@@ -266,8 +269,10 @@ class BlockCall:
     def make(cls, spec: BlockSpec, device_type: str, rng_key, batch: int, seq: int, params: BlockParams) -> "BlockCall":
         dtype = spec.compute_dtype
         compute = params
-        if any(p is not None and p.dtype != dtype for p in params):
-            compute = params._replace(**{n: _cast(getattr(params, n), dtype) for n in _LINEAR_PARAMS})
+        for p in params:
+            if p is not None and p.dtype != dtype:
+                compute = params._replace(**{n: _cast(getattr(params, n), dtype) for n in _LINEAR_PARAMS})
+                break
         half = dtype in (torch.float16, torch.bfloat16)
         accumulate = torch.float32 if half else dtype
         return cls(spec, batch, seq, params, compute, _site_keys(rng_key), device_type == "cpu" and half, accumulate)
@@ -349,6 +354,30 @@ def _heads(call: BlockCall, qkv: Tensor):
     return _upcast(call, q), _upcast(call, k), _upcast(call, v)
 
 
+def _attention_kernel_fwd(call: BlockCall, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """``memopt::attention_fwd`` on the block's q, k, v. In eager mode its kernels are called
+    directly: these views of the block's own qkv pass the op's checks by construction, and the
+    dispatcher's round trip into the op's Python kernel plus the checks cost ~35 us a call. Under
+    torch.compile the op stays one opaque node, as its fake impl describes it."""
+    spec = call.spec
+    if torch.compiler.is_compiling():
+        return torch.ops.memopt.attention_fwd(q, k, v, spec.causal, spec.attention_dropout, spec.scale, call.keys.attention)
+    backend = _attention_ops.resolve_backend("auto", q, k, v, spec.causal, spec.attention_dropout)
+    return _attention_ops.run_attention_fwd(
+        backend, q, k, v, spec.causal, spec.attention_dropout, spec.scale, call.keys.attention
+    )
+
+
+def _attention_kernel_bwd(call: BlockCall, grad_out, q, k, v, out, lse) -> tuple[Tensor, Tensor, Tensor]:
+    """``memopt::attention_bwd``, called as :func:`_attention_kernel_fwd` calls the forward."""
+    spec = call.spec
+    args = (spec.causal, spec.attention_dropout, spec.scale, call.keys.attention)
+    if torch.compiler.is_compiling():
+        return torch.ops.memopt.attention_bwd(grad_out, q, k, v, out, lse, *args)
+    backend = _attention_ops.resolve_backend("auto", q, k, v, spec.causal, spec.attention_dropout)
+    return _attention_ops.run_attention_bwd(backend, grad_out, q, k, v, out, lse, *args)
+
+
 def _flat(call: BlockCall, attn_out: Tensor) -> Tensor:
     """attn_out (B, H, S, hd) as (N, H hd): a view, attention writes (B, S, H, hd) memory."""
     return attn_out.transpose(1, 2).reshape(call.batch * call.seq, -1)
@@ -368,9 +397,7 @@ def _attention_forward(call: BlockCall, x: Tensor) -> tuple[AttentionHalf, Tenso
     else:
         n1 = None
         qkv = _linear(call, x, w.qkv_weight, w.qkv_bias)
-    attn_out, lse = torch.ops.memopt.attention_fwd(
-        *_heads(call, qkv), spec.causal, spec.attention_dropout, spec.scale, call.keys.attention
-    )
+    attn_out, lse = _attention_kernel_fwd(call, *_heads(call, qkv))
     attn_out = _cast(attn_out, qkv.dtype)  # keeps the (B, S, H, hd) layout
     o = _linear(call, _flat(call, attn_out), w.out_proj_weight, w.out_proj_bias)
     residual_sum = _dropout_add(spec.residual_dropout, o, x, call.keys.attention_residual)
@@ -529,10 +556,9 @@ def _attention_backward(call: BlockCall, grad_h: Tensor, half: AttentionHalf, ne
     grad_out_proj_bias = _bias_grad(call, grad_o, params.out_proj_bias)
     grad_attn = (grad_o @ w.out_proj_weight).view(call.batch, call.seq, spec.n_heads, spec.head_dim).transpose(1, 2)
     del grad_o
-    grad_q, grad_k, grad_v = torch.ops.memopt.attention_bwd(
-        _upcast(call, grad_attn), *_heads(call, half.qkv), _upcast(call, half.attn_out), half.lse,
-        spec.causal, spec.attention_dropout, spec.scale, call.keys.attention,
-    )  # fmt: skip
+    grad_q, grad_k, grad_v = _attention_kernel_bwd(
+        call, _upcast(call, grad_attn), *_heads(call, half.qkv), _upcast(call, half.attn_out), half.lse
+    )
     del grad_attn
     # One copy assembles the three gradients head-interleaved as qkv is laid out.
     grad_qkv = torch.cat((grad_q.transpose(1, 2), grad_k.transpose(1, 2), grad_v.transpose(1, 2)), dim=2)
@@ -567,7 +593,7 @@ class TransformerBlockFunction(torch.autograd.Function):
         call = BlockCall.make(spec, x.device.type, rng_key, batch, seq, BlockParams(*params))
         # The compute dtype is explicit (spec.compute_dtype): autocast off keeps the forward and
         # the "full" recompute bit-identical.
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_off(x.device.type):
             attention, h = _attention_forward(call, x)
             ffn, y = _ffn_half_forward(call, h)
         names = saved_names(spec.policy, spec.norm_first, spec.norm, spec.ffn_chunk_tokens is not None)
@@ -586,7 +612,7 @@ class TransformerBlockFunction(torch.autograd.Function):
         call = BlockCall.make(ctx.spec, x.device.type, saved[count], ctx.batch, ctx.seq, params)
         # Absent parameters (None) never need a gradient.
         need = BlockParams(*ctx.needs_input_grad[-len(PARAM_NAMES) :])
-        with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+        with torch.no_grad(), autocast_off(x.device.type):
             if attention is None:  # "full": recompute the attention half, the FFN half's input
                 attention, h = _attention_forward(call, x)
             elif h is None:  # post-norm "selective": rebuild norm1's output
@@ -612,6 +638,7 @@ class TransformerBlockFunction(torch.autograd.Function):
 _ATTENTION_SAVED = frozenset(("x", "qkv", "attn_out", "lse", "n1", "s1", *_stats(1, "layernorm")))
 
 
+@functools.lru_cache(maxsize=None)
 def split_saved_names(policy: str, norm: str, tiled_ffn: bool = False) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """``saved_names(policy, True, norm, tiled_ffn)`` as (the attention half's, the FFN half's)."""
     names = saved_names(policy, True, norm, tiled_ffn)
@@ -654,7 +681,7 @@ class BlockAttentionFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec, x, rng_key, batch, seq, *params):
         call = BlockCall.make(spec, x.device.type, rng_key, batch, seq, _half_params("attention", params))
-        with torch.autocast(x.device.type, enabled=False):
+        with autocast_off(x.device.type):
             attention, h = _attention_forward(call, x)
         _save_half(ctx, "attention", spec, batch, seq, lambda n: _saved_tensor(n, attention, None, h), rng_key, params)
         return h
@@ -663,7 +690,7 @@ class BlockAttentionFunction(torch.autograd.Function):
     def backward(ctx, grad_h):
         by_name, call, need = _restore_half(ctx, "attention")
         attention = _saved_attention_half(by_name)
-        with torch.no_grad(), torch.autocast(attention.x.device.type, enabled=False):
+        with torch.no_grad(), autocast_off(attention.x.device.type):
             grad_x, grads = _attention_backward(call, grad_h.contiguous(), attention, need, ctx.needs_input_grad[1])
         return (None, grad_x, None, None, None, *(g if n else None for g, n in zip(grads, need[:6])))
 
@@ -676,7 +703,7 @@ class BlockFFNFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec, h, rng_key, batch, seq, *params):
         call = BlockCall.make(spec, h.device.type, rng_key, batch, seq, _half_params("ffn", params))
-        with torch.autocast(h.device.type, enabled=False):
+        with autocast_off(h.device.type):
             ffn, y = _ffn_half_forward(call, h)
         _save_half(ctx, "ffn", spec, batch, seq, lambda n: _saved_tensor(n, None, ffn, h), rng_key, params)
         return y
@@ -686,7 +713,7 @@ class BlockFFNFunction(torch.autograd.Function):
         grad_y = grad_y.contiguous()  # y.sum().backward() hands in a stride-0 expanded tensor
         by_name, call, need = _restore_half(ctx, "ffn")
         h = by_name["h"]
-        with torch.no_grad(), torch.autocast(h.device.type, enabled=False):
+        with torch.no_grad(), autocast_off(h.device.type):
             grad_h, grads = _ffn_half_backward(call, grad_y, _saved_ffn_half(by_name), h, need)
         return (None, grad_h, None, None, None, *(g if n else None for g, n in zip(grads, need[6:])))
 

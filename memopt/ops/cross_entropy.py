@@ -37,6 +37,8 @@ from numbers import Real
 import torch
 import torch.nn.functional as F
 
+from memopt.ops._common import autocast_off
+
 _REDUCTIONS = ("mean", "sum", "none")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -128,7 +130,7 @@ def _forward_chunks(
     accumulate_dtype = _accumulate_dtype(compute_dtype)
     loss = hidden.new_empty(tokens, dtype=accumulate_dtype)
     lse = hidden.new_empty(tokens, dtype=accumulate_dtype)
-    with torch.autocast(hidden.device.type, enabled=False):
+    with autocast_off(hidden.device.type):
         weight_c = weight.to(compute_dtype)
         bias_c = None if bias is None else bias.to(compute_dtype)
         for start in range(0, tokens, chunk_tokens):
@@ -196,7 +198,7 @@ def _backward_chunks(
     # chunk's compute-dtype product is added to the float32 gradient.
     grad_weight = weight.new_zeros(weight.shape if need_grad_weight else (0,))
     grad_bias_acc = hidden.new_zeros(vocab if bias is not None else 0, dtype=accumulate_dtype)
-    with torch.autocast(hidden.device.type, enabled=False):
+    with autocast_off(hidden.device.type):
         weight_c = weight.to(compute_dtype)
         bias_c = None if bias is None else bias.to(compute_dtype)
         for start in range(0, tokens, chunk_tokens):

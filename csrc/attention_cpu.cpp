@@ -11,20 +11,86 @@
 // as plain ATen ops, so second derivatives are exact instead of an error.
 //
 // Layouts follow memopt.ops.attention's contract: the output is contiguous when q is, else a
-// (B, H, S, D) view of a (B, S, H, D) buffer; the gradients are such views. Checks are Python's
-// (memopt.ops.attention._check_inputs), run before this op is called.
+// (B, H, S, D) view of a (B, S, H, D) buffer; the gradients are such views.
+//
+// The op checks its own inputs (check_inputs), with the messages and in the order of
+// memopt.ops.attention._check_inputs, so that memopt.attention's common call (CPU, no dropout)
+// goes straight here: on CPU the Python checks cost more than the C++ node they guard
+// (~40 us warm, several times that after a kernel that has swept the caches).
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
+#include <cmath>
+#include <initializer_list>
 #include <limits>
+#include <sstream>
+#include <string>
+#include <utility>
 
 namespace memopt {
 namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
+
+// Python's spelling of a shape, "(2, 4, 8, 64)", and of a dtype, "torch.float32", so the messages
+// read as memopt.ops.attention's do.
+std::string python_shape(const at::Tensor& t) {
+  std::ostringstream out;
+  out << "(";
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    out << (d ? ", " : "") << t.size(d);
+  }
+  out << (t.dim() == 1 ? ",)" : ")");
+  return out.str();
+}
+
+std::string python_dtype(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: return "torch.float32";
+    case at::kDouble: return "torch.float64";
+    case at::kHalf: return "torch.float16";
+    case at::kBFloat16: return "torch.bfloat16";
+    default: return std::string("torch.") + c10::toString(dtype);
+  }
+}
+
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, std::optional<double> scale) {
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"q", &q}, {"k", &k}, {"v", &v}}) {
+    TORCH_CHECK_VALUE(t->dim() == 4, "memopt.attention: ", name, " must be 4-D (batch, heads, seq, head_dim), got shape ",
+                      python_shape(*t));
+  }
+  TORCH_CHECK_VALUE(k.sizes() == v.sizes(), "memopt.attention: k and v must have the same shape, got ", python_shape(k),
+                    " and ", python_shape(v));
+  const int64_t batch = q.size(0), heads = q.size(1), seq_q = q.size(2), head_dim = q.size(3);
+  TORCH_CHECK_VALUE(k.size(0) == batch && k.size(3) == head_dim, "memopt.attention: k and v must be (batch=", batch,
+                    ", kv_heads, seq_k, head_dim=", head_dim, ") to match q ", python_shape(q), ", got ", python_shape(k));
+  const int64_t kv_heads = k.size(1), seq_k = k.size(2);
+  TORCH_CHECK_VALUE(kv_heads != 0 && heads % kv_heads == 0, "memopt.attention: the heads of q (", heads,
+                    ") must be a multiple of the heads of k and v (", kv_heads, ")");
+  TORCH_CHECK_VALUE(seq_q != 0 && seq_k != 0, "memopt.attention: sequence lengths must be >= 1, got seq_q=", seq_q,
+                    ", seq_k=", seq_k);
+  TORCH_CHECK_VALUE(head_dim == 16 || head_dim == 32 || head_dim == 64 || head_dim == 128 || head_dim == 256,
+                    "memopt.attention: head_dim must be one of (16, 32, 64, 128, 256), got head_dim=", head_dim);
+  TORCH_CHECK_VALUE(q.device() == k.device() && q.device() == v.device(),
+                    "memopt.attention: q, k and v must be on one device, got ", q.device(), ", ", k.device(), ", ",
+                    v.device());
+  TORCH_CHECK_VALUE(q.scalar_type() == k.scalar_type() && q.scalar_type() == v.scalar_type(),
+                    "memopt.attention: q, k and v must have one dtype, got ", python_dtype(q.scalar_type()), ", ",
+                    python_dtype(k.scalar_type()), ", ", python_dtype(v.scalar_type()));
+  TORCH_CHECK_VALUE(q.scalar_type() == at::kFloat || q.scalar_type() == at::kDouble,
+                    "memopt.attention: q, k, v dtype must be one of (torch.float32, torch.float64) on CPU, got ",
+                    python_dtype(q.scalar_type()));
+  TORCH_CHECK_TYPE(!scale.has_value() || std::isfinite(*scale),
+                   "memopt.attention: scale must be a finite real number or None, got ", scale.value_or(0.0));
+}
+
+// The softmax scale: 1 / sqrt(head_dim) unless given.
+double resolved_scale(const at::Tensor& q, std::optional<double> scale) {
+  return scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(3)));
+}
 
 // t (B, H, S, D) as a view of a (B, S, H, D) buffer: itself when it is one, else a copy.
 at::Tensor as_bshd(const at::Tensor& t) {
@@ -113,13 +179,15 @@ struct FlashAttentionCpuFunction : public torch::autograd::Function<FlashAttenti
 };
 
 at::Tensor attention_flash_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                               double scale) {
-  return flash_forward(q, k, v, causal, scale, nullptr);
+                               std::optional<double> scale) {
+  check_inputs(q, k, v, scale);
+  return flash_forward(q, k, v, causal, resolved_scale(q, scale), nullptr);
 }
 
 at::Tensor attention_flash_cpu_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                                        double scale) {
-  return FlashAttentionCpuFunction::apply(q, k, v, causal, scale);
+                                        std::optional<double> scale) {
+  check_inputs(q, k, v, scale);
+  return FlashAttentionCpuFunction::apply(q, k, v, causal, resolved_scale(q, scale));
 }
 
 }  // namespace

@@ -66,9 +66,11 @@ TORCH_LIBRARY(memopt, m) {
         " ScalarType dtype) -> Tensor scale");
   // softmax(q @ k^T * scale + causal mask) @ v without dropout on CPU, through ATen's flash kernels
   // under a C++ autograd node that saves q, k, v, out and the log-sum-exp (attention_cpu.cpp);
-  // grouped-query heads when q's heads are a multiple of k's. memopt.attention calls it after its
-  // checks; with dropout it runs the attention_fwd / attention_bwd ops (memopt/ops/attention.py).
-  m.def("attention_flash_cpu(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> Tensor out");
+  // grouped-query heads when q's heads are a multiple of k's; scale None: 1 / sqrt(head_dim). It
+  // checks its inputs as memopt.attention does (same messages): memopt.attention calls it directly
+  // for CPU tensors without dropout; with dropout it runs the attention_fwd / attention_bwd ops
+  // (memopt/ops/attention.py).
+  m.def("attention_flash_cpu(Tensor q, Tensor k, Tensor v, bool causal, float? scale=None) -> Tensor out");
 }
 
 namespace {

@@ -712,6 +712,52 @@ def test_cpu_attention_without_dropout_runs_the_cpp_node_and_matches_the_referen
     torch.testing.assert_close(fused_out, attention_ref(fq, fk, fv, causal=True), atol=1e-12, rtol=1e-12)
 
 
+def _t(*shape, dtype=torch.float32):
+    return torch.randn(*shape, dtype=dtype)
+
+
+# (q, k, v, scale): each wrong in one way memopt.attention's checks name.
+_FLASH_CPU_BAD_INPUTS = {
+    "q-3d": (_t(2, 8, 16), _t(1, 2, 8, 16), _t(1, 2, 8, 16), None),
+    "v-5d": (_t(1, 2, 8, 16), _t(1, 2, 8, 16), _t(1, 1, 2, 8, 16), None),
+    "kv-shapes": (_t(1, 2, 8, 16), _t(1, 2, 8, 16), _t(1, 2, 9, 16), None),
+    "batch": (_t(1, 2, 8, 16), _t(2, 2, 8, 16), _t(2, 2, 8, 16), None),
+    "head-dim-mismatch": (_t(1, 2, 8, 16), _t(1, 2, 8, 32), _t(1, 2, 8, 32), None),
+    "heads-not-a-multiple": (_t(1, 3, 8, 16), _t(1, 2, 8, 16), _t(1, 2, 8, 16), None),
+    "kv-heads-zero": (_t(1, 2, 8, 16), _t(1, 0, 8, 16), _t(1, 0, 8, 16), None),
+    "seq-zero": (_t(1, 2, 0, 16), _t(1, 2, 8, 16), _t(1, 2, 8, 16), None),
+    "head-dim-48": (_t(1, 2, 8, 48), _t(1, 2, 8, 48), _t(1, 2, 8, 48), None),
+    "dtypes": (_t(1, 2, 8, 16), _t(1, 2, 8, 16, dtype=torch.float64), _t(1, 2, 8, 16), None),
+    "float16": tuple(_t(1, 2, 8, 16).half() for _ in range(3)) + (None,),
+    "bfloat16": tuple(_t(1, 2, 8, 16).bfloat16() for _ in range(3)) + (None,),
+    "scale-nan": (_t(1, 2, 8, 16), _t(1, 2, 8, 16), _t(1, 2, 8, 16), math.nan),
+    "scale-inf": (_t(1, 2, 8, 16), _t(1, 2, 8, 16), _t(1, 2, 8, 16), math.inf),
+}
+
+
+@pytest.mark.parametrize("case", list(_FLASH_CPU_BAD_INPUTS))
+def test_flash_cpu_op_refuses_what_the_python_checks_refuse_with_their_message(case):
+    # memopt.attention's CPU call without dropout goes straight to the C++ op, which checks the
+    # tensors itself; naming the backend sends the same call through the Python checks
+    # (_check_inputs): the same exception type and the same message, word for word.
+    q, k, v, scale = _FLASH_CPU_BAD_INPUTS[case]
+    with pytest.raises((TypeError, ValueError)) as python_error:
+        memopt.attention(q, k, v, scale=scale, backend="aten_flash")
+    with pytest.raises((TypeError, ValueError)) as op_error:
+        memopt.attention(q, k, v, scale=scale)
+    assert type(op_error.value) is type(python_error.value)
+    assert str(op_error.value) == str(python_error.value)
+    with pytest.raises(type(python_error.value)) as direct_error:  # the op called by itself
+        torch.ops.memopt.attention_flash_cpu(q, k, v, False, scale)
+    assert str(direct_error.value) == str(python_error.value)
+
+
+def test_flash_cpu_op_default_scale_is_one_over_sqrt_head_dim():
+    q, k, v = (t.double() for t in _inputs((1, 2, 1, 5, 7, 32)))
+    out = torch.ops.memopt.attention_flash_cpu(q, k, v, True)
+    torch.testing.assert_close(out, attention_ref(q, k, v, causal=True, scale=32**-0.5), atol=1e-12, rtol=1e-12)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_flash_cpu_gradcheck_and_gradgradcheck(causal):
     q, k, v = _inputs((1, 2, 1, 7, 9, 16), dtype=torch.float64)

@@ -644,7 +644,7 @@ torch.library.impl("memopt::attention_bwd", ("cpu", "cuda"), _without_grad(atten
 
 
 @torch.library.register_fake("memopt::attention_flash_cpu")
-def _attention_flash_cpu_fake(q, k, v, causal, scale):
+def _attention_flash_cpu_fake(q, k, v, causal, scale=None):
     return attention_out_empty(q)
 
 
@@ -743,6 +743,16 @@ def attention(
         ``(batch, seq_q, heads, head_dim)`` buffer, so that for q a view of a fused projection
         ``out.transpose(1, 2).reshape(batch, seq_q, -1)`` is free.
     """
+    if (
+        type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
+        and q.is_cpu and k.is_cpu and v.is_cpu
+        and type(dropout_p) in (float, int) and dropout_p == 0 and rng_key is None and backend == "auto"
+        and type(causal) is bool and (scale is None or type(scale) is float) and _cpu_backend is None
+    ):  # fmt: skip
+        # The common CPU call: ATen's kernels under the C++ node (csrc/attention_cpu.cpp), which
+        # checks the tensors itself with this function's messages; the checks below would cost
+        # more than the node.
+        return torch.ops.memopt.attention_flash_cpu(q, k, v, causal, scale)
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"memopt.attention: {name} must be a tensor, got {type(t).__name__}")

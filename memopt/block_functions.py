@@ -57,7 +57,7 @@ from memopt.ops import activation as _activation_ops
 from memopt.ops import attention as _attention_ops
 from memopt.ops import dropout as _dropout_ops  # noqa: F401  (registers the dropout ops' fake impls)
 from memopt.ops import norm as _norm_ops
-from memopt.ops._common import autocast_off
+from memopt.ops._common import autocast_off, refuse_double_backward
 from memopt.tiled_ffn import chunk_rng_key, token_chunks
 
 SUPPORTED_HEAD_DIMS = _attention_ops.SUPPORTED_HEAD_DIMS
@@ -581,6 +581,12 @@ def _attention_backward(call: BlockCall, grad_h: Tensor, half: AttentionHalf, ne
     return grad_x, grads
 
 
+_DOUBLE_BACKWARD_INSTEAD = (
+    "Use the block's eager twin, block.to_eager(), where they are needed (with SDPA's math backend: "
+    "torch.nn.attention.sdpa_kernel(SDPBackend.MATH))"
+)
+
+
 class TransformerBlockFunction(torch.autograd.Function):
     """One transformer block; saves ``saved_names(spec.policy, ...)`` and the RNG key.
 
@@ -604,6 +610,7 @@ class TransformerBlockFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
+        refuse_double_backward("memopt.FusedCheckpointBlock", _DOUBLE_BACKWARD_INSTEAD)
         grad_y = grad_y.contiguous()  # y.sum().backward() hands in a stride-0 expanded tensor
         saved = ctx.saved_tensors
         count = len(ctx.saved_tensor_names)
@@ -688,6 +695,7 @@ class BlockAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_h):
+        refuse_double_backward("memopt.FusedCheckpointBlock", _DOUBLE_BACKWARD_INSTEAD)
         by_name, call, need = _restore_half(ctx, "attention")
         attention = _saved_attention_half(by_name)
         with torch.no_grad(), autocast_off(attention.x.device.type):
@@ -710,6 +718,7 @@ class BlockFFNFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
+        refuse_double_backward("memopt.FusedCheckpointBlock", _DOUBLE_BACKWARD_INSTEAD)
         grad_y = grad_y.contiguous()  # y.sum().backward() hands in a stride-0 expanded tensor
         by_name, call, need = _restore_half(ctx, "ffn")
         h = by_name["h"]

@@ -55,7 +55,7 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from memopt.ops._common import autocast_as, autocast_state
+from memopt.ops._common import autocast_as, autocast_state, refuse_double_backward
 
 __all__ = [
     "FFN_ATTRIBUTES",
@@ -205,6 +205,7 @@ class TiledFFNFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
+        refuse_double_backward("memopt tiled FFN", "Leave ffn_chunk_tokens None where they are needed")
         x, *params = ctx.saved_tensors
         need_x = ctx.needs_input_grad[2]
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[3:]) if need]

@@ -220,3 +220,52 @@ def test_double_backward_under_autocast_matches_eager():
     for a, e in zip(ours, eager):
         assert a.dtype == e.dtype
         torch.testing.assert_close(a, e, rtol=5e-2, atol=5e-2 * e.abs().max().item())
+
+
+# -- the fused paths whose backward is not differentiable: refused under create_graph=True -----
+# Their gradients are computed by fused kernels, not differentiable ops: a second derivative
+# through them would silently be zero, so a backward with create_graph=True raises instead.
+# (memopt.linear_cross_entropy refuses when its gradient is differentiated: test_cross_entropy.)
+
+
+def _block(policy, **kwargs):
+    torch.manual_seed(0)
+    return memopt.FusedCheckpointBlock(32, 2, 64, causal=True, policy=policy, dtype=DT, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "policy, kwargs",
+    [("none", {}), ("selective", {}), ("full", {}), ("none", {"norm_first": False}), ("selective", {"ffn_chunk_tokens": 3})],
+    ids=["none", "selective", "full", "post-norm", "tiled-ffn"],
+)
+def test_block_refuses_create_graph_instead_of_a_zero_second_derivative(policy, kwargs):
+    block = _block(policy, **kwargs)
+    x = _t(2, 4, 32).requires_grad_()
+    # The eager twin has a second derivative (so the block's would not be zero)...
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    eager = block.to_eager()
+    with sdpa_kernel(SDPBackend.MATH):  # the one SDPA backend with a double backward on CPU
+        (grad_eager,) = torch.autograd.grad(eager(x).square().sum(), x, create_graph=True)
+        (hessian_vector,) = torch.autograd.grad(grad_eager.square().sum(), x)
+    assert hessian_vector.abs().max() > 0
+    # ...the block's backward refuses to build one.
+    with pytest.raises(RuntimeError, match="FusedCheckpointBlock: second derivatives .* not supported"):
+        torch.autograd.grad(block(x).square().sum(), x, create_graph=True)
+    # An ordinary backward is unaffected.
+    (grad,) = torch.autograd.grad(block(x).square().sum(), x)
+    (grad_eager,) = torch.autograd.grad(eager(x).square().sum(), x)
+    torch.testing.assert_close(grad, grad_eager, atol=1e-10, rtol=1e-10)
+
+
+def test_tiled_ffn_refuses_create_graph():
+    from memopt.tiled_ffn import tiled_ffn
+
+    mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8)).double()
+    x = _t(2, 5, 8).requires_grad_()
+    out = tiled_ffn(mlp, x, 3, list(mlp.parameters()))
+    with pytest.raises(RuntimeError, match="tiled FFN: second derivatives .* not supported"):
+        torch.autograd.grad(out.square().sum(), x, create_graph=True)
+    (grad,) = torch.autograd.grad(tiled_ffn(mlp, x, 3, list(mlp.parameters())).square().sum(), x)
+    (expected,) = torch.autograd.grad(mlp(x).square().sum(), x)
+    torch.testing.assert_close(grad, expected, atol=1e-12, rtol=1e-12)

@@ -55,9 +55,9 @@ from torch import Tensor
 
 from memopt.ops import activation as _activation_ops
 from memopt.ops import attention as _attention_ops
-from memopt.ops import dropout as _dropout_ops  # noqa: F401  (registers the dropout ops' fake impls)
+from memopt.ops import dropout as _dropout_ops
 from memopt.ops import norm as _norm_ops
-from memopt.ops._common import autocast_off, refuse_double_backward
+from memopt.ops._common import autocast_off, building_graph, grads_with_graph
 from memopt.tiled_ffn import chunk_rng_key, token_chunks
 
 SUPPORTED_HEAD_DIMS = _attention_ops.SUPPORTED_HEAD_DIMS
@@ -264,9 +264,14 @@ class BlockCall:
     # matmuls still run in the half type, as in the eager block). GPUs run them in half.
     upcast: bool
     accumulate: torch.dtype  # bias gradients are summed in at least float32
+    # True: the forward steps run as differentiable ops (memopt's autograd Functions and plain
+    # PyTorch), the graph a backward under create_graph=True differentiates (_grads_with_graph).
+    graph: bool = False
 
     @classmethod
-    def make(cls, spec: BlockSpec, device_type: str, rng_key, batch: int, seq: int, params: BlockParams) -> "BlockCall":
+    def make(
+        cls, spec: BlockSpec, device_type: str, rng_key, batch: int, seq: int, params: BlockParams, graph: bool = False
+    ) -> "BlockCall":
         dtype = spec.compute_dtype
         compute = params
         for p in params:
@@ -275,7 +280,8 @@ class BlockCall:
                 break
         half = dtype in (torch.float16, torch.bfloat16)
         accumulate = torch.float32 if half else dtype
-        return cls(spec, batch, seq, params, compute, _site_keys(rng_key), device_type == "cpu" and half, accumulate)
+        upcast = device_type == "cpu" and half
+        return cls(spec, batch, seq, params, compute, _site_keys(rng_key), upcast, accumulate, graph)
 
 
 def _cast(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -288,8 +294,22 @@ def _cast(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 
 
 def _norm(call: BlockCall, x: Tensor, weight, bias) -> tuple[Tensor, NormStats]:
+    if call.graph:  # no statistics: nothing is saved from this forward
+        return _norm_ops._norm_differentiable(call.spec.norm == "rmsnorm", x, weight, bias, call.spec.eps), NormStats(None, None)
     y, _, mean, rstd = _norm_ops._norm_fwd(call.spec.norm == "rmsnorm", x, None, weight, bias, call.spec.eps)
     return y, NormStats(mean, rstd)
+
+
+def _act(call: BlockCall, u: Tensor, bias) -> Tensor:
+    """The activation of fc1's output (bias added), in u's dtype."""
+    u_, bias_ = _upcast(call, u), _upcast(call, bias)
+    if not call.graph:
+        g = _activation_ops._act_forward(u_, bias_, call.spec.activation)
+    elif call.spec.activation == "swiglu":
+        g = _activation_ops.SwiGLUFunction.apply(u_, bias_)
+    else:
+        g = _activation_ops.BiasActFunction.apply(u_, bias_, call.spec.activation)
+    return _cast(g, u.dtype)
 
 
 def _norm_backward(call: BlockCall, grad_y, x, weight, bias, stats: NormStats, grad_extra, return_y: bool,
@@ -332,11 +352,14 @@ def _input_grad(grad_out: Tensor, weight: Tensor, residual_grad) -> Tensor:
     return residual_grad + grad_out @ weight
 
 
-def _dropout_add(p: float, branch: Tensor, residual: Tensor, key: Tensor) -> Tensor:
-    """``residual + dropout(branch)`` in the residual stream's dtype."""
+def _dropout_add(p: float, branch: Tensor, residual: Tensor, key: Tensor, graph: bool = False) -> Tensor:
+    """``residual + dropout(branch)`` in the residual stream's dtype (``graph``: differentiable,
+    the same mask)."""
     branch = _cast(branch, residual.dtype)
     if p == 0.0:
         return branch + residual
+    if graph:
+        return _dropout_ops.DropoutAddFunction.apply(branch.contiguous(), residual, p, key)
     return torch.ops.memopt.dropout_add_fwd(branch.contiguous(), residual, p, key)
 
 
@@ -355,12 +378,18 @@ def _heads(call: BlockCall, qkv: Tensor):
 
 
 def _attention_kernel_fwd(call: BlockCall, q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-    """``memopt::attention_fwd`` on the block's q, k, v. In eager mode its kernels are called
-    directly: these views of the block's own qkv pass the op's checks by construction, and the
-    dispatcher's round trip into the op's Python kernel plus the checks cost ~35 us a call. Under
-    torch.compile the op stays one opaque node, as its fake impl describes it."""
+    """``memopt::attention_fwd`` on the block's q, k, v. On CPU in eager mode its kernels are
+    called directly: these views of the block's own qkv pass the op's checks by construction, and
+    the dispatcher's round trip into the op's Python kernel plus the checks cost ~35 us a call.
+    Under torch.compile the op stays one opaque node, as its fake impl describes it; on CUDA
+    (never measured without the op yet) the op runs as before."""
     spec = call.spec
-    if torch.compiler.is_compiling():
+    if call.graph:  # differentiable (twice, the same dropout mask); no lse is kept from it
+        out = _attention_ops.AttentionFunction.apply(
+            q, k, v, spec.causal, spec.attention_dropout, spec.scale, call.keys.attention
+        )
+        return out, None
+    if q.device.type != "cpu" or torch.compiler.is_compiling():
         return torch.ops.memopt.attention_fwd(q, k, v, spec.causal, spec.attention_dropout, spec.scale, call.keys.attention)
     backend = _attention_ops.resolve_backend("auto", q, k, v, spec.causal, spec.attention_dropout)
     return _attention_ops.run_attention_fwd(
@@ -372,7 +401,7 @@ def _attention_kernel_bwd(call: BlockCall, grad_out, q, k, v, out, lse) -> tuple
     """``memopt::attention_bwd``, called as :func:`_attention_kernel_fwd` calls the forward."""
     spec = call.spec
     args = (spec.causal, spec.attention_dropout, spec.scale, call.keys.attention)
-    if torch.compiler.is_compiling():
+    if q.device.type != "cpu" or torch.compiler.is_compiling():
         return torch.ops.memopt.attention_bwd(grad_out, q, k, v, out, lse, *args)
     backend = _attention_ops.resolve_backend("auto", q, k, v, spec.causal, spec.attention_dropout)
     return _attention_ops.run_attention_bwd(backend, grad_out, q, k, v, out, lse, *args)
@@ -400,7 +429,7 @@ def _attention_forward(call: BlockCall, x: Tensor) -> tuple[AttentionHalf, Tenso
     attn_out, lse = _attention_kernel_fwd(call, *_heads(call, qkv))
     attn_out = _cast(attn_out, qkv.dtype)  # keeps the (B, S, H, hd) layout
     o = _linear(call, _flat(call, attn_out), w.out_proj_weight, w.out_proj_bias)
-    residual_sum = _dropout_add(spec.residual_dropout, o, x, call.keys.attention_residual)
+    residual_sum = _dropout_add(spec.residual_dropout, o, x, call.keys.attention_residual, call.graph)
     if spec.norm_first:
         return AttentionHalf(x, qkv, attn_out, lse, stats, n1=n1), residual_sum
     h, stats = _norm(call, residual_sum, w.norm1_weight, w.norm1_bias)
@@ -424,9 +453,9 @@ def _ffn_forward(call: BlockCall, h: Tensor, need_output: bool = True) -> tuple[
     else:
         n2 = None
         u = _linear(call, h, w.fc1_weight, None)
-    g = _cast(_activation_ops._act_forward(_upcast(call, u), _upcast(call, w.fc1_bias), spec.activation), u.dtype)
+    g = _act(call, u, w.fc1_bias)
     f = _linear(call, g, w.fc2_weight, w.fc2_bias)
-    residual_sum = _dropout_add(spec.residual_dropout, f, h, call.keys.ffn_residual)
+    residual_sum = _dropout_add(spec.residual_dropout, f, h, call.keys.ffn_residual, call.graph)
     if spec.norm_first:
         return FFNHalf(h, u, stats, n2=n2, g=g), residual_sum
     y, stats = _norm(call, residual_sum, w.norm2_weight, w.norm2_bias)
@@ -527,8 +556,9 @@ def _tiled_ffn_backward(call: BlockCall, grad_y: Tensor, h: Tensor, need: BlockP
 
 
 def _ffn_half_forward(call: BlockCall, h: Tensor) -> tuple[FFNHalf | None, Tensor]:
-    """(the FFN half's record, or None when it runs tiled, and the block output)."""
-    if call.spec.ffn_chunk_tokens is None:
+    """(the FFN half's record, or None when it runs tiled, and the block output). A graph
+    (``call.graph``) is built untiled: the chunks' dropout masks are slices of the whole one."""
+    if call.spec.ffn_chunk_tokens is None or call.graph:
         return _ffn_forward(call, h)
     return None, _tiled_ffn_forward(call, h)
 
@@ -581,10 +611,16 @@ def _attention_backward(call: BlockCall, grad_h: Tensor, half: AttentionHalf, ne
     return grad_x, grads
 
 
-_DOUBLE_BACKWARD_INSTEAD = (
-    "Use the block's eager twin, block.to_eager(), where they are needed (with SDPA's math backend: "
-    "torch.nn.attention.sdpa_kernel(SDPBackend.MATH))"
-)
+def _grads_with_graph(forward, inputs, grad_output) -> list:
+    """The backward under ``create_graph=True`` (second derivatives): ``forward()`` runs the half
+    or block again on a ``BlockCall`` with ``graph`` set, as differentiable ops (memopt's norm,
+    activation, dropout and attention Functions: the same dropout masks, twice differentiable
+    themselves), and is differentiated, so the gradients of ``inputs`` (None for those that need
+    none) are functions of them. The fused kernels serve every ordinary backward."""
+    device_type = next(t for t in inputs if t is not None).device.type
+    with torch.enable_grad(), autocast_off(device_type):
+        output = forward()
+    return grads_with_graph(output, inputs, grad_output)
 
 
 class TransformerBlockFunction(torch.autograd.Function):
@@ -610,12 +646,16 @@ class TransformerBlockFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        refuse_double_backward("memopt.FusedCheckpointBlock", _DOUBLE_BACKWARD_INSTEAD)
         grad_y = grad_y.contiguous()  # y.sum().backward() hands in a stride-0 expanded tensor
         saved = ctx.saved_tensors
         count = len(ctx.saved_tensor_names)
         x, attention, ffn, h = _saved_halves(ctx.saved_tensor_names, saved[:count])
         params = BlockParams(*saved[count + 1 :])
+        if building_graph():
+            call = BlockCall.make(ctx.spec, x.device.type, saved[count], ctx.batch, ctx.seq, params, graph=True)
+            forward = lambda: _ffn_half_forward(call, _attention_forward(call, x)[1])[1]  # noqa: E731
+            grad_x, *grads = _grads_with_graph(forward, (x, *params), grad_y)
+            return (None, grad_x, None, None, None, *grads)
         call = BlockCall.make(ctx.spec, x.device.type, saved[count], ctx.batch, ctx.seq, params)
         # Absent parameters (None) never need a gradient.
         need = BlockParams(*ctx.needs_input_grad[-len(PARAM_NAMES) :])
@@ -695,8 +735,12 @@ class BlockAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_h):
-        refuse_double_backward("memopt.FusedCheckpointBlock", _DOUBLE_BACKWARD_INSTEAD)
         by_name, call, need = _restore_half(ctx, "attention")
+        if building_graph():
+            x, params = by_name["x"], call.params[:6]
+            call = dataclasses.replace(call, graph=True)
+            grad_x, *grads = _grads_with_graph(lambda: _attention_forward(call, x)[1], (x, *params), grad_h)
+            return (None, grad_x, None, None, None, *grads)
         attention = _saved_attention_half(by_name)
         with torch.no_grad(), autocast_off(attention.x.device.type):
             grad_x, grads = _attention_backward(call, grad_h.contiguous(), attention, need, ctx.needs_input_grad[1])
@@ -718,10 +762,14 @@ class BlockFFNFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_y):
-        refuse_double_backward("memopt.FusedCheckpointBlock", _DOUBLE_BACKWARD_INSTEAD)
         grad_y = grad_y.contiguous()  # y.sum().backward() hands in a stride-0 expanded tensor
         by_name, call, need = _restore_half(ctx, "ffn")
         h = by_name["h"]
+        if building_graph():
+            params = call.params[6:]
+            call = dataclasses.replace(call, graph=True)
+            grad_h, *grads = _grads_with_graph(lambda: _ffn_half_forward(call, h)[1], (h, *params), grad_y)
+            return (None, grad_h, None, None, None, *grads)
         with torch.no_grad(), autocast_off(h.device.type):
             grad_h, grads = _ffn_half_backward(call, grad_y, _saved_ffn_half(by_name), h, need)
         return (None, grad_h, None, None, None, *(g if n else None for g, n in zip(grads, need[6:])))

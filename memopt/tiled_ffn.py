@@ -55,7 +55,7 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
-from memopt.ops._common import autocast_as, autocast_state, refuse_double_backward
+from memopt.ops._common import autocast_as, autocast_state, building_graph
 
 __all__ = [
     "FFN_ATTRIBUTES",
@@ -205,30 +205,41 @@ class TiledFFNFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        refuse_double_backward("memopt tiled FFN", "Leave ffn_chunk_tokens None where they are needed")
         x, *params = ctx.saved_tensors
+        # Under create_graph=True (second derivatives) each chunk's gradients keep their graph:
+        # the chunk input is a view of x itself, and the pieces are joined out of place.
+        graph = building_graph()
         need_x = ctx.needs_input_grad[2]
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[3:]) if need]
-        rows = x.detach().reshape(-1, x.shape[-1])
+        rows = (x if graph else x.detach()).reshape(-1, x.shape[-1])
         grad_rows = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_x = torch.empty_like(rows) if need_x else None
+        grad_x = torch.empty_like(rows) if need_x and not graph else None
+        grad_x_pieces: list[Tensor] = []
         grads: list[Tensor | None] = [None] * len(params)
         with torch.random.fork_rng(devices=_rng_devices(x.device)), torch.enable_grad(), contextlib.ExitStack() as stack:
             for state in ctx.autocast:
                 stack.enter_context(autocast_as(state))
             _set_rng_state(ctx.rng, x.device)
             for start, end in token_chunks(rows.shape[0], ctx.chunk_tokens, width=1):
-                piece_in = rows[start:end].detach().requires_grad_(need_x)
+                piece_in = rows[start:end] if graph else rows[start:end].detach().requires_grad_(need_x)
                 piece = ctx.fn(_chunk_view(piece_in, x.shape))
                 inputs = ([piece_in] if need_x else []) + [params[i] for i in wanted]
-                found = list(torch.autograd.grad(piece, inputs, grad_rows[start:end].view(piece.shape), allow_unused=True))
+                found = list(torch.autograd.grad(
+                    piece, inputs, grad_rows[start:end].view(piece.shape), allow_unused=True, create_graph=graph
+                ))  # fmt: skip
                 del piece
                 if need_x:
                     grad_piece = found.pop(0)
-                    grad_x[start:end] = 0 if grad_piece is None else grad_piece.reshape(end - start, -1)
+                    grad_piece = torch.zeros_like(piece_in) if grad_piece is None else grad_piece.reshape(end - start, -1)
+                    if graph:
+                        grad_x_pieces.append(grad_piece)
+                    else:
+                        grad_x[start:end] = grad_piece
                 for i, grad in zip(wanted, found):
                     if grad is not None:
-                        grads[i] = grad if grads[i] is None else grads[i].add_(grad)
+                        grads[i] = grad if grads[i] is None else (grads[i] + grad if graph else grads[i].add_(grad))
+        if graph and need_x:
+            grad_x = torch.cat(grad_x_pieces) if grad_x_pieces else torch.zeros_like(rows)
         if rows.shape[0] == 0:  # no tokens: the parameters' gradients are zero, as the untiled fn's are
             grads = [torch.zeros_like(params[i]) if i in wanted else None for i in range(len(params))]
         return (None, None, grad_x.view(x.shape) if need_x else None, *grads)

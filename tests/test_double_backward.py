@@ -222,50 +222,80 @@ def test_double_backward_under_autocast_matches_eager():
         torch.testing.assert_close(a, e, rtol=5e-2, atol=5e-2 * e.abs().max().item())
 
 
-# -- the fused paths whose backward is not differentiable: refused under create_graph=True -----
-# Their gradients are computed by fused kernels, not differentiable ops: a second derivative
-# through them would silently be zero, so a backward with create_graph=True raises instead.
-# (memopt.linear_cross_entropy refuses when its gradient is differentiated: test_cross_entropy.)
+# -- the fused block and the tiled FFN: a backward under create_graph=True runs them again as
+# differentiable ops (the same dropout masks) and differentiates that.
 
 
-def _block(policy, **kwargs):
+def _block(policy, dropout=0.0, **kwargs):
     torch.manual_seed(0)
-    return memopt.FusedCheckpointBlock(32, 2, 64, causal=True, policy=policy, dtype=DT, **kwargs)
+    return memopt.FusedCheckpointBlock(32, 2, 64, causal=True, policy=policy, dropout=dropout, dtype=DT, **kwargs)
 
 
-@pytest.mark.parametrize(
-    "policy, kwargs",
-    [("none", {}), ("selective", {}), ("full", {}), ("none", {"norm_first": False}), ("selective", {"ffn_chunk_tokens": 3})],
-    ids=["none", "selective", "full", "post-norm", "tiled-ffn"],
-)
-def test_block_refuses_create_graph_instead_of_a_zero_second_derivative(policy, kwargs):
-    block = _block(policy, **kwargs)
-    x = _t(2, 4, 32).requires_grad_()
-    # The eager twin has a second derivative (so the block's would not be zero)...
+BLOCK_VARIANTS = {
+    "none": ("none", {}),
+    "selective": ("selective", {}),
+    "full": ("full", {}),
+    "post-norm-selective": ("selective", {"norm_first": False}),
+    "post-norm-full": ("full", {"norm_first": False}),
+    "tiled-ffn": ("selective", {"ffn_chunk_tokens": 3}),
+    "rmsnorm-swiglu-gqa": ("none", {"norm": "rmsnorm", "activation": "swiglu", "n_kv_heads": 1}),
+}
+
+
+@pytest.mark.parametrize("variant", list(BLOCK_VARIANTS))
+def test_block_second_derivatives_match_its_eager_twin(variant):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
+    policy, kwargs = BLOCK_VARIANTS[variant]
+    block = _block(policy, **kwargs)
     eager = block.to_eager()
+    x = _t(2, 4, 32).requires_grad_()
+
+    def hessian_vector(module):
+        (grad,) = torch.autograd.grad(module(x).square().sum(), x, create_graph=True)
+        return grad, torch.autograd.grad(grad.square().sum(), (x, *module.parameters()))
+
+    grad, second = hessian_vector(block)
     with sdpa_kernel(SDPBackend.MATH):  # the one SDPA backend with a double backward on CPU
-        (grad_eager,) = torch.autograd.grad(eager(x).square().sum(), x, create_graph=True)
-        (hessian_vector,) = torch.autograd.grad(grad_eager.square().sum(), x)
-    assert hessian_vector.abs().max() > 0
-    # ...the block's backward refuses to build one.
-    with pytest.raises(RuntimeError, match="FusedCheckpointBlock: second derivatives .* not supported"):
-        torch.autograd.grad(block(x).square().sum(), x, create_graph=True)
-    # An ordinary backward is unaffected.
-    (grad,) = torch.autograd.grad(block(x).square().sum(), x)
-    (grad_eager,) = torch.autograd.grad(eager(x).square().sum(), x)
-    torch.testing.assert_close(grad, grad_eager, atol=1e-10, rtol=1e-10)
+        grad_eager, second_eager = hessian_vector(eager)
+    torch.testing.assert_close(grad, grad_eager, atol=1e-12, rtol=1e-10)
+    assert max(s.abs().max() for s in second_eager) > 0
+    for got, want in zip(second, second_eager):
+        torch.testing.assert_close(got, want, atol=1e-11, rtol=1e-9)
+    # The first derivative taken with create_graph=True is the one the kernels give.
+    (plain,) = torch.autograd.grad(block(x).square().sum(), x)
+    torch.testing.assert_close(grad, plain, atol=1e-12, rtol=1e-10)
 
 
-def test_tiled_ffn_refuses_create_graph():
+@pytest.mark.parametrize("policy", ["none", "full"])
+def test_block_gradgradcheck_with_dropout(policy):
+    # Dropout 0.2 on the attention probabilities and both residual branches: the same seed before
+    # each call makes the block one deterministic function (its masks come from the RNG key drawn
+    # in the forward), whose second derivative the differentiable replay must give exactly.
+    block = _block(policy, dropout=0.2)
+
+    def fn(x):
+        torch.manual_seed(7)
+        return block(x)
+
+    x = _t(1, 3, 32).requires_grad_()
+    assert torch.autograd.gradgradcheck(fn, (x,), eps=1e-6, atol=1e-5, rtol=1e-4)
+
+
+def test_tiled_ffn_second_derivatives_match_the_untiled_mlp():
     from memopt.tiled_ffn import tiled_ffn
 
+    torch.manual_seed(0)
     mlp = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 8)).double()
     x = _t(2, 5, 8).requires_grad_()
-    out = tiled_ffn(mlp, x, 3, list(mlp.parameters()))
-    with pytest.raises(RuntimeError, match="tiled FFN: second derivatives .* not supported"):
-        torch.autograd.grad(out.square().sum(), x, create_graph=True)
-    (grad,) = torch.autograd.grad(tiled_ffn(mlp, x, 3, list(mlp.parameters())).square().sum(), x)
-    (expected,) = torch.autograd.grad(mlp(x).square().sum(), x)
-    torch.testing.assert_close(grad, expected, atol=1e-12, rtol=1e-12)
+    params = list(mlp.parameters())
+
+    def hessian_vector(fn):
+        (grad,) = torch.autograd.grad(fn(x).square().sum(), x, create_graph=True)
+        return grad, torch.autograd.grad(grad.square().sum(), (x, *params))
+
+    grad, second = hessian_vector(lambda t: tiled_ffn(mlp, t, 3, params))
+    grad_ref, second_ref = hessian_vector(mlp)
+    torch.testing.assert_close(grad, grad_ref, atol=1e-12, rtol=1e-10)
+    for got, want in zip(second, second_ref):
+        torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)

@@ -106,17 +106,6 @@ def building_graph() -> bool:
     return torch.is_grad_enabled()
 
 
-def refuse_double_backward(what: str, instead: str) -> None:
-    """For a backward that computes its gradients with fused kernels (not as differentiable ops):
-    under ``create_graph=True`` they would carry no graph and a second derivative through it would
-    silently be zero; refused with an error that says what to use ``instead``."""
-    if torch.is_grad_enabled():
-        raise RuntimeError(
-            f"{what}: second derivatives (a backward with create_graph=True, e.g. a gradient penalty) "
-            f"are not supported: its gradients would carry no graph. {instead}"
-        )
-
-
 def grads_with_graph(output: torch.Tensor, inputs, grad_output: torch.Tensor | None) -> list:
     """``torch.autograd.grad(output, inputs, grad_output, create_graph=True)`` for the inputs that
     require grad; None for the others (and for all when ``grad_output`` is None)."""

@@ -379,7 +379,7 @@ class FusedCheckpointBlock(_TransformerBlockBase):
             eps=self.eps, attention_dropout=drop, residual_dropout=drop, compute_dtype=compute_dtype(x),
             ffn_chunk_tokens=self.ffn_chunk_tokens,
         )  # fmt: skip
-        params = [getattr(getattr(self, module), attr, None) for module, attr in _PARAM_PATHS]
+        params = _block_params(self)
         if batch * seq == 0:
             # No token: an empty output, as torch's layers give, whose backward gives the
             # parameters zero gradients (not None), as an eager block's would.
@@ -436,6 +436,19 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
 
 # PARAM_NAMES as (submodule, attribute) pairs: the block's forward fetches its parameters by them.
 _PARAM_PATHS = tuple(tuple(name.split(".")) for name in PARAM_NAMES)
+
+
+def _block_params(block: nn.Module) -> list[torch.Tensor | None]:
+    """The block's parameters in PARAM_NAMES order (None where it has none), as ``getattr`` finds
+    them, read from the submodules' ``_parameters`` first: the forward runs this for every call,
+    and ``nn.Module.__getattr__`` costs a Python frame per name. A name not there (a
+    parametrization moves its tensor out) is looked up by ``getattr``."""
+    params = []
+    for module, attr in _PARAM_PATHS:
+        sub = block._modules[module]
+        param = sub._parameters.get(attr)
+        params.append(param if param is not None else getattr(sub, attr, None))
+    return params
 
 
 # ----------------------------------------------------------------------------------------------

@@ -264,8 +264,9 @@ class BlockCall:
     # matmuls still run in the half type, as in the eager block). GPUs run them in half.
     upcast: bool
     accumulate: torch.dtype  # bias gradients are summed in at least float32
-    # True: the forward steps run as differentiable ops (memopt's autograd Functions and plain
-    # PyTorch), the graph a backward under create_graph=True differentiates (_grads_with_graph).
+    # True: the forward steps run as differentiable ops (the ops' own differentiable forms, as
+    # their double backward uses them), the graph a backward under create_graph=True
+    # differentiates (_grads_with_graph).
     graph: bool = False
 
     @classmethod
@@ -303,13 +304,8 @@ def _norm(call: BlockCall, x: Tensor, weight, bias) -> tuple[Tensor, NormStats]:
 def _act(call: BlockCall, u: Tensor, bias) -> Tensor:
     """The activation of fc1's output (bias added), in u's dtype."""
     u_, bias_ = _upcast(call, u), _upcast(call, bias)
-    if not call.graph:
-        g = _activation_ops._act_forward(u_, bias_, call.spec.activation)
-    elif call.spec.activation == "swiglu":
-        g = _activation_ops.SwiGLUFunction.apply(u_, bias_)
-    else:
-        g = _activation_ops.BiasActFunction.apply(u_, bias_, call.spec.activation)
-    return _cast(g, u.dtype)
+    act = _activation_ops._act_differentiable if call.graph else _activation_ops._act_forward
+    return _cast(act(u_, bias_, call.spec.activation), u.dtype)
 
 
 def _norm_backward(call: BlockCall, grad_y, x, weight, bias, stats: NormStats, grad_extra, return_y: bool,
@@ -613,9 +609,9 @@ def _attention_backward(call: BlockCall, grad_h: Tensor, half: AttentionHalf, ne
 
 def _grads_with_graph(forward, inputs, grad_output) -> list:
     """The backward under ``create_graph=True`` (second derivatives): ``forward()`` runs the half
-    or block again on a ``BlockCall`` with ``graph`` set, as differentiable ops (memopt's norm,
-    activation, dropout and attention Functions: the same dropout masks, twice differentiable
-    themselves), and is differentiated, so the gradients of ``inputs`` (None for those that need
+    or block again on a ``BlockCall`` with ``graph`` set, as differentiable ops (the norm's and
+    activation's differentiable forms, memopt's dropout and attention Functions: the same dropout
+    masks, twice differentiable themselves), and is differentiated, so the gradients of ``inputs`` (None for those that need
     none) are functions of them. The fused kernels serve every ordinary backward."""
     device_type = next(t for t in inputs if t is not None).device.type
     with torch.enable_grad(), autocast_off(device_type):

@@ -119,6 +119,14 @@ def make_extensions():
     cu_sources = sorted(glob.glob("csrc/*.cu", root_dir=ROOT))
     include_dirs = [os.path.join(ROOT, "csrc")]
     cxx_flags = ["-O3"]
+    # at::parallel_for is an inline template over OpenMP: without -fopenmp the CPU kernels' loops
+    # would run on one thread whatever torch.set_num_threads says. torch's own libgomp (loaded
+    # with torch, first in the global symbol scope) serves the extension's parallel regions, so
+    # both share one thread pool and torch.set_num_threads.
+    link_flags = []
+    if sys.platform.startswith("linux"):
+        cxx_flags.append("-fopenmp")
+        link_flags.append("-fopenmp")
     # Bare tokens: quotes and ';' do not survive the shell that ninja runs compilers in.
     define_macros = [("MEMOPT_TORCH_VERSION", _token(torch.__version__))]
 
@@ -133,6 +141,7 @@ def make_extensions():
                 include_dirs=include_dirs,
                 define_macros=define_macros,
                 extra_compile_args={"cxx": cxx_flags},
+                extra_link_args=link_flags,
             )
         ]
 
@@ -153,6 +162,7 @@ def make_extensions():
             include_dirs=include_dirs,
             define_macros=define_macros,
             extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+            extra_link_args=link_flags,
         )
     ]
 

@@ -93,7 +93,7 @@ _SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cudnn": "CUDNN_ATTENTION", "effic
 def providers(case: Case, device: str, q, k, v) -> dict:
     """``{provider name: attention function (q, k, v) -> out}`` of those that run ``case`` here."""
     found = {}
-    memopt_backends = ["auto", *(attention_ops.CUDA_BACKENDS if device == "cuda" else ("native", "aten_flash"))]
+    memopt_backends = ["auto", *(attention_ops.CUDA_BACKENDS if device == "cuda" else ("native", "cpu_flash", "aten_flash"))]
     for backend in memopt_backends:
         try:
             attention_ops.resolve_backend(backend, q, k, v, case.causal, case.dropout)

@@ -1,19 +1,20 @@
-// attention_flash_cpu: memopt.attention without dropout on CPU, through ATen's flash kernels with
-// the autograd node in C++.
+// memopt.attention without dropout on CPU: memopt's flash kernels (the "cpu_flash" backend,
+// attention_cpu_kernels_impl.h) and ATen's, each where it is the faster (use_cpu_flash), under an
+// autograd node in C++ (the op attention_flash_cpu).
 //
-// Without dropout, ATen's CPU flash kernels keep memopt's attention contract as they are (save q,
-// k, v, the output and one log-sum-exp per row; the backward recomputes the probabilities block by
-// block), so the only thing memopt's Python path (AttentionFunction over attention_fwd /
-// attention_bwd) adds on top of F.scaled_dot_product_attention is its cost: two dispatcher round
-// trips into Python kernels and a Python autograd node, ~0.2 ms per forward + backward, 10% of a
-// (1, 4, 256, 64) call. Here the node is C++, as SDPA's is, and it keeps what SDPA lacks: a
-// backward run with create_graph=True (second derivatives) differentiates the attention again
-// as plain ATen ops, so second derivatives are exact instead of an error.
+// Without dropout, both keep memopt's attention contract (save q, k, v, the output and one
+// log-sum-exp per row; the backward recomputes the probabilities tile by tile), so the only thing
+// memopt's Python path (AttentionFunction over attention_fwd / attention_bwd) would add is its
+// cost: two dispatcher round trips into Python kernels and a Python autograd node, ~0.2 ms per
+// forward + backward, 10% of a (1, 4, 256, 64) call. Here the node is C++, as SDPA's is, and it
+// keeps what SDPA lacks: a backward run with create_graph=True (second derivatives)
+// differentiates the attention again as plain ATen ops, so second derivatives are exact instead
+// of an error.
 //
 // Layouts follow memopt.ops.attention's contract: the output is contiguous when q is, else a
 // (B, H, S, D) view of a (B, S, H, D) buffer; the gradients are such views.
 //
-// The op checks its own inputs (check_inputs), with the messages and in the order of
+// The ops check their own inputs (check_inputs), with the messages and in the order of
 // memopt.ops.attention._check_inputs, so that memopt.attention's common call (CPU, no dropout)
 // goes straight here: on CPU the Python checks cost more than the C++ node they guard
 // (~40 us warm, several times that after a kernel that has swept the caches).
@@ -27,7 +28,11 @@
 #include <limits>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <utility>
+
+#include "cpu_blas.h"
+#include "cpu_kernels.h"
 
 namespace memopt {
 namespace {
@@ -107,13 +112,127 @@ at::Tensor in_output_layout(const at::Tensor& out, const at::Tensor& q) {
   return out.is_contiguous() ? out : out.contiguous();
 }
 
+// ---------------------------------------------------------------------------------------------
+// memopt's own kernels (attention_cpu_kernels_impl.h: causal tiles skip the keys they cannot see),
+// the "cpu_flash" backend: registered as cpu_flash_attention_fwd / _bwd, and what the C++ node
+// below runs whenever the BLAS they need is there (cpu_blas_available), else ATen's.
+
+at::Tensor unit_last_stride(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
+
+// An uninitialised (B, H, S, D) view of a (B, S, H, D) buffer.
+at::Tensor bshd_empty(const at::Tensor& like) {
+  return at::empty({like.size(0), like.size(2), like.size(1), like.size(3)}, like.options()).transpose(1, 2);
+}
+
+void require_cpu_blas() {
+  TORCH_CHECK(cpu_blas_available(),
+              "memopt.attention: backend 'cpu_flash' multiplies through the BLAS that torch links (sgemm_ / dgemm_), "
+              "which this torch build does not export; use backend='auto' or 'aten_flash'");
+}
+
+std::tuple<at::Tensor, at::Tensor> cpu_flash_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     bool causal, double scale) {
+  require_cpu_blas();
+  const at::Tensor q_ = unit_last_stride(q), k_ = unit_last_stride(k), v_ = unit_last_stride(v);
+  at::Tensor out = q.is_contiguous() ? at::empty(q.sizes(), q.options()) : bshd_empty(q);
+  at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
+  MEMOPT_CPU_KERNEL(attention_fwd_kernel)(q_, k_, v_, causal, scale, out, lse);
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_flash_backward(const at::Tensor& grad_out, const at::Tensor& q,
+                                                                  const at::Tensor& k, const at::Tensor& v,
+                                                                  const at::Tensor& out, const at::Tensor& lse,
+                                                                  bool causal, double scale) {
+  require_cpu_blas();
+  const at::Tensor q_ = unit_last_stride(q), k_ = unit_last_stride(k), v_ = unit_last_stride(v);
+  const at::Tensor grad_out_ = unit_last_stride(grad_out.to(q.scalar_type()));
+  const at::Tensor out_ = unit_last_stride(out.to(q.scalar_type()));
+  const at::Tensor lse_ = lse.to(q.scalar_type()).contiguous();
+  at::Tensor grad_q = bshd_empty(q);
+  at::Tensor grad_k = bshd_empty(k).zero_();
+  at::Tensor grad_v = bshd_empty(v).zero_();
+  MEMOPT_CPU_KERNEL(attention_bwd_kernel)(grad_out_, q_, k_, v_, out_, lse_, causal, scale, grad_q, grad_k, grad_v);
+  return {grad_q, grad_k, grad_v};
+}
+
+void check_like(const char* name, const at::Tensor& t, at::IntArrayRef shape) {
+  TORCH_CHECK_VALUE(t.sizes() == shape, "memopt.cpu_flash_attention_bwd: ", name, " must have shape ", shape, ", got ",
+                    t.sizes());
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "memopt.cpu_flash_attention_bwd: ", name, " must be on the CPU, got ", t.device());
+}
+
+std::tuple<at::Tensor, at::Tensor> cpu_flash_attention_fwd(const at::Tensor& q, const at::Tensor& k,
+                                                           const at::Tensor& v, bool causal, double scale) {
+  check_inputs(q, k, v, scale);
+  return cpu_flash_forward(q, k, v, causal, scale);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_flash_attention_bwd(const at::Tensor& grad_out, const at::Tensor& q,
+                                                                       const at::Tensor& k, const at::Tensor& v,
+                                                                       const at::Tensor& out, const at::Tensor& lse,
+                                                                       bool causal, double scale) {
+  check_inputs(q, k, v, scale);
+  check_like("grad_out", grad_out, q.sizes());
+  check_like("out", out, q.sizes());
+  check_like("lse", lse, q.sizes().slice(0, 3));
+  return cpu_flash_backward(grad_out, q, k, v, out, lse, causal, scale);
+}
+
+// What memopt.attention's "auto" runs on CPU without dropout (memopt.ops.attention.resolve_backend
+// says the same): memopt's kernels for a causal mask (0.6-0.75x ATen's time forward + backward at
+// seq 256-1024, one thread), ATen's without one (where memopt's only tie them).
+bool use_cpu_flash(bool causal) { return causal && cpu_blas_available(); }
+
+// The node calls memopt's kernels through their registered ops, as it calls ATen's, so that under
+// torch.compile's fake tensors the ops' fake impls answer instead of a kernel reading no data.
+std::tuple<at::Tensor, at::Tensor> cpu_flash_fwd_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                    bool causal, double scale) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("memopt::cpu_flash_attention_fwd", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, double)>();
+  return op.call(q, k, v, causal, scale);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_flash_bwd_op(const at::Tensor& grad_out, const at::Tensor& q,
+                                                                const at::Tensor& k, const at::Tensor& v,
+                                                                const at::Tensor& out, const at::Tensor& lse,
+                                                                bool causal, double scale) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("memopt::cpu_flash_attention_bwd", "")
+                             .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+                                 const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                 const at::Tensor&, const at::Tensor&, bool, double)>();
+  return op.call(grad_out, q, k, v, out, lse, causal, scale);
+}
+
 at::Tensor flash_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
                          at::Tensor* lse) {
+  if (use_cpu_flash(causal)) {
+    auto [out, row_lse] = cpu_flash_fwd_op(q, k, v, causal, scale);
+    if (lse != nullptr) {
+      *lse = row_lse;
+    }
+    return out;
+  }
   auto [out, row_lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, std::nullopt, scale);
   if (lse != nullptr) {
     *lse = row_lse;
   }
   return in_output_layout(out, q);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& grad_out, const at::Tensor& q,
+                                                              const at::Tensor& k, const at::Tensor& v,
+                                                              const at::Tensor& out, const at::Tensor& lse,
+                                                              bool causal, double scale) {
+  if (use_cpu_flash(causal)) {
+    return cpu_flash_bwd_op(grad_out, q, k, v, out, lse, causal, scale);
+  }
+  auto [grad_q, grad_k, grad_v] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
+      grad_out, q, k, v, out, lse, 0.0, causal, std::nullopt, scale);
+  return {as_bshd(grad_q), as_bshd(grad_k), as_bshd(grad_v)};
 }
 
 // The attention as differentiable ATen ops (the (B, H, Sq, Sk) probabilities materialised, as a
@@ -172,9 +291,8 @@ struct FlashAttentionCpuFunction : public torch::autograd::Function<FlashAttenti
       }
       return result;
     }
-    auto [grad_q, grad_k, grad_v] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out, q, k, v, saved[3], saved[4], 0.0, causal, std::nullopt, scale);
-    return {as_bshd(grad_q), as_bshd(grad_k), as_bshd(grad_v), at::Tensor(), at::Tensor()};
+    auto [grad_q, grad_k, grad_v] = flash_backward(grad_out, q, k, v, saved[3], saved[4], causal, scale);
+    return {grad_q, grad_k, grad_v, at::Tensor(), at::Tensor()};
   }
 };
 
@@ -192,7 +310,15 @@ at::Tensor attention_flash_cpu_autograd(const at::Tensor& q, const at::Tensor& k
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(memopt, CPU, m) { m.impl("attention_flash_cpu", &attention_flash_cpu); }
+bool cpu_flash_available() { return cpu_blas_available(); }
+
+TORCH_LIBRARY_IMPL(memopt, CPU, m) {
+  m.impl("attention_flash_cpu", &attention_flash_cpu);
+  m.impl("cpu_flash_attention_fwd", &cpu_flash_attention_fwd);
+  m.impl("cpu_flash_attention_bwd", &cpu_flash_attention_bwd);
+}
+
+TORCH_LIBRARY_FRAGMENT(memopt, m) { m.def("cpu_flash_available() -> bool", &cpu_flash_available); }
 
 TORCH_LIBRARY_IMPL(memopt, AutogradCPU, m) { m.impl("attention_flash_cpu", &attention_flash_cpu_autograd); }
 

@@ -48,6 +48,15 @@ namespace memopt {
   /* out = x * mask / (1 - p) (+ residual), mask from (seed, offset) as philox.h defines it */                    \
   void dropout_add_kernel(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& out, double p,      \
                           uint64_t seed, uint64_t offset);                                                       \
+  /* attention_cpu_kernels_impl.h: q (B, H, Sq, D), k and v (B, Hkv, Sk, D), out and the gradients of the */     \
+  /* same shapes, any strides with a contiguous last dimension; lse (B, H, Sq) contiguous; grad_k and */         \
+  /* grad_v zero on entry (the backward adds into them) */                                                      \
+  void attention_fwd_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,           \
+                            double scale, const at::Tensor& out, const at::Tensor& lse);                          \
+  void attention_bwd_kernel(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,                 \
+                            const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal,        \
+                            double scale, const at::Tensor& grad_q, const at::Tensor& grad_k,                     \
+                            const at::Tensor& grad_v);                                                            \
   }
 
 MEMOPT_DECLARE_CPU_KERNELS(generic)

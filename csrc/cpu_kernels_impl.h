@@ -751,3 +751,6 @@ void dropout_add_kernel(const at::Tensor& x, const at::Tensor& residual, const a
 }
 
 }  // namespace memopt::MEMOPT_CPU_ISA
+
+// memopt's CPU flash-attention kernels, with the vector helpers above.
+#include "attention_cpu_kernels_impl.h"

@@ -71,6 +71,11 @@ TORCH_LIBRARY(memopt, m) {
   // for CPU tensors without dropout; with dropout it runs the attention_fwd / attention_bwd ops
   // (memopt/ops/attention.py).
   m.def("attention_flash_cpu(Tensor q, Tensor k, Tensor v, bool causal, float? scale=None) -> Tensor out");
+  // memopt's CPU flash-attention kernels (attention_cpu.cpp, the "cpu_flash" backend): out and a
+  // contiguous lse (B, H, Sq) in q's dtype; the gradients as (B, S, H, D) buffers' views.
+  m.def("cpu_flash_attention_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor out, Tensor lse)");
+  m.def("cpu_flash_attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal,"
+        " float scale) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
 }
 
 namespace {

@@ -18,6 +18,7 @@ from memopt.ops.attention import (
     attention_ref,
     attention_triton,
     cpu_backend,
+    cpu_flash_available,
     resolve_backend,
 )
 
@@ -29,8 +30,8 @@ DROPOUT_BACKENDS = [
     pytest.param("triton", marks=needs_interpreter),
     pytest.param("native"),
 ]
-BACKENDS = [*DROPOUT_BACKENDS, pytest.param("aten_flash")]
-FLOAT64_BACKENDS = ["native", "aten_flash"]
+BACKENDS = [*DROPOUT_BACKENDS, pytest.param("cpu_flash"), pytest.param("aten_flash")]
+FLOAT64_BACKENDS = ["native", "cpu_flash", "aten_flash"]
 
 # (atol, rtol) of attention outputs and gradients against the float64 reference. float32: the
 # kernels accumulate over seq_k and head_dim in float32, a few ulps per step. float64: the saved
@@ -230,7 +231,9 @@ def test_strided_views_of_fused_qkv_and_output_layout(backend):
         pytest.param("triton", 0.0, torch.float32, marks=needs_interpreter),
         pytest.param("triton", 0.1, torch.float32, marks=needs_interpreter),
         ("native", 0.0, torch.float32), ("native", 0.1, torch.float32), ("native", 0.1, torch.float64),
+        ("cpu_flash", 0.0, torch.float32), ("cpu_flash", 0.0, torch.float64),
         ("aten_flash", 0.0, torch.float32), ("aten_flash", 0.0, torch.float64), ("auto", 0.1, torch.float32),
+        ("auto", 0.0, torch.float32),
     ],
 )
 def test_saves_only_qkv_out_lse_and_key(backend, dropout_p, dtype):
@@ -242,9 +245,9 @@ def test_saves_only_qkv_out_lse_and_key(backend, dropout_p, dtype):
     elem = dtype.itemsize
     tensor_bytes = batch * heads * seq * head_dim * elem
     # q, k, v, out, lse (one per row, float64 for float64) and the 16-byte key: O(seq), no Sq x Sk.
-    # ATen's kernels on CPU run without dropout under memopt.attention_flash_cpu's C++ node,
-    # which has no mask to replay: no key.
-    key_bytes = 0 if backend == "aten_flash" else 16
+    # "auto" without dropout runs on CPU under memopt.attention_flash_cpu's C++ node, which has no
+    # mask to replay: no key.
+    key_bytes = 0 if backend == "auto" and dropout_p == 0.0 else 16
     assert counter.total_bytes == 4 * tensor_bytes + batch * heads * seq * elem + key_bytes
     qe, ke, ve = (t.detach().requires_grad_() for t in (q, k, v))
     eager = memopt.saved_bytes(
@@ -298,7 +301,7 @@ def test_opcheck(backend, causal, dropout_p, dtype):
 
 @pytest.mark.parametrize(
     "backend,dropout_p",
-    [pytest.param("triton", 0.1, marks=needs_interpreter), ("native", 0.1), ("aten_flash", 0.0), ("auto", 0.0)],
+    [pytest.param("triton", 0.1, marks=needs_interpreter), ("native", 0.1), ("cpu_flash", 0.0), ("aten_flash", 0.0), ("auto", 0.0)],
 )
 def test_compile_fullgraph(backend, dropout_p, compile_cache):
     q, k, v = _inputs((1, 2, 2, 20, 20, 32))
@@ -489,7 +492,9 @@ def test_gpu_saved_bytes_are_linear_in_seq():
 
 def test_auto_rule_on_cpu():
     q = _t(1, 2, 8, 32)
-    assert resolve_backend("auto", q, q, q, True, 0.0) == "aten_flash"
+    # causal: memopt's kernels (they skip the keys a tile cannot see); without a mask ATen's
+    assert resolve_backend("auto", q, q, q, True, 0.0) == ("cpu_flash" if cpu_flash_available() else "aten_flash")
+    assert resolve_backend("auto", q, q, q, False, 0.0) == "aten_flash"
     assert resolve_backend("auto", q, q, q, True, 0.1) == "native"
     with cpu_backend("native"):
         assert resolve_backend("auto", q, q, q, False, 0.0) == "native"
@@ -500,7 +505,7 @@ def test_every_cpu_backend_gives_the_same_result_to_rounding():
     q, k, v = _inputs((2, 4, 2, 70, 90, 64))
     grad = torch.randn(2, 4, 70, 64)
     results = {}
-    for backend in ["native", "aten_flash", "auto"] + (["triton"] if attention_triton is not None and attention_triton.INTERPRETED else []):
+    for backend in ["native", "cpu_flash", "aten_flash", "auto"] + (["triton"] if attention_triton is not None and attention_triton.INTERPRETED else []):
         out = memopt.attention(q, k, v, causal=True, backend=backend)
         results[backend] = (out, *torch.autograd.grad(out, (q, k, v), grad))
     for backend, result in results.items():
@@ -764,3 +769,84 @@ def test_flash_cpu_gradcheck_and_gradgradcheck(causal):
     fn = lambda a, b, c: memopt.attention(a, b, c, causal=causal, scale=0.3)  # noqa: E731
     assert torch.autograd.gradcheck(fn, (q, k, v), **GRADCHECK_TOLERANCES)
     assert torch.autograd.gradgradcheck(fn, (q, k, v), eps=1e-6, atol=1e-7, rtol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# "cpu_flash": memopt's C++ kernels (csrc/attention_cpu_kernels_impl.h), their own ops.
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize(
+    "shape",
+    [(2, 4, 2, 65, 65, 64), (1, 2, 2, 1100, 1100, 32), (1, 2, 1, 600, 1030, 16), (1, 3, 3, 1030, 600, 64)],
+    ids=_shape_id,
+)
+def test_cpu_flash_ops_match_the_float64_reference(causal, shape):
+    # Tiles of 64 query rows (65: a one-row tile), keys in blocks of 512 with an online softmax
+    # across them (seq_k > 512), grouped-query heads, causal masks of non-square shapes both ways,
+    # q / k / v as strided views of one fused projection.
+    batch, heads, kv_heads, seq_q, seq_k, head_dim = shape
+    fused_q = torch.randn(batch, seq_q, heads, head_dim, dtype=torch.float64).transpose(1, 2)
+    fused_kv = torch.randn(batch, seq_k, 2, kv_heads, head_dim, dtype=torch.float64).permute(2, 0, 3, 1, 4)
+    q, (k, v) = fused_q, fused_kv.unbind(0)
+    scale = 0.3
+    out, lse = torch.ops.memopt.cpu_flash_attention_fwd(q, k, v, causal, scale)
+    q64, k64, v64 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    ref = attention_ref(q64, k64, v64, causal=causal, scale=scale)
+    grad = torch.randn_like(ref)
+    expected = torch.autograd.grad(ref, (q64, k64, v64), grad)
+    group = heads // kv_heads
+    scores = (q64 @ k64.repeat_interleave(group, 1).transpose(-2, -1) * scale).detach()
+    if causal:
+        scores = scores.masked_fill(torch.ones(seq_q, seq_k, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(out, ref.detach(), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(lse, torch.logsumexp(scores, -1), atol=1e-12, rtol=1e-12)
+    actual = torch.ops.memopt.cpu_flash_attention_bwd(grad, q, k, v, out, lse, causal, scale)
+    for name, a, e in zip(("grad_q", "grad_k", "grad_v"), actual, expected):
+        torch.testing.assert_close(a, e, atol=1e-11, rtol=1e-11, msg=lambda m, n=name: f"{n}: {m}")
+        assert a.transpose(1, 2).is_contiguous()
+    assert out.transpose(1, 2).is_contiguous()  # q is a view of a (B, S, H, D) buffer
+
+
+def test_cpu_flash_float32_error_within_twice_the_eager_float32_error():
+    # The flash-attention bar: at most 2x PyTorch's own float32 error against float64.
+    q, k, v = _inputs((2, 8, 8, 256, 256, 64))
+    grad = torch.randn(2, 8, 256, 64)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = attention_ref(q64, k64, v64, causal=True)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), grad.double())
+    results = {}
+    for name, fn in (("memopt", lambda a, b, c: memopt.attention(a, b, c, causal=True, backend="cpu_flash")),
+                     ("eager", lambda a, b, c: attention_ref(a, b, c, causal=True, upcast=False))):
+        qe, ke, ve = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        out = fn(qe, ke, ve)
+        results[name] = (out, *torch.autograd.grad(out, (qe, ke, ve), grad))
+    for i, name in enumerate(("out", "grad_q", "grad_k", "grad_v")):
+        expected = (ref, *ref_grads)[i]
+        memopt_error = (results["memopt"][i].double() - expected).abs().max().item()
+        eager_error = (results["eager"][i].double() - expected).abs().max().item()
+        assert memopt_error <= 2 * eager_error + 1e-7, f"{name}: memopt {memopt_error:.3g} vs eager {eager_error:.3g}"
+
+
+def test_cpu_flash_gradcheck_float64():
+    q, k, v = (torch.randn(1, 2, 9, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    torch.autograd.gradcheck(lambda a, b, c: memopt.attention(a, b, c, causal=True, backend="cpu_flash"), (q, k, v))
+
+
+def test_cpu_flash_opcheck():
+    q, k, v = (torch.randn(1, 2, 70, 32) for _ in range(3))
+    out, lse = torch.ops.memopt.cpu_flash_attention_fwd(q, k, v, True, 0.2)
+    grad = torch.randn_like(out)
+    torch.library.opcheck(torch.ops.memopt.cpu_flash_attention_fwd.default, (q, k, v, True, 0.2))
+    torch.library.opcheck(torch.ops.memopt.cpu_flash_attention_bwd.default, (grad, q, k, v, out, lse, True, 0.2))
+
+
+def test_cpu_flash_refuses_what_it_cannot_do():
+    q = torch.randn(1, 2, 8, 32)
+    with pytest.raises(ValueError, match="backend 'cpu_flash' has no dropout"):
+        memopt.attention(q, q, q, causal=True, dropout_p=0.1, backend="cpu_flash")
+    with pytest.raises(ValueError, match="head_dim must be one of"):
+        torch.ops.memopt.cpu_flash_attention_fwd(torch.randn(1, 2, 8, 24), torch.randn(1, 2, 8, 24), torch.randn(1, 2, 8, 24), True, 0.2)
+    with pytest.raises(ValueError, match="lse must have shape"):
+        torch.ops.memopt.cpu_flash_attention_bwd(q, q, q, q, q, torch.randn(1, 2, 7), True, 0.2)

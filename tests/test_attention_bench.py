@@ -24,8 +24,8 @@ def test_cpu_preset_writes_rows(tmp_path):
     by_dropout = {}
     for r in rows:
         by_dropout.setdefault(r["name"].endswith("p0"), set()).add(r["provider"])
-    # Without dropout every CPU backend runs; ATen's flash kernel cannot replay memopt's dropout mask.
-    assert by_dropout[True] == {"memopt:auto", "memopt:native", "memopt:aten_flash", "sdpa", "eager"}
+    # Without dropout every CPU backend runs; the flash kernels (memopt's, ATen's) have no dropout.
+    assert by_dropout[True] == {"memopt:auto", "memopt:native", "memopt:cpu_flash", "memopt:aten_flash", "sdpa", "eager"}
     assert by_dropout[False] == {"memopt:auto", "memopt:native", "sdpa", "eager"}
     assert {r["mode"] for r in rows} == {"fwd", "fwd_bwd"}
     for r in rows:
@@ -36,7 +36,7 @@ def test_cpu_preset_writes_rows(tmp_path):
     for (provider, seq, name), nbytes in saved.items():
         if provider.startswith("memopt"):
             # out (float32) + lse + key, q/k/v excluded; eager keeps the seq x seq probabilities.
-            # Without dropout on CPU, ATen's kernels under memopt's C++ node keep no key.
-            flash_cpu = name.endswith("p0") and provider in ("memopt:auto", "memopt:aten_flash")
+            # Without dropout on CPU, "auto" runs under memopt's C++ node, which keeps no key.
+            flash_cpu = name.endswith("p0") and provider == "memopt:auto"
             assert nbytes == batch * heads * seq * (head_dim + 1) * 4 + (0 if flash_cpu else 16), provider
             assert saved[("eager", seq, name)] >= batch * heads * seq * seq * 4

@@ -103,3 +103,40 @@ def test_capped_build_matches_reference(tmp_path, capability):
         for i, (got, want) in enumerate(zip(tensors, expected)):
             torch.testing.assert_close(got.double(), want, **(tolerances(dtype) if i < 2 else tol),
                                        msg=lambda m: f"{key}, output {i}: {m}")
+
+
+def _every_kernel_once(seed: int) -> dict[str, tuple[torch.Tensor, ...]]:
+    """Outputs and gradients of the CPU ops at sizes that split over threads (rows past one
+    task's grain, 64-row attention tiles over several heads)."""
+    import memopt
+
+    torch.manual_seed(seed)
+    results = {}
+    x = torch.randn(2048, 1024, requires_grad=True)
+    w, b = torch.randn(1024, requires_grad=True), torch.randn(1024, requires_grad=True)
+    grad = torch.randn(2048, 1024)
+    y = memopt.layer_norm(x, w, b)
+    results["layer_norm"] = (y, *torch.autograd.grad(y, (x, w, b), grad))
+    y = memopt.bias_act(x, b, "gelu")
+    results["bias_act"] = (y, *torch.autograd.grad(y, (x, b), grad))
+    fused = torch.randn(2, 300, 3, 4, 64).requires_grad_()
+    q, k, v = fused.permute(2, 0, 3, 1, 4).unbind(0)
+    out = memopt.attention(q, k, v, causal=True, backend="cpu_flash")
+    results["attention"] = (out, *torch.autograd.grad(out, fused, torch.randn_like(out)))
+    return results
+
+
+def test_results_do_not_depend_on_the_number_of_threads():
+    # The kernels split rows (norm, activation), tiles (attention forward) or kv heads (attention
+    # backward) over threads and add partial sums in a fixed order: bitwise the same on 1 and 2.
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _every_kernel_once(0)
+        torch.set_num_threads(2)
+        two = _every_kernel_once(0)
+    finally:
+        torch.set_num_threads(threads)
+    for name, tensors in one.items():
+        for a, b in zip(tensors, two[name]):
+            assert torch.equal(a, b), name

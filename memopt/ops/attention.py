@@ -5,9 +5,10 @@ with CPU and CUDA kernels and fake impls so ``torch.compile`` traces them); ``At
 saves q, k, v, the output, one log-sum-exp per row (float32, float64 for float64 inputs) and the 16-byte RNG key, O(seq) bytes
 where eager attention keeps the (B, H, Sq, Sk) probabilities and dropout mask; the backward
 recomputes the probabilities block by block. Without dropout on CPU, :func:`attention` calls
-the C++ op ``torch.ops.memopt.attention_flash_cpu`` instead (``csrc/attention_cpu.cpp``: ATen's
-flash kernels, which keep this contract as they are, under a C++ autograd node that saves q, k,
-v, out and lse, so no Python runs in its forward or backward; second derivatives exact as here).
+the C++ op ``torch.ops.memopt.attention_flash_cpu`` instead (``csrc/attention_cpu.cpp``: the
+"cpu_flash" kernels for a causal mask, ATen's flash kernels without one, both keeping this
+contract as they are, under a C++ autograd node that saves q, k, v, out and lse, so no Python
+runs in its forward or backward; second derivatives exact as here).
 ``attention_ref`` is the plain PyTorch reference.
 
 The contract every backend keeps (so the block, the policies and the tests do not care which one
@@ -26,6 +27,11 @@ Backends (``backend=`` of :func:`attention` and of both ops):
   * ``"native"``: memopt's chunked PyTorch path on CPU (float32, float64): an online softmax over
     key chunks forward, chunk-by-chunk recomputation backward, dropout factors from the C++ Philox
     kernel ``memopt::philox_dropout_scale``. Also the CPU path when triton is not installed.
+  * ``"cpu_flash"``: memopt's C++ flash kernels for CPU (``csrc/attention_cpu_kernels_impl.h``,
+    float32, float64, grouped-query heads natively, no dropout): tiles of 64 query rows, each
+    multiplying only the keys it can see (one BLAS GEMM per tile product, on the strided rows of
+    q, k, v), an online softmax over blocks of 512 keys. ATen's CPU kernel splits keys in blocks
+    of 512 and so computes a causal score matrix whole below that length.
   * ``"aten_flash"``: ATen's fused flash kernels through their ops, no dropout: on CPU
     ``aten._scaled_dot_product_flash_attention_for_cpu`` (float32, float64; grouped-query heads
     natively), on CUDA ``aten._scaled_dot_product_flash_attention``.
@@ -38,8 +44,12 @@ Backends (``backend=`` of :func:`attention` and of both ops):
   must accept the inputs. Grouped-query heads are expanded (a copy) for ATen's CUDA kernels.
 
 ``"auto"`` (the default) picks, by :func:`resolve_backend`:
-  * CPU: ``"aten_flash"`` when ``dropout_p == 0``, else ``"native"`` (``cpu_backend`` can force
-    ``"native"`` or ``"triton"``). Measured forward+backward on this shared 2-core machine (float32,
+  * CPU: with dropout ``"native"``; without, ``"cpu_flash"`` for a causal mask and ``"aten_flash"``
+    otherwise (``cpu_backend`` can force ``"native"`` or ``"triton"``). Measured forward + backward,
+    float32, one thread, q/k/v views of one fused projection, min of 15 (2026-12-02): causal
+    ``"cpu_flash"`` / ``"aten_flash"`` 0.67x at (2, 8, 256, 64), 0.67x at (1, 4, 256, 64), 0.73x at
+    (2, 6, 512, 64), 0.66x at (1, 8, 1024, 64); without a mask 1.02-1.12x at seq 256 and
+    0.92-0.94x at 512-1024, so "auto" keeps ATen's there. Before, on this shared 2-core machine (float32,
     q/k/v views of one fused projection, b2 h8 d64 causal, seq 256 / 512, one thread, min of 7
     under heavy load from other jobs, so ratios only): without dropout aten_flash 56 / 169 ms,
     native 94 / 187, SDPA 50 / 198; with dropout 0.1 native 106 / 316 against SDPA's math path
@@ -62,6 +72,7 @@ import math
 
 import torch
 
+from memopt import _extension  # noqa: F401  (loads memopt._C: torch.ops.memopt.*)
 from memopt.ops import philox_mask as _philox_mask  # noqa: F401  (registers the fake of philox_dropout_scale)
 from memopt.ops._common import attention_out_empty, building_graph, grads_with_graph
 from memopt.ops._philox import dropout_keep_mask
@@ -83,8 +94,8 @@ GPU_DTYPES = (torch.float16, torch.bfloat16)
 INTERPRETER_DTYPES = (torch.float32,)
 NATIVE_DTYPES = (torch.float32, torch.float64)
 
-BACKENDS = ("auto", "triton", "native", "aten_flash", "cudnn", "efficient")
-CPU_BACKENDS = ("triton", "native", "aten_flash")
+BACKENDS = ("auto", "triton", "native", "cpu_flash", "aten_flash", "cudnn", "efficient")
+CPU_BACKENDS = ("triton", "native", "cpu_flash", "aten_flash")
 CUDA_BACKENDS = ("triton", "aten_flash", "cudnn", "efficient")
 ATEN_CUDA_BACKENDS = ("cudnn", "aten_flash", "efficient")
 
@@ -149,6 +160,17 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+# Whether the "cpu_flash" kernels can run: they multiply through the BLAS torch links
+# (csrc/cpu_blas.h), which torch's x86-64 wheels export. Read once, so that torch.compile traces a
+# constant.
+_CPU_FLASH_AVAILABLE = bool(torch.ops.memopt.cpu_flash_available())
+
+
+def cpu_flash_available() -> bool:
+    """Whether the ``"cpu_flash"`` backend can run in this torch build."""
+    return _CPU_FLASH_AVAILABLE
+
+
 def _check_backend_name(backend) -> None:
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"memopt.attention: backend must be one of {BACKENDS}, got {backend!r}")
@@ -205,13 +227,26 @@ def resolve_backend(backend: str, q, k, v, causal: bool, dropout_p: float) -> st
     if backend == "auto":
         if _cpu_backend is not None:
             return _cpu_backend
-        return "aten_flash" if dropout_p == 0.0 else "native"
+        if dropout_p > 0.0:
+            return "native"
+        return "cpu_flash" if causal and cpu_flash_available() else "aten_flash"
     if backend not in CPU_BACKENDS:
         raise ValueError(f"memopt.attention: backend {backend!r} does not run on CPU; CPU backends are {CPU_BACKENDS}")
     if backend == "triton":
         _require_interpreter()
     if backend == "aten_flash":
         _check_aten_keeps_contract(backend, q, k, causal, dropout_p)
+    if backend == "cpu_flash":
+        if dropout_p > 0.0:
+            raise ValueError(
+                "memopt.attention: backend 'cpu_flash' has no dropout; use backend='auto', 'triton' or 'native' with "
+                "dropout_p > 0"
+            )
+        if not cpu_flash_available():
+            raise ValueError(
+                "memopt.attention: backend 'cpu_flash' multiplies through the BLAS that torch links (sgemm_ / dgemm_), "
+                "which this torch build does not export; use backend='auto' or 'aten_flash'"
+            )
     return backend
 
 
@@ -564,6 +599,8 @@ def run_attention_fwd(backend: str, q, k, v, causal: bool, dropout_p: float, sca
     kernel (~35 us a call on CPU, measured)."""
     if backend == "native":
         return _attention_fwd_native(q, k, v, causal, dropout_p, scale, rng_key)
+    if backend == "cpu_flash":
+        return torch.ops.memopt.cpu_flash_attention_fwd(q, k, v, causal, scale)
     if backend == "aten_flash" and q.device.type == "cpu":
         return _attention_fwd_aten_cpu(q, k, v, causal, scale)
     if backend in ATEN_CUDA_BACKENDS:
@@ -627,6 +664,8 @@ def run_attention_bwd(backend: str, grad_out, q, k, v, out, lse, causal: bool, d
     checked (see :func:`run_attention_fwd`)."""
     if backend == "native":
         return _attention_bwd_native(grad_out, q, k, v, out, lse, causal, dropout_p, scale, rng_key)
+    if backend == "cpu_flash":
+        return torch.ops.memopt.cpu_flash_attention_bwd(grad_out, q, k, v, out, lse, causal, scale)
     if backend == "aten_flash" and q.device.type == "cpu":
         return _attention_bwd_aten_cpu(grad_out, q, k, v, out, lse, causal, scale)
     if backend in ATEN_CUDA_BACKENDS:
@@ -646,6 +685,16 @@ torch.library.impl("memopt::attention_bwd", ("cpu", "cuda"), _without_grad(atten
 @torch.library.register_fake("memopt::attention_flash_cpu")
 def _attention_flash_cpu_fake(q, k, v, causal, scale=None):
     return attention_out_empty(q)
+
+
+@torch.library.register_fake("memopt::cpu_flash_attention_fwd")
+def _cpu_flash_attention_fwd_fake(q, k, v, causal, scale):
+    return attention_out_empty(q), q.new_empty(q.shape[:3])
+
+
+@torch.library.register_fake("memopt::cpu_flash_attention_bwd")
+def _cpu_flash_attention_bwd_fake(grad_out, q, k, v, out, lse, causal, scale):
+    return _attention_bwd_fake(grad_out, q, k, v, out, lse, causal, 0.0, scale, None)
 
 
 @torch.library.register_fake("memopt::attention_bwd")
@@ -730,7 +779,7 @@ def attention(
         rng_key: int64 CPU tensor ``(seed, offset)`` for the dropout mask; drawn from torch's
             default generator when None, so ``torch.manual_seed`` fixes it. The mask is never
             stored: the backward regenerates it (convention in ``attention_triton``'s docstring).
-        backend: ``"auto"`` or one of ``"triton"``, ``"native"``, ``"aten_flash"``, ``"cudnn"``,
+        backend: ``"auto"`` or one of ``"triton"``, ``"native"``, ``"cpu_flash"``, ``"aten_flash"``, ``"cudnn"``,
             ``"efficient"`` (module docstring: what each is, what ``"auto"`` picks). Every backend
             saves the same tensors and gives the same result to rounding; a named backend that
             cannot keep the contract for these inputs (ATen's with dropout) raises ValueError.
@@ -773,9 +822,12 @@ def attention(
         scale = 1.0 / math.sqrt(q.shape[-1])
     if rng_key is None:
         rng_key = new_rng_key() if dropout_p > 0.0 else _NO_DROPOUT_KEY
-    if dropout_p == 0.0 and q.device.type == "cpu" and _check_inputs(q, k, v, causal, 0.0, rng_key, backend) == "aten_flash":
-        # ATen's kernels under a C++ autograd node (csrc/attention_cpu.cpp): the same kernels and
-        # saved tensors as AttentionFunction on this backend, without its Python overhead.
+    if (
+        dropout_p == 0.0 and q.device.type == "cpu" and backend == "auto"
+        and _check_inputs(q, k, v, causal, 0.0, rng_key, backend) in ("cpu_flash", "aten_flash")
+    ):  # fmt: skip
+        # The C++ autograd node (csrc/attention_cpu.cpp) runs what "auto" picks (the same rule in
+        # C++): the same kernels and saved tensors as AttentionFunction, without its Python overhead.
         return torch.ops.memopt.attention_flash_cpu(q, k, v, causal, float(scale))
     return AttentionFunction.apply(q, k, v, causal, float(dropout_p), float(scale), rng_key, backend)
 

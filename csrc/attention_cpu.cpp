@@ -156,10 +156,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_flash_backward(const at::Tens
   return {grad_q, grad_k, grad_v};
 }
 
-void check_like(const char* name, const at::Tensor& t, at::IntArrayRef shape) {
-  TORCH_CHECK_VALUE(t.sizes() == shape, "memopt.cpu_flash_attention_bwd: ", name, " must have shape ", shape, ", got ",
-                    t.sizes());
-  TORCH_CHECK_VALUE(t.device().is_cpu(), "memopt.cpu_flash_attention_bwd: ", name, " must be on the CPU, got ", t.device());
+// The gradients of q, k and v written straight into one (B, S, H + 2 Hkv, D) buffer, the layout of
+// a fused qkv projection's output: the block's gradient of that projection is then this buffer,
+// with no torch.cat of three gradients.
+at::Tensor cpu_flash_backward_packed(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                                     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal,
+                                     double scale) {
+  require_cpu_blas();
+  const at::Tensor q_ = unit_last_stride(q), k_ = unit_last_stride(k), v_ = unit_last_stride(v);
+  const at::Tensor grad_out_ = unit_last_stride(grad_out.to(q.scalar_type()));
+  const at::Tensor out_ = unit_last_stride(out.to(q.scalar_type()));
+  const at::Tensor lse_ = lse.to(q.scalar_type()).contiguous();
+  const int64_t heads = q.size(1), kv_heads = k.size(1);
+  at::Tensor grad_qkv = at::empty({q.size(0), q.size(2), heads + 2 * kv_heads, q.size(3)}, q.options());
+  at::Tensor grad_q = grad_qkv.narrow(2, 0, heads).transpose(1, 2);
+  at::Tensor grad_k = grad_qkv.narrow(2, heads, kv_heads).transpose(1, 2);
+  at::Tensor grad_v = grad_qkv.narrow(2, heads + kv_heads, kv_heads).transpose(1, 2);
+  grad_qkv.narrow(2, heads, 2 * kv_heads).zero_();
+  MEMOPT_CPU_KERNEL(attention_bwd_kernel)(grad_out_, q_, k_, v_, out_, lse_, causal, scale, grad_q, grad_k, grad_v);
+  return grad_qkv;
+}
+
+void check_like(const char* op, const char* name, const at::Tensor& t, at::IntArrayRef shape) {
+  TORCH_CHECK_VALUE(t.sizes() == shape, "memopt.", op, ": ", name, " must have shape ", shape, ", got ", t.sizes());
+  TORCH_CHECK_VALUE(t.device().is_cpu(), "memopt.", op, ": ", name, " must be on the CPU, got ", t.device());
+}
+
+void check_backward_inputs(const char* op, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                           const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, double scale) {
+  check_inputs(q, k, v, scale);
+  check_like(op, "grad_out", grad_out, q.sizes());
+  check_like(op, "out", out, q.sizes());
+  check_like(op, "lse", lse, q.sizes().slice(0, 3));
 }
 
 std::tuple<at::Tensor, at::Tensor> cpu_flash_attention_fwd(const at::Tensor& q, const at::Tensor& k,
@@ -172,10 +200,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_flash_attention_bwd(const at:
                                                                        const at::Tensor& k, const at::Tensor& v,
                                                                        const at::Tensor& out, const at::Tensor& lse,
                                                                        bool causal, double scale) {
-  check_inputs(q, k, v, scale);
-  check_like("grad_out", grad_out, q.sizes());
-  check_like("out", out, q.sizes());
-  check_like("lse", lse, q.sizes().slice(0, 3));
+  check_backward_inputs("cpu_flash_attention_bwd", grad_out, q, k, v, out, lse, scale);
   return cpu_flash_backward(grad_out, q, k, v, out, lse, causal, scale);
 }
 
@@ -205,6 +230,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_flash_bwd_op(const at::Tensor
                                  const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                  const at::Tensor&, const at::Tensor&, bool, double)>();
   return op.call(grad_out, q, k, v, out, lse, causal, scale);
+}
+
+at::Tensor cpu_flash_attention_bwd_packed(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                                          const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
+                                          bool causal, double scale) {
+  check_backward_inputs("cpu_flash_attention_bwd_packed", grad_out, q, k, v, out, lse, scale);
+  return cpu_flash_backward_packed(grad_out, q, k, v, out, lse, causal, scale);
 }
 
 at::Tensor flash_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
@@ -316,6 +348,7 @@ TORCH_LIBRARY_IMPL(memopt, CPU, m) {
   m.impl("attention_flash_cpu", &attention_flash_cpu);
   m.impl("cpu_flash_attention_fwd", &cpu_flash_attention_fwd);
   m.impl("cpu_flash_attention_bwd", &cpu_flash_attention_bwd);
+  m.impl("cpu_flash_attention_bwd_packed", &cpu_flash_attention_bwd_packed);
 }
 
 TORCH_LIBRARY_FRAGMENT(memopt, m) { m.def("cpu_flash_available() -> bool", &cpu_flash_available); }

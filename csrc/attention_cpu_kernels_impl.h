@@ -106,6 +106,18 @@ void softmax_grad_row(const T* p, T* dp, int64_t n, T d) {
   });
 }
 
+// Per-thread scratch that outlives the call (it only grows): tiles of scores are 128 KiB, the size
+// at which glibc's malloc starts mapping fresh pages for each request, so a buffer made per call
+// would page-fault its way in on every call.
+template <typename T, int Slot>
+T* scratch(int64_t elements) {
+  thread_local std::vector<T> buffer;
+  if (static_cast<int64_t>(buffer.size()) < elements) {
+    buffer.resize(elements);
+  }
+  return buffer.data();
+}
+
 // One (batch, head) of a (B, H, S, D) tensor whose last dimension is contiguous.
 template <typename T>
 struct Rows {
@@ -128,21 +140,24 @@ void attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   const int64_t tiles = (seq_q + kBlockQ - 1) / kBlockQ;
   T* lse_data = lse.mutable_data_ptr<T>();
   at::parallel_for(0, batch * heads * tiles, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> scores(kBlockQ * kBlockK), acc(kBlockQ * head_dim), row_max_(kBlockQ), row_sum(kBlockQ);
+    T* const scores = scratch<T, 0>(kBlockQ * kBlockK);
+    T* const acc = scratch<T, 1>(kBlockQ * head_dim);
+    T* const row_max_ = scratch<T, 2>(kBlockQ);
+    T* const row_sum = scratch<T, 3>(kBlockQ);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (heads * tiles), h = item / tiles % heads, r0 = item % tiles * kBlockQ;
       const int64_t rows = std::min(kBlockQ, seq_q - r0);
       const int64_t key_end = causal ? std::min(seq_k, r0 + rows) : seq_k;
       const Rows<T> q_rows = head_rows<T>(q, b, h), k_rows = head_rows<T>(k, b, h / group);
       const Rows<T> v_rows = head_rows<T>(v, b, h / group), out_rows = head_rows<T>(out, b, h);
-      std::fill(row_max_.begin(), row_max_.end(), -std::numeric_limits<T>::infinity());
-      std::fill(row_sum.begin(), row_sum.end(), T(0));
+      std::fill(row_max_, row_max_ + kBlockQ, -std::numeric_limits<T>::infinity());
+      std::fill(row_sum, row_sum + kBlockQ, T(0));
       for (int64_t c0 = 0; c0 < key_end; c0 += kBlockK) {
         const int64_t width = std::min(kBlockK, key_end - c0);
         cpu_gemm(false, true, rows, width, head_dim, scale, q_rows.row(r0), q_rows.stride, k_rows.row(c0),
-                 k_rows.stride, T(0), scores.data(), kBlockK);
+                 k_rows.stride, T(0), scores, kBlockK);
         for (int64_t i = 0; i < rows; ++i) {
-          T* s = scores.data() + i * kBlockK;
+          T* s = scores + i * kBlockK;
           const int64_t visible = visible_keys(causal, r0 + i, c0, width);
           if (visible == 0) {  // a later block of a causal row: nothing to add (never the first block)
             zero_row(s, width);
@@ -155,18 +170,18 @@ void attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
           row_sum[i] = row_sum[i] * rescale + sum;
           row_max_[i] = new_max;
           if (c0 != 0 && rescale != T(1)) {
-            scale_row(acc.data() + i * head_dim, head_dim, rescale);
+            scale_row(acc + i * head_dim, head_dim, rescale);
           }
         }
-        cpu_gemm(false, false, rows, head_dim, width, T(1), scores.data(), kBlockK, v_rows.row(c0), v_rows.stride,
-                 c0 == 0 ? T(0) : T(1), acc.data(), head_dim);
+        cpu_gemm(false, false, rows, head_dim, width, T(1), scores, kBlockK, v_rows.row(c0), v_rows.stride,
+                 c0 == 0 ? T(0) : T(1), acc, head_dim);
       }
       T* lse_row = lse_data + (b * heads + h) * seq_q + r0;
       for (int64_t i = 0; i < rows; ++i) {
         T* o = out_rows.row(r0 + i);
         const T inverse = T(1) / row_sum[i];
         const Vectorized<T> f(inverse);
-        const T* a = acc.data() + i * head_dim;
+        const T* a = acc + i * head_dim;
         for_each_vector<T>(head_dim, [&](int64_t j, int64_t count) { (Vectorized<T>::loadu(a + j, count) * f).store(o + j, count); });
         lse_row[i] = row_max_[i] + std::log(row_sum[i]);
       }
@@ -182,7 +197,9 @@ void attention_bwd(const at::Tensor& grad_out, const at::Tensor& q, const at::Te
   const int64_t kv_heads = k.size(1), seq_k = k.size(2), group = heads / kv_heads;
   const T* lse_data = lse.const_data_ptr<T>();
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<T> probs(kBlockQ * kBlockK), grad_scores(kBlockQ * kBlockK), delta(kBlockQ);
+    T* const probs = scratch<T, 0>(kBlockQ * kBlockK);
+    T* const grad_scores = scratch<T, 1>(kBlockQ * kBlockK);
+    T* const delta = scratch<T, 2>(kBlockQ);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / kv_heads, kv_head = item % kv_heads;
       const Rows<T> k_rows = head_rows<T>(k, b, kv_head), v_rows = head_rows<T>(v, b, kv_head);
@@ -201,26 +218,26 @@ void attention_bwd(const at::Tensor& grad_out, const at::Tensor& q, const at::Te
             const int64_t width = std::min(kBlockK, key_end - c0);
             // P = exp(scale * q k^T - lse), zero where masked
             cpu_gemm(false, true, rows, width, head_dim, scale, q_rows.row(r0), q_rows.stride, k_rows.row(c0),
-                     k_rows.stride, T(0), probs.data(), kBlockK);
+                     k_rows.stride, T(0), probs, kBlockK);
             for (int64_t i = 0; i < rows; ++i) {
-              T* p = probs.data() + i * kBlockK;
+              T* p = probs + i * kBlockK;
               const int64_t visible = visible_keys(causal, r0 + i, c0, width);
               exp_shifted<false>(p, p, visible, lse_head[r0 + i]);
               zero_row(p + visible, width - visible);
             }
             // dV += P^T dO
-            cpu_gemm(true, false, width, head_dim, rows, T(1), probs.data(), kBlockK, do_rows.row(r0), do_rows.stride,
+            cpu_gemm(true, false, width, head_dim, rows, T(1), probs, kBlockK, do_rows.row(r0), do_rows.stride,
                      T(1), dv_rows.row(c0), dv_rows.stride);
             // dP = dO V^T, then dS = P * (dP - rowsum(dO * O)) in its place
             cpu_gemm(false, true, rows, width, head_dim, T(1), do_rows.row(r0), do_rows.stride, v_rows.row(c0),
-                     v_rows.stride, T(0), grad_scores.data(), kBlockK);
+                     v_rows.stride, T(0), grad_scores, kBlockK);
             for (int64_t i = 0; i < rows; ++i) {
-              softmax_grad_row(probs.data() + i * kBlockK, grad_scores.data() + i * kBlockK, width, delta[i]);
+              softmax_grad_row(probs + i * kBlockK, grad_scores + i * kBlockK, width, delta[i]);
             }
             // dQ (+)= scale * dS K, dK += scale * dS^T Q
-            cpu_gemm(false, false, rows, head_dim, width, scale, grad_scores.data(), kBlockK, k_rows.row(c0),
+            cpu_gemm(false, false, rows, head_dim, width, scale, grad_scores, kBlockK, k_rows.row(c0),
                      k_rows.stride, c0 == 0 ? T(0) : T(1), dq_rows.row(r0), dq_rows.stride);
-            cpu_gemm(true, false, width, head_dim, rows, scale, grad_scores.data(), kBlockK, q_rows.row(r0),
+            cpu_gemm(true, false, width, head_dim, rows, scale, grad_scores, kBlockK, q_rows.row(r0),
                      q_rows.stride, T(1), dk_rows.row(c0), dk_rows.stride);
           }
         }

@@ -76,6 +76,9 @@ TORCH_LIBRARY(memopt, m) {
   m.def("cpu_flash_attention_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor out, Tensor lse)");
   m.def("cpu_flash_attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal,"
         " float scale) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+  // The same gradients as one (B, S, H + 2 Hkv, D) tensor, the layout of a fused qkv projection.
+  m.def("cpu_flash_attention_bwd_packed(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,"
+        " bool causal, float scale) -> Tensor grad_qkv");
 }
 
 namespace {

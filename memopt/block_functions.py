@@ -393,14 +393,17 @@ def _attention_kernel_fwd(call: BlockCall, q: Tensor, k: Tensor, v: Tensor) -> t
     )
 
 
-def _attention_kernel_bwd(call: BlockCall, grad_out, q, k, v, out, lse) -> tuple[Tensor, Tensor, Tensor]:
-    """``memopt::attention_bwd``, called as :func:`_attention_kernel_fwd` calls the forward."""
+def _attention_kernel_bwd(call: BlockCall, grad_out, q, k, v, out, lse) -> Tensor:
+    """``memopt::attention_bwd``, called as :func:`_attention_kernel_fwd` calls the forward; the
+    gradients of q, k, v as one (B, S, H + 2 Hkv, hd) tensor, laid out as qkv is (the CPU flash
+    kernels write them there; otherwise one copy assembles them)."""
     spec = call.spec
     args = (spec.causal, spec.attention_dropout, spec.scale, call.keys.attention)
     if q.device.type != "cpu" or torch.compiler.is_compiling():
-        return torch.ops.memopt.attention_bwd(grad_out, q, k, v, out, lse, *args)
+        grad_q, grad_k, grad_v = torch.ops.memopt.attention_bwd(grad_out, q, k, v, out, lse, *args)
+        return torch.cat((grad_q.transpose(1, 2), grad_k.transpose(1, 2), grad_v.transpose(1, 2)), dim=2)
     backend = _attention_ops.resolve_backend("auto", q, k, v, spec.causal, spec.attention_dropout)
-    return _attention_ops.run_attention_bwd(backend, grad_out, q, k, v, out, lse, *args)
+    return _attention_ops.run_attention_bwd_packed(backend, grad_out, q, k, v, out, lse, *args)
 
 
 def _flat(call: BlockCall, attn_out: Tensor) -> Tensor:
@@ -582,14 +585,11 @@ def _attention_backward(call: BlockCall, grad_h: Tensor, half: AttentionHalf, ne
     grad_out_proj_bias = _bias_grad(call, grad_o, params.out_proj_bias)
     grad_attn = (grad_o @ w.out_proj_weight).view(call.batch, call.seq, spec.n_heads, spec.head_dim).transpose(1, 2)
     del grad_o
-    grad_q, grad_k, grad_v = _attention_kernel_bwd(
+    grad_qkv = _attention_kernel_bwd(
         call, _upcast(call, grad_attn), *_heads(call, half.qkv), _upcast(call, half.attn_out), half.lse
     )
     del grad_attn
-    # One copy assembles the three gradients head-interleaved as qkv is laid out.
-    grad_qkv = torch.cat((grad_q.transpose(1, 2), grad_k.transpose(1, 2), grad_v.transpose(1, 2)), dim=2)
     grad_qkv = _cast(grad_qkv.view(call.batch * call.seq, -1), half.qkv.dtype)
-    del grad_q, grad_k, grad_v
     grad_qkv_bias = _bias_grad(call, grad_qkv, params.qkv_bias)
     if spec.norm_first:
         grad_n1 = grad_qkv @ w.qkv_weight

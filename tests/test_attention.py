@@ -842,11 +842,29 @@ def test_cpu_flash_opcheck():
     torch.library.opcheck(torch.ops.memopt.cpu_flash_attention_bwd.default, (grad, q, k, v, out, lse, True, 0.2))
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_cpu_flash_packed_gradients_are_the_three_gradients_laid_out_as_qkv(kv_heads):
+    # The block's backward takes grad_qkv from this op: (B, S, H + 2 Hkv, D), q's heads first.
+    fused = torch.randn(2, 70, 4 + 2 * kv_heads, 32, dtype=torch.float64)
+    q, k, v = fused.split((4, kv_heads, kv_heads), dim=2)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    out, lse = torch.ops.memopt.cpu_flash_attention_fwd(q, k, v, True, 0.2)
+    grad = torch.randn_like(out)
+    packed = torch.ops.memopt.cpu_flash_attention_bwd_packed(grad, q, k, v, out, lse, True, 0.2)
+    q64, k64, v64 = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    expected = torch.autograd.grad(attention_ref(q64, k64, v64, causal=True, scale=0.2), (q64, k64, v64), grad)
+    assert packed.shape == fused.shape and packed.is_contiguous()
+    torch.testing.assert_close(packed, torch.cat([g.transpose(1, 2) for g in expected], dim=2), atol=1e-12, rtol=1e-12)
+    torch.library.opcheck(torch.ops.memopt.cpu_flash_attention_bwd_packed.default, (grad, q, k, v, out, lse, True, 0.2))
+
+
 def test_cpu_flash_refuses_what_it_cannot_do():
     q = torch.randn(1, 2, 8, 32)
     with pytest.raises(ValueError, match="backend 'cpu_flash' has no dropout"):
         memopt.attention(q, q, q, causal=True, dropout_p=0.1, backend="cpu_flash")
     with pytest.raises(ValueError, match="head_dim must be one of"):
         torch.ops.memopt.cpu_flash_attention_fwd(torch.randn(1, 2, 8, 24), torch.randn(1, 2, 8, 24), torch.randn(1, 2, 8, 24), True, 0.2)
-    with pytest.raises(ValueError, match="lse must have shape"):
+    with pytest.raises(ValueError, match="cpu_flash_attention_bwd: lse must have shape"):
         torch.ops.memopt.cpu_flash_attention_bwd(q, q, q, q, q, torch.randn(1, 2, 7), True, 0.2)
+    with pytest.raises(ValueError, match="cpu_flash_attention_bwd_packed: grad_out must have shape"):
+        torch.ops.memopt.cpu_flash_attention_bwd_packed(q[:, :1], q, q, q, q, torch.randn(1, 2, 8), True, 0.2)

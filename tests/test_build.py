@@ -40,7 +40,12 @@ HOST_ONLY_OPS = {"memopt::philox_dropout_scale": "the native CPU attention path'
 # Ops that wrap a CPU-only ATen kernel: memopt.attention calls this one for CPU tensors only (CUDA
 # attention runs attention_fwd / attention_bwd); a CUDA tensor gets the dispatcher's "could not
 # run with arguments from the 'CUDA' backend".
-CPU_ONLY_OPS = {"memopt::attention_flash_cpu": "ATen's CPU flash attention kernels under a C++ autograd node"}
+CPU_ONLY_OPS = {
+    "memopt::attention_flash_cpu": "the CPU flash attention kernels under a C++ autograd node",
+    "memopt::cpu_flash_attention_fwd": "memopt's CPU flash attention kernels (CUDA runs the Triton or ATen ones)",
+    "memopt::cpu_flash_attention_bwd": "memopt's CPU flash attention kernels",
+    "memopt::cpu_flash_attention_bwd_packed": "memopt's CPU flash attention kernels",
+}
 
 
 def _has_kernel(name: str, key: str) -> bool:

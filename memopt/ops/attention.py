@@ -8,7 +8,10 @@ recomputes the probabilities block by block. Without dropout on CPU, :func:`atte
 the C++ op ``torch.ops.memopt.attention_flash_cpu`` instead (``csrc/attention_cpu.cpp``: the
 "cpu_flash" kernels for a causal mask, ATen's flash kernels without one, both keeping this
 contract as they are, under a C++ autograd node that saves q, k, v, out and lse, so no Python
-runs in its forward or backward; second derivatives exact as here).
+runs in its forward or backward; second derivatives exact as here). The "cpu_flash" kernels are
+also ops of their own, ``torch.ops.memopt.cpu_flash_attention_{fwd,bwd,bwd_packed}`` (C++, fake
+impls below); ``_bwd_packed`` writes the three gradients into one (B, S, H + 2 Hkv, D) tensor, the
+layout of the block's fused qkv projection, so the block needs no ``torch.cat`` to assemble them.
 ``attention_ref`` is the plain PyTorch reference.
 
 The contract every backend keeps (so the block, the policies and the tests do not care which one
@@ -659,6 +662,16 @@ def attention_bwd(
     return run_attention_bwd(backend, grad_out, q, k, v, out, lse, causal, dropout_p, scale, rng_key)
 
 
+def run_attention_bwd_packed(backend: str, grad_out, q, k, v, out, lse, causal: bool, dropout_p: float, scale: float, rng_key):
+    """:func:`run_attention_bwd`'s three gradients as one ``(B, S, H + 2 Hkv, D)`` tensor, the layout
+    of a fused qkv projection's output (the block's): written there by the ``"cpu_flash"`` kernels,
+    assembled with one copy by the other backends."""
+    if backend == "cpu_flash":
+        return torch.ops.memopt.cpu_flash_attention_bwd_packed(grad_out, q, k, v, out, lse, causal, scale)
+    grad_q, grad_k, grad_v = run_attention_bwd(backend, grad_out, q, k, v, out, lse, causal, dropout_p, scale, rng_key)
+    return torch.cat((grad_q.transpose(1, 2), grad_k.transpose(1, 2), grad_v.transpose(1, 2)), dim=2)
+
+
 def run_attention_bwd(backend: str, grad_out, q, k, v, out, lse, causal: bool, dropout_p: float, scale: float, rng_key):
     """:func:`attention_bwd`'s kernels for a ``backend`` already resolved, on inputs already
     checked (see :func:`run_attention_fwd`)."""
@@ -695,6 +708,12 @@ def _cpu_flash_attention_fwd_fake(q, k, v, causal, scale):
 @torch.library.register_fake("memopt::cpu_flash_attention_bwd")
 def _cpu_flash_attention_bwd_fake(grad_out, q, k, v, out, lse, causal, scale):
     return _attention_bwd_fake(grad_out, q, k, v, out, lse, causal, 0.0, scale, None)
+
+
+@torch.library.register_fake("memopt::cpu_flash_attention_bwd_packed")
+def _cpu_flash_attention_bwd_packed_fake(grad_out, q, k, v, out, lse, causal, scale):
+    batch, heads, seq, head_dim = q.shape
+    return q.new_empty((batch, seq, heads + 2 * k.shape[1], head_dim))
 
 
 @torch.library.register_fake("memopt::attention_bwd")

@@ -400,8 +400,7 @@ def _attention_kernel_bwd(call: BlockCall, grad_out, q, k, v, out, lse) -> Tenso
     spec = call.spec
     args = (spec.causal, spec.attention_dropout, spec.scale, call.keys.attention)
     if q.device.type != "cpu" or torch.compiler.is_compiling():
-        grad_q, grad_k, grad_v = torch.ops.memopt.attention_bwd(grad_out, q, k, v, out, lse, *args)
-        return torch.cat((grad_q.transpose(1, 2), grad_k.transpose(1, 2), grad_v.transpose(1, 2)), dim=2)
+        return _attention_ops.pack_qkv_grads(*torch.ops.memopt.attention_bwd(grad_out, q, k, v, out, lse, *args))
     backend = _attention_ops.resolve_backend("auto", q, k, v, spec.causal, spec.attention_dropout)
     return _attention_ops.run_attention_bwd_packed(backend, grad_out, q, k, v, out, lse, *args)
 

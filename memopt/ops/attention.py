@@ -668,7 +668,11 @@ def run_attention_bwd_packed(backend: str, grad_out, q, k, v, out, lse, causal: 
     assembled with one copy by the other backends."""
     if backend == "cpu_flash":
         return torch.ops.memopt.cpu_flash_attention_bwd_packed(grad_out, q, k, v, out, lse, causal, scale)
-    grad_q, grad_k, grad_v = run_attention_bwd(backend, grad_out, q, k, v, out, lse, causal, dropout_p, scale, rng_key)
+    return pack_qkv_grads(*run_attention_bwd(backend, grad_out, q, k, v, out, lse, causal, dropout_p, scale, rng_key))
+
+
+def pack_qkv_grads(grad_q, grad_k, grad_v):
+    """(B, H, S, D) gradients of q, k, v as one (B, S, H + 2 Hkv, D) tensor, q's heads first (one copy)."""
     return torch.cat((grad_q.transpose(1, 2), grad_k.transpose(1, 2), grad_v.transpose(1, 2)), dim=2)
 
 

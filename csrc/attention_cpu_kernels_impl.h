@@ -106,18 +106,6 @@ void softmax_grad_row(const T* p, T* dp, int64_t n, T d) {
   });
 }
 
-// Per-thread scratch that outlives the call (it only grows): tiles of scores are 128 KiB, the size
-// at which glibc's malloc starts mapping fresh pages for each request, so a buffer made per call
-// would page-fault its way in on every call.
-template <typename T, int Slot>
-T* scratch(int64_t elements) {
-  thread_local std::vector<T> buffer;
-  if (static_cast<int64_t>(buffer.size()) < elements) {
-    buffer.resize(elements);
-  }
-  return buffer.data();
-}
-
 // One (batch, head) of a (B, H, S, D) tensor whose last dimension is contiguous.
 template <typename T>
 struct Rows {

@@ -42,6 +42,12 @@ TORCH_LIBRARY(memopt, m) {
   m.def("layer_norm(Tensor x, Tensor? residual, Tensor? weight, Tensor? bias, float eps)"
         " -> (Tensor y, Tensor residual_out)");
   m.def("rms_norm(Tensor x, Tensor? residual, Tensor? weight, float eps) -> (Tensor y, Tensor residual_out)");
+  // out = F.linear(norm(x [+ residual]), linear_weight, linear_bias), norm RMSNorm when rms (norm_bias
+  // then None), under a C++ autograd node that keeps no norm output: its backward rebuilds it from
+  // x and the statistics for the weight gradient (norm_autograd.cpp). Under torch.autocast the
+  // linear runs in the autocast dtype. residual_out = x + residual, empty without a residual.
+  m.def("norm_linear(Tensor x, Tensor? residual, Tensor? norm_weight, Tensor? norm_bias, Tensor linear_weight,"
+        " Tensor? linear_bias, bool rms, float eps) -> (Tensor out, Tensor residual_out)");
   // y = act(x + bias), activation in {"relu", "gelu", "gelu_tanh", "silu"}. Only x is saved for
   // backward; the backward recomputes act and act' (and y when return_y).
   m.def("bias_act_fwd(Tensor x, Tensor? bias, str activation) -> Tensor y");

@@ -1,21 +1,26 @@
-// layer_norm / rms_norm as differentiable ops: the autograd node of memopt.layer_norm and
-// memopt.rms_norm, in C++.
+// The differentiable norm ops, their autograd nodes in C++: memopt.layer_norm and memopt.rms_norm
+// (torch.ops.memopt.{layer_norm,rms_norm}) and memopt.norm_linear (torch.ops.memopt.norm_linear).
 //
 // The kernels (layer_norm_fwd / _bwd, rms_norm_fwd / _bwd; norm.cpp, norm_cuda.cu) are faster
 // than ATen's on CPU (forward 0.07 against 0.11 ms, backward 0.11 against 0.13 ms at 512 x 512, one
 // thread), but a Python autograd Function around them costs ~40 us per forward + backward, which
-// lost that lead to F.layer_norm at small shapes. This node is C++, as ATen's is. It saves x (or
-// residual_out when a residual was added: an output anyway), the per-row statistics and the
+// lost that lead to F.layer_norm at small shapes. These nodes are C++, as ATen's are. They save x
+// (or residual_out when a residual was added: an output anyway), the per-row statistics and the
 // parameters, nothing of y's size; a backward under create_graph=True (second derivatives)
 // runs the backward formula as plain ATen ops in the statistics dtype, so second derivatives are
-// exact. Checks: the kernels' (norm_common.cpp), after memopt/ops/norm.py's.
+// exact. Checks: the kernels' (norm_common.cpp) and check_norm_linear's; memopt/ops/norm.py runs
+// its own (the same conditions, in Python's words) only when a call fails.
 #include <ATen/ATen.h>
+#include <ATen/autocast_mode.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/library.h>
 
 #include <numeric>
 #include <vector>
+
+#include "common.h"
 
 namespace memopt {
 namespace {
@@ -25,6 +30,7 @@ using torch::autograd::variable_list;
 using OptionalTensor = std::optional<at::Tensor>;
 using Tensor4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using Tensor3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+using Tensor2 = std::tuple<at::Tensor, at::Tensor>;
 
 OptionalTensor optional(const at::Tensor& t) { return t.defined() ? OptionalTensor(t) : std::nullopt; }
 
@@ -68,6 +74,54 @@ Tensor3 norm_backward(bool rms, const at::Tensor& grad_y, const at::Tensor& x, c
   return {grad_x, grad_weight, grad_bias};
 }
 
+// (grad_weight, grad_bias, y) from the registered in-place backward op, which writes grad_x over
+// grad_y (a buffer the caller made and needs no more); y (rebuilt) only when return_y.
+Tensor3 norm_backward_inplace(bool rms, const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight,
+                              const at::Tensor& bias, const at::Tensor& mean, const at::Tensor& rstd,
+                              const at::Tensor& grad_x_extra, bool return_y) {
+  const OptionalTensor extra = grad_x_extra.defined() ? OptionalTensor(grad_x_extra.contiguous()) : std::nullopt;
+  if (rms) {
+    static auto op = c10::Dispatcher::singleton()
+                         .findSchemaOrThrow("memopt::rms_norm_bwd_inplace", "")
+                         .typed<Tensor2(const at::Tensor&, const at::Tensor&, const OptionalTensor&, const at::Tensor&,
+                                        const OptionalTensor&, bool)>();
+    auto [grad_weight, y] = op.call(grad_y, x, optional(weight), rstd, extra, return_y);
+    return {grad_weight, at::Tensor(), y};
+  }
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("memopt::layer_norm_bwd_inplace", "")
+                       .typed<Tensor3(const at::Tensor&, const at::Tensor&, const OptionalTensor&, const OptionalTensor&,
+                                      const at::Tensor&, const at::Tensor&, const OptionalTensor&, bool)>();
+  return op.call(grad_y, x, optional(weight), optional(bias), mean, rstd, extra, return_y);
+}
+
+// The norm in differentiable ATen ops, in the kernels' statistics dtype: x_hat = (x - mean) * rstd
+// (mean 0 for RMSNorm) and rstd, what norm_backward_math and norm_value_math build on.
+struct NormMath {
+  at::ScalarType compute;
+  at::Tensor x_hat;
+  at::Tensor rstd;
+};
+
+NormMath norm_math(bool rms, const at::Tensor& x, double eps) {
+  const at::ScalarType compute = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::Tensor h = x.to(compute);
+  const at::Tensor centred = rms ? h : h - h.mean(-1, /*keepdim=*/true);
+  const at::Tensor rstd = at::rsqrt(centred.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return {compute, centred * rstd, rstd};
+}
+
+// y = x_hat * weight + bias in x's dtype, as differentiable ops (the kernels' forward, for a
+// backward under create_graph=True that needs y).
+at::Tensor norm_value_math(bool rms, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
+                           double eps) {
+  const NormMath m = norm_math(rms, x, eps);
+  at::Tensor y = m.x_hat;
+  if (weight.defined()) y = y * weight.to(m.compute);
+  if (bias.defined()) y = y + bias.to(m.compute);
+  return y.to(x.scalar_type());
+}
+
 // The backward as differentiable ATen ops, in the kernels' statistics dtype: under
 // create_graph=True the returned gradients are functions of x and the parameters, so a second
 // backward differentiates them exactly. Written out rather than obtained from autograd::grad of
@@ -78,22 +132,18 @@ Tensor3 norm_backward(bool rms, const at::Tensor& grad_y, const at::Tensor& x, c
 //   grad_weight = sum over rows of grad_y * x_hat, grad_bias = sum over rows of grad_y.
 Tensor3 norm_backward_math(bool rms, const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight,
                            const at::Tensor& bias, double eps) {
-  const at::ScalarType compute = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  const at::Tensor h = x.to(compute);
-  const at::Tensor centred = rms ? h : h - h.mean(-1, /*keepdim=*/true);
-  const at::Tensor rstd = at::rsqrt(centred.pow(2).mean(-1, /*keepdim=*/true) + eps);
-  const at::Tensor x_hat = centred * rstd;
-  const at::Tensor dy = grad_y.to(compute);
-  const at::Tensor g = weight.defined() ? dy * weight.to(compute) : dy;
-  at::Tensor inner = g - x_hat * (g * x_hat).mean(-1, /*keepdim=*/true);
+  const NormMath m = norm_math(rms, x, eps);
+  const at::Tensor dy = grad_y.to(m.compute);
+  const at::Tensor g = weight.defined() ? dy * weight.to(m.compute) : dy;
+  at::Tensor inner = g - m.x_hat * (g * m.x_hat).mean(-1, /*keepdim=*/true);
   if (!rms) {
     inner = inner - g.mean(-1, /*keepdim=*/true);
   }
-  const at::Tensor grad_x = (rstd * inner).to(x.scalar_type());
+  const at::Tensor grad_x = (m.rstd * inner).to(x.scalar_type());
   std::vector<int64_t> rows(x.dim() - 1);
   std::iota(rows.begin(), rows.end(), 0);
   const at::Tensor grad_weight =
-      weight.defined() ? (dy * x_hat).sum(rows).to(weight.scalar_type()) : at::Tensor();
+      weight.defined() ? (dy * m.x_hat).sum(rows).to(weight.scalar_type()) : at::Tensor();
   const at::Tensor grad_bias = bias.defined() ? dy.sum(rows).to(bias.scalar_type()) : at::Tensor();
   return {grad_x, grad_weight, grad_bias};
 }
@@ -144,6 +194,162 @@ struct NormFunction : public torch::autograd::Function<NormFunction<kRms>> {
   }
 };
 
+// ---------------------------------------------------------------------------------------------
+// norm_linear: F.linear(norm(x [+ residual]), linear_weight, linear_bias) keeping no norm output.
+// Saves what the norm's node saves plus linear_weight; the backward gets grad_y = grad_out @ W,
+// one in-place norm-backward kernel writes grad_x over it and rebuilds y, and
+// grad_W = grad_out^T @ y. A C++ node, as the norms': a Python autograd.Function around the same
+// work cost 0.25-0.5 ms more per step once a GEMM had swept the caches.
+
+// What F.linear after the norm accepts, with memopt.norm_linear's words (memopt/ops/_common.py's
+// check_linear): weight (m, n) and bias (m,) on x's device; outside torch.autocast in x's dtype,
+// under it in a dtype autocast casts (float32, float16, bfloat16), x too.
+void check_norm_linear(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias, bool rms,
+                       const OptionalTensor& norm_bias) {
+  constexpr const char* op = "norm_linear";
+  MEMOPT_CHECK(!(rms && norm_bias.has_value()), op, "norm_bias must be None for norm='rmsnorm' (RMSNorm has no bias)");
+  // Sizes as SymInts: under torch.compile this node runs on tensors of symbolic shape.
+  const c10::SymInt n = x.dim() > 0 ? x.sym_size(-1) : c10::SymInt(0);
+  MEMOPT_CHECK(weight.dim() == 2 && weight.sym_size(1) == n, op, "linear_weight must have shape [out_features, ", n,
+               "], got ", weight.sym_sizes());
+  if (bias.has_value()) {
+    MEMOPT_CHECK(bias->dim() == 1 && bias->sym_size(0) == weight.sym_size(0), op, "linear_bias must have shape [",
+                 weight.sym_size(0), "], got ", bias->sym_sizes());
+  }
+  const bool autocast = at::autocast::is_autocast_available(x.device().type()) &&
+                        at::autocast::is_autocast_enabled(x.device().type());
+  const auto castable = [](at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; };
+  const auto check_param = [&](const at::Tensor& p, const char* name) {
+    check_same_device(p, x, op, name, "x");
+    if (autocast) {
+      MEMOPT_CHECK(castable(p.scalar_type()) && castable(x.scalar_type()), op, "under torch.autocast x and ", name,
+                   " must be float32, float16 or bfloat16 (autocast casts those), got x ", x.scalar_type(), " and ",
+                   name, " ", p.scalar_type());
+    } else {
+      MEMOPT_CHECK(p.scalar_type() == x.scalar_type(), op, name, " must have x's dtype (", x.scalar_type(),
+                   ") outside torch.autocast, got ", p.scalar_type());
+    }
+  };
+  check_param(weight, "linear_weight");
+  if (bias.has_value()) check_param(*bias, "linear_bias");
+}
+
+// F.linear as under torch.autocast when it is on (inputs cast to the autocast dtype, as autocast
+// casts them for linear), but without autocast's cast cache: a weight cast made below autograd and
+// cached would hand every later F.linear in the same autocast region a copy with no autograd
+// history, so the weight would get no gradient there.
+at::Tensor linear_as_autocast(const at::Tensor& y, const at::Tensor& weight, const OptionalTensor& bias) {
+  const c10::DeviceType device = y.device().type();
+  if (!at::autocast::is_autocast_available(device) || !at::autocast::is_autocast_enabled(device)) {
+    return at::linear(y, weight, bias);
+  }
+  const at::ScalarType dtype = at::autocast::get_autocast_dtype(device);
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+  return at::linear(y.to(dtype), weight.to(dtype), bias.has_value() ? OptionalTensor(bias->to(dtype)) : std::nullopt);
+}
+
+struct NormLinearFunction : public torch::autograd::Function<NormLinearFunction> {
+  // Returns (out, residual_out); residual_out is empty (and not differentiable) without a residual.
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const OptionalTensor& residual,
+                               const OptionalTensor& norm_weight, const OptionalTensor& norm_bias,
+                               const at::Tensor& linear_weight, const OptionalTensor& linear_bias, bool rms,
+                               double eps) {
+    check_norm_linear(x, linear_weight, linear_bias, rms, norm_bias);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [y, residual_out, mean, rstd] = norm_forward(rms, x, residual, norm_weight, norm_bias, eps);
+    // Under torch.autocast the linear runs in the autocast dtype, as F.linear would.
+    at::Tensor out = linear_as_autocast(y, linear_weight, linear_bias);
+    const bool has_residual = residual.has_value();
+    ctx->save_for_backward({has_residual ? residual_out : x, norm_weight.value_or(at::Tensor()),
+                            norm_bias.value_or(at::Tensor()), linear_weight, mean, rstd});
+    ctx->saved_data["eps"] = eps;
+    ctx->saved_data["rms"] = rms;
+    ctx->saved_data["has_residual"] = has_residual;
+    // needs_input_grad counts the tensor arguments that were given (an absent optional has no edge)
+    ctx->saved_data["linear_weight_edge"] = int64_t(1) + int64_t(has_residual) + int64_t(norm_weight.has_value()) +
+                                            int64_t(norm_bias.has_value());
+    ctx->saved_data["linear_bias_dtype"] =
+        linear_bias.has_value() ? static_cast<int64_t>(linear_bias->scalar_type()) : int64_t(-1);
+    ctx->set_materialize_grads(false);
+    if (!has_residual) {
+      ctx->mark_non_differentiable({residual_out});
+    }
+    return {out, residual_out};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &norm_weight = saved[1], &norm_bias = saved[2], &linear_weight = saved[3];
+    const bool rms = ctx->saved_data["rms"].toBool();
+    const bool has_residual = ctx->saved_data["has_residual"].toBool();
+    const int64_t bias_dtype_code = ctx->saved_data["linear_bias_dtype"].toInt();
+    const at::Tensor& grad_out = grads[0];
+    const at::Tensor grad_residual_out = has_residual ? grads[1] : at::Tensor();
+    at::Tensor grad_x, grad_norm_weight, grad_norm_bias, grad_linear_weight, grad_linear_bias;
+    if (grad_out.defined()) {
+      // The casts are the ones autocast made in the forward (to grad_out's dtype, the output's),
+      // and nothing may recast: autocast is off here even when backward() runs inside it.
+      c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
+      const at::ScalarType compute = grad_out.scalar_type();
+      const c10::SymInt n = x.sym_size(-1);
+      const c10::SymInt rows = x.sym_numel() / n;
+      const at::Tensor grad_out_2d = grad_out.reshape_symint({rows, linear_weight.sym_size(0)});
+      const at::Tensor weight_c = linear_weight.to(compute);
+      if (bias_dtype_code >= 0) {
+        grad_linear_bias = grad_out_2d.sum(0).to(static_cast<at::ScalarType>(bias_dtype_code));
+      }
+      if (at::GradMode::is_enabled()) {
+        // create_graph=True: every gradient as differentiable ops of x, the parameters and grad_out.
+        const double eps = ctx->saved_data["eps"].toDouble();
+        const at::Tensor grad_y = at::mm(grad_out_2d, weight_c).to(x.scalar_type()).reshape_symint(x.sym_sizes());
+        std::tie(grad_x, grad_norm_weight, grad_norm_bias) =
+            norm_backward_math(rms, grad_y, x, norm_weight, norm_bias, eps);
+        const at::Tensor y = norm_value_math(rms, x, norm_weight, norm_bias, eps).reshape_symint({rows, n});
+        grad_linear_weight = at::mm(grad_out_2d.t(), y.to(compute)).to(linear_weight.scalar_type());
+        if (grad_residual_out.defined()) grad_x = grad_x + grad_residual_out;
+      } else {
+        at::AutoDispatchBelowADInplaceOrView guard;
+        // A new buffer (the matmul's, or its cast's): grad_x is written over it.
+        at::Tensor grad_y = at::mm(grad_out_2d, weight_c).to(x.scalar_type()).view_symint(x.sym_sizes());
+        const bool need_linear_weight_grad = ctx->needs_input_grad(ctx->saved_data["linear_weight_edge"].toInt());
+        at::Tensor y;
+        std::tie(grad_norm_weight, grad_norm_bias, y) = norm_backward_inplace(
+            rms, grad_y, x, norm_weight, norm_bias, saved[4], saved[5], grad_residual_out, need_linear_weight_grad);
+        grad_x = grad_y;
+        if (need_linear_weight_grad) {
+          grad_linear_weight =
+              at::mm(grad_out_2d.t(), y.view_symint({rows, n}).to(compute)).to(linear_weight.scalar_type());
+        }
+        if (!norm_weight.defined()) grad_norm_weight = at::Tensor();
+        if (!norm_bias.defined()) grad_norm_bias = at::Tensor();
+      }
+    } else {
+      grad_x = grad_residual_out;  // only residual_out was used: the norm and the linear get no gradient
+    }
+    return {grad_x,           has_residual ? grad_x : at::Tensor(), grad_norm_weight, grad_norm_bias,
+            grad_linear_weight, grad_linear_bias, at::Tensor(), at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> norm_linear_autograd(const at::Tensor& x, const OptionalTensor& residual,
+                                                        const OptionalTensor& norm_weight,
+                                                        const OptionalTensor& norm_bias, const at::Tensor& linear_weight,
+                                                        const OptionalTensor& linear_bias, bool rms, double eps) {
+  const variable_list out =
+      NormLinearFunction::apply(x, residual, norm_weight, norm_bias, linear_weight, linear_bias, rms, eps);
+  return {out[0], out[1]};
+}
+
+// Below autograd: the norm's forward op, then the linear.
+std::tuple<at::Tensor, at::Tensor> norm_linear_values(const at::Tensor& x, const OptionalTensor& residual,
+                                                      const OptionalTensor& norm_weight, const OptionalTensor& norm_bias,
+                                                      const at::Tensor& linear_weight,
+                                                      const OptionalTensor& linear_bias, bool rms, double eps) {
+  check_norm_linear(x, linear_weight, linear_bias, rms, norm_bias);
+  auto [y, residual_out, mean, rstd] = norm_forward(rms, x, residual, norm_weight, norm_bias, eps);
+  return {linear_as_autocast(y, linear_weight, linear_bias), residual_out};
+}
+
 std::tuple<at::Tensor, at::Tensor> layer_norm_autograd(const at::Tensor& x, const OptionalTensor& residual,
                                                        const OptionalTensor& weight, const OptionalTensor& bias,
                                                        double eps) {
@@ -176,11 +382,13 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_values(const at::Tensor& x, const Op
 TORCH_LIBRARY_IMPL(memopt, Autograd, m) {
   m.impl("layer_norm", &layer_norm_autograd);
   m.impl("rms_norm", &rms_norm_autograd);
+  m.impl("norm_linear", &norm_linear_autograd);
 }
 
 TORCH_LIBRARY_IMPL(memopt, CompositeExplicitAutograd, m) {
   m.impl("layer_norm", &layer_norm_values);
   m.impl("rms_norm", &rms_norm_values);
+  m.impl("norm_linear", &norm_linear_values);
 }
 
 }  // namespace memopt

@@ -7,7 +7,6 @@ import torch.nn.functional as F
 
 import memopt
 from memopt.ops.norm import (
-    NormLinearFunction,
     layer_norm_ref,
     rms_norm_ref,
 )
@@ -351,7 +350,7 @@ def test_opcheck_differentiable_norm_ops(with_residual, dtype):
 
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("norm", NORMS)
-def test_gradcheck_norm_linear_function(norm, with_residual):
+def test_gradcheck_norm_linear_op(norm, with_residual):
     x, residual, norm_weight, norm_bias = (
         double_leaf(t) for t in make_inputs((2, 3, 7), "cpu", torch.float64, "weight_bias", with_residual, norm=norm)
     )
@@ -359,8 +358,22 @@ def test_gradcheck_norm_linear_function(norm, with_residual):
     linear_bias = torch.randn(5, dtype=torch.float64, requires_grad=True)
     is_rms = norm == "rmsnorm"
     assert torch.autograd.gradcheck(
-        lambda *a: NormLinearFunction.apply(*a, is_rms, 1e-5),
+        lambda *a: torch.ops.memopt.norm_linear(*a, is_rms, 1e-5)[0 if a[1] is None else slice(None)],
         (x, residual, norm_weight, norm_bias, linear_weight, linear_bias),
+    )
+
+
+@pytest.mark.parametrize("with_linear_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("norm", NORMS)
+def test_opcheck_norm_linear_op(norm, with_residual, with_linear_bias):
+    x, residual, norm_weight, norm_bias = make_inputs((2, 3, 16), "cpu", torch.float32, "weight_bias", with_residual,
+                                                      norm=norm)
+    linear_weight = torch.randn(8, 16, requires_grad=True)
+    linear_bias = torch.randn(8, requires_grad=True) if with_linear_bias else None
+    torch.library.opcheck(
+        torch.ops.memopt.norm_linear.default,
+        (x, residual, norm_weight, norm_bias, linear_weight, linear_bias, norm == "rmsnorm", 1e-5),
     )
 
 

@@ -2,14 +2,15 @@
 
 Layers: kernels in ``csrc/norm.cpp`` (CPU) and ``csrc/norm_cuda.cu`` (CUDA), registered as
 ``torch.ops.memopt.{layer_norm,rms_norm}_{fwd,bwd}`` (and ``_bwd_inplace``, which writes grad_x over
-grad_y, for callers that made grad_y themselves: ``NormLinearFunction``, the block's backward);
-the fake impls below let ``torch.compile`` trace them. The forward returns per-row statistics (mean, rstd); the backward rebuilds the
-normalised input from the input and the statistics instead of keeping it, and with
-``return_y=True`` also rebuilds the normalised output. :func:`layer_norm` and :func:`rms_norm`
-call the differentiable ops ``torch.ops.memopt.{layer_norm,rms_norm}``, whose autograd node is
-C++ (``csrc/norm_autograd.cpp``: saves x or residual_out, the statistics and the parameters;
-second derivatives exact), so no Python runs in their forward or backward. ``NormLinearFunction`` uses that to drop
-the normalised output that ``F.linear`` would otherwise keep for its weight gradient.
+grad_y, for callers that made grad_y themselves: the norm_linear node, the block's backward);
+the fake impls below let ``torch.compile`` trace them. The forward returns per-row statistics
+(mean, rstd); the backward rebuilds the normalised input from the input and the statistics
+instead of keeping it, and with ``return_y=True`` also rebuilds the normalised output.
+:func:`layer_norm`, :func:`rms_norm` and :func:`norm_linear` call the differentiable ops
+``torch.ops.memopt.{layer_norm,rms_norm,norm_linear}``, whose autograd nodes are C++
+(``csrc/norm_autograd.cpp``: they save x or residual_out, the statistics and the parameters;
+second derivatives exact), so no Python runs in their forward or backward. ``norm_linear``'s node
+drops the normalised output that ``F.linear`` would otherwise keep for its weight gradient.
 ``layer_norm_ref`` / ``rms_norm_ref`` are the plain PyTorch references.
 """
 
@@ -19,9 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from memopt import _extension
-from memopt.ops._common import (
-    autocast_as, building_graph, check_eps, check_linear, check_tensor, grads_with_graph,
-)
+from memopt.ops._common import check_eps, check_linear, check_tensor
 
 _NORMS = ("layernorm", "rmsnorm")
 
@@ -39,8 +38,17 @@ def _like(x: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
+def _check_fake_devices(op: str, x, **others) -> None:
+    """The kernels refuse tensors on another device than x; so must the fakes, which also run as
+    the ops' Meta kernels: a CPU x with a meta weight dispatches there, and must not pass."""
+    for name, t in others.items():
+        if t is not None and t.device != x.device:
+            raise ValueError(f"memopt.{op}: {name} must be on x's device ({x.device}), got {t.device}")
+
+
 @torch.library.register_fake("memopt::layer_norm_fwd")
 def _layer_norm_fwd_fake(x, residual, weight, bias, eps):
+    _check_fake_devices("layer_norm", x, residual=residual, weight=weight, bias=bias)
     stat_shape, stat_dtype = x.shape[:-1], _stat_dtype(x)
     residual_out = _like(x) if residual is not None else _absent(x)
     return _like(x), residual_out, x.new_empty(stat_shape, dtype=stat_dtype), x.new_empty(stat_shape, dtype=stat_dtype)
@@ -48,6 +56,7 @@ def _layer_norm_fwd_fake(x, residual, weight, bias, eps):
 
 @torch.library.register_fake("memopt::rms_norm_fwd")
 def _rms_norm_fwd_fake(x, residual, weight, eps):
+    _check_fake_devices("rms_norm", x, residual=residual, weight=weight)
     residual_out = _like(x) if residual is not None else _absent(x)
     return _like(x), residual_out, x.new_empty(x.shape[:-1], dtype=_stat_dtype(x))
 
@@ -82,12 +91,23 @@ def _rms_norm_bwd_inplace_fake(grad_y, x, weight, rstd, grad_x_extra, return_y):
 
 @torch.library.register_fake("memopt::layer_norm")
 def _layer_norm_fake(x, residual, weight, bias, eps):
+    _check_fake_devices("layer_norm", x, residual=residual, weight=weight, bias=bias)
     return _like(x), _like(x) if residual is not None else _absent(x)
 
 
 @torch.library.register_fake("memopt::rms_norm")
 def _rms_norm_fake(x, residual, weight, eps):
+    _check_fake_devices("rms_norm", x, residual=residual, weight=weight)
     return _like(x), _like(x) if residual is not None else _absent(x)
+
+
+@torch.library.register_fake("memopt::norm_linear")
+def _norm_linear_fake(x, residual, norm_weight, norm_bias, linear_weight, linear_bias, rms, eps):
+    _check_fake_devices("norm_linear", x, residual=residual, norm_weight=norm_weight, norm_bias=norm_bias,
+                        linear_weight=linear_weight, linear_bias=linear_bias)
+    # F.linear on fake tensors gives the dtype autocast would (the op runs its linear under it)
+    out = F.linear(_like(x), linear_weight, linear_bias)
+    return out, _like(x) if residual is not None else _absent(x)
 
 
 def _contiguous(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -174,6 +194,21 @@ def _check_public(op: str, x, residual, weight, bias, weight_name: str = "weight
     _extension.require_cuda_kernels(op, x)
 
 
+# Note: the public functions call the op first and run their Python checks only when it raises.
+# The ops check every condition those checks do (norm_common.cpp, check_norm_linear in
+# norm_autograd.cpp), so an input the checks would refuse never gets through, and a refused one
+# gets the Python message; the checks cost ~20 us a call (more once a GEMM has swept the caches),
+# which at 512 x 512 was the whole of memopt's lead over F.layer_norm. Under torch.compile, and for
+# an eps that is not a float (the op would take True as 1.0), the checks run first, as before.
+_LAYER_NORM = torch.ops.memopt.layer_norm.default
+_RMS_NORM = torch.ops.memopt.rms_norm.default
+_NORM_LINEAR = torch.ops.memopt.norm_linear.default
+
+
+def _unchecked_call_allowed(eps) -> bool:
+    return type(eps) is float and not torch.compiler.is_compiling()
+
+
 def layer_norm(
     x: torch.Tensor,
     weight: torch.Tensor | None = None,
@@ -196,9 +231,16 @@ def layer_norm(
         ``y`` ``(*, n)`` in x's dtype; ``(y, residual_out)`` with ``residual_out = x + residual``
         when a residual is given.
     """
+    if _unchecked_call_allowed(eps):
+        try:
+            y, residual_out = _LAYER_NORM(x, residual, weight, bias, eps)
+        except Exception:
+            pass  # the checked call below says what was wrong, or copies non-contiguous input
+        else:
+            return y if residual is None else (y, residual_out)
     _check_public("layer_norm", x, residual, weight, bias)
     eps = check_eps("layer_norm", eps)
-    y, residual_out = torch.ops.memopt.layer_norm(x.contiguous(), _contiguous(residual), weight, bias, eps)
+    y, residual_out = _LAYER_NORM(x.contiguous(), _contiguous(residual), weight, bias, eps)
     return y if residual is None else (y, residual_out)
 
 
@@ -221,87 +263,17 @@ def rms_norm(
     Returns:
         ``y`` ``(*, n)`` in x's dtype; ``(y, residual_out)`` when a residual is given.
     """
+    if _unchecked_call_allowed(eps):
+        try:
+            y, residual_out = _RMS_NORM(x, residual, weight, eps)
+        except Exception:
+            pass  # the checked call below says what was wrong, or copies non-contiguous input
+        else:
+            return y if residual is None else (y, residual_out)
     _check_public("rms_norm", x, residual, weight, None)
     eps = check_eps("rms_norm", eps)
-    y, residual_out = torch.ops.memopt.rms_norm(x.contiguous(), _contiguous(residual), weight, eps)
+    y, residual_out = _RMS_NORM(x.contiguous(), _contiguous(residual), weight, eps)
     return y if residual is None else (y, residual_out)
-
-
-class NormLinearFunction(torch.autograd.Function):
-    """``F.linear(norm(x [+ residual]), linear_weight, linear_bias)`` without keeping norm(x).
-
-    ``apply(x, residual, norm_weight, norm_bias, linear_weight, linear_bias, is_rms, eps)``.
-    Saves x (or residual_out), the norm statistics and the parameters. The backward gets
-    ``grad_y = grad_out @ W``, then one norm-backward kernel returns grad_x and the rebuilt y,
-    and ``grad_W = grad_out^T @ y``.
-
-    The linear runs in the dtype ``F.linear`` picks (the autocast dtype under ``torch.autocast``,
-    where the parameters are cast as autocast would cast them); the backward repeats those casts,
-    so gradients match the eager norm followed by ``F.linear`` under the same autocast.
-    """
-
-    @staticmethod
-    def forward(ctx, x, residual, norm_weight, norm_bias, linear_weight, linear_bias, is_rms, eps):
-        y, residual_out, mean, rstd = _norm_fwd(is_rms, x, residual, norm_weight, norm_bias, eps)
-        out = F.linear(y, linear_weight, linear_bias)
-        ctx.is_rms = is_rms
-        ctx.eps = eps
-        ctx.has_residual = residual is not None
-        ctx.linear_bias_dtype = None if linear_bias is None else linear_bias.dtype
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(residual_out if residual is not None else x, norm_weight, norm_bias, linear_weight, mean, rstd)
-        return out if residual is None else (out, residual_out)
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_residual_out=None):
-        if building_graph():
-            return NormLinearFunction._double_backward(ctx, grad_out, grad_residual_out)
-        x, norm_weight, norm_bias, linear_weight, mean, rstd = ctx.saved_tensors
-        n, out_features = x.shape[-1], linear_weight.shape[0]
-        rows = x.shape[:-1].numel()
-        if grad_out is None:
-            grad_out = x.new_zeros(*x.shape[:-1], out_features)
-        compute_dtype = grad_out.dtype
-        # The casts below are the ones autocast made in the forward; nothing else may recast.
-        with autocast_as((x.device.type, False, None)):
-            grad_out_2d = grad_out.reshape(rows, out_features)
-            weight_c = linear_weight.to(compute_dtype)
-            grad_y = (grad_out_2d @ weight_c).to(x.dtype).reshape(x.shape)  # a new tensor: grad_x goes over it
-            need_linear_weight_grad = ctx.needs_input_grad[4]
-            grad_x, grad_norm_weight, grad_norm_bias, y = _norm_bwd(
-                ctx.is_rms, grad_y, x, norm_weight, norm_bias, mean, rstd, grad_residual_out,
-                return_y=need_linear_weight_grad, grad_y_is_scratch=True,
-            )
-            grad_linear_weight = None
-            if need_linear_weight_grad:
-                y_c = y.reshape(rows, n).to(compute_dtype)
-                grad_linear_weight = (grad_out_2d.t() @ y_c).to(linear_weight.dtype)
-            grad_linear_bias = None
-            if ctx.linear_bias_dtype is not None:
-                grad_linear_bias = grad_out_2d.sum(0).to(ctx.linear_bias_dtype)
-        grad_residual = grad_x if ctx.has_residual else None
-        return grad_x, grad_residual, grad_norm_weight, grad_norm_bias, grad_linear_weight, grad_linear_bias, None, None
-
-    @staticmethod
-    def _double_backward(ctx, grad_out, grad_residual_out):
-        """The backward as differentiable ops (norm and linear re-run in plain PyTorch with the
-        forward's casts, then differentiated), so second derivatives are exact."""
-        x, norm_weight, norm_bias, linear_weight, _, _ = ctx.saved_tensors
-        grad_x = grad_norm_weight = grad_norm_bias = grad_linear_weight = grad_linear_bias = None
-        if grad_out is not None:
-            with torch.enable_grad(), autocast_as((x.device.type, False, None)):
-                y = _norm_differentiable(ctx.is_rms, x, norm_weight, norm_bias, ctx.eps)
-                out = F.linear(y.to(grad_out.dtype), linear_weight.to(grad_out.dtype))
-            grad_x, grad_norm_weight, grad_norm_bias, grad_linear_weight = grads_with_graph(
-                out, [x, norm_weight, norm_bias, linear_weight], grad_out
-            )
-            if ctx.linear_bias_dtype is not None:
-                rows = grad_out.shape[:-1].numel()
-                grad_linear_bias = grad_out.reshape(rows, grad_out.shape[-1]).sum(0).to(ctx.linear_bias_dtype)
-        if grad_residual_out is not None:
-            grad_x = grad_residual_out if grad_x is None else grad_x + grad_residual_out
-        grad_residual = grad_x if ctx.has_residual else None
-        return grad_x, grad_residual, grad_norm_weight, grad_norm_bias, grad_linear_weight, grad_linear_bias, None, None
 
 
 def norm_linear(
@@ -333,6 +305,15 @@ def norm_linear(
         ``(*, m)``, in the autocast dtype under ``torch.autocast``; ``(out, residual_out)`` when a
         residual is given.
     """
+    if (norm == "layernorm" or norm == "rmsnorm") and _unchecked_call_allowed(eps):
+        try:
+            out, residual_out = _NORM_LINEAR(
+                x, residual, norm_weight, norm_bias, linear_weight, linear_bias, norm == "rmsnorm", eps
+            )
+        except Exception:
+            pass  # the checked call below says what was wrong, or copies non-contiguous input
+        else:
+            return out if residual is None else (out, residual_out)
     if norm not in _NORMS:
         raise ValueError(f"memopt.norm_linear: norm must be one of {_NORMS}, got {norm!r}")
     is_rms = norm == "rmsnorm"
@@ -341,9 +322,10 @@ def norm_linear(
     _check_public("norm_linear", x, residual, norm_weight, norm_bias, "norm_weight", "norm_bias")
     check_linear("norm_linear", x, x.shape[-1] if x.dim() else 0, linear_weight, linear_bias)
     eps = check_eps("norm_linear", eps)
-    return NormLinearFunction.apply(
+    out, residual_out = _NORM_LINEAR(
         x.contiguous(), _contiguous(residual), norm_weight, norm_bias, linear_weight, linear_bias, is_rms, eps
     )
+    return out if residual is None else (out, residual_out)
 
 
 def _upcast(*tensors):

@@ -140,19 +140,28 @@ std::tuple<at::Tensor, at::Tensor> cpu_flash_forward(const at::Tensor& q, const 
   return {out, lse};
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_flash_backward(const at::Tensor& grad_out, const at::Tensor& q,
-                                                                  const at::Tensor& k, const at::Tensor& v,
-                                                                  const at::Tensor& out, const at::Tensor& lse,
-                                                                  bool causal, double scale) {
+// Runs the backward kernel into grad_q / grad_k / grad_v, views of buffers the caller laid out (the
+// kernel adds into grad_k and grad_v, so they are zeroed here first).
+void cpu_flash_backward_into(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                             const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal,
+                             double scale, const at::Tensor& grad_q, const at::Tensor& grad_k,
+                             const at::Tensor& grad_v) {
   require_cpu_blas();
   const at::Tensor q_ = unit_last_stride(q), k_ = unit_last_stride(k), v_ = unit_last_stride(v);
   const at::Tensor grad_out_ = unit_last_stride(grad_out.to(q.scalar_type()));
   const at::Tensor out_ = unit_last_stride(out.to(q.scalar_type()));
   const at::Tensor lse_ = lse.to(q.scalar_type()).contiguous();
-  at::Tensor grad_q = bshd_empty(q);
-  at::Tensor grad_k = bshd_empty(k).zero_();
-  at::Tensor grad_v = bshd_empty(v).zero_();
+  grad_k.zero_();
+  grad_v.zero_();
   MEMOPT_CPU_KERNEL(attention_bwd_kernel)(grad_out_, q_, k_, v_, out_, lse_, causal, scale, grad_q, grad_k, grad_v);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_flash_backward(const at::Tensor& grad_out, const at::Tensor& q,
+                                                                  const at::Tensor& k, const at::Tensor& v,
+                                                                  const at::Tensor& out, const at::Tensor& lse,
+                                                                  bool causal, double scale) {
+  at::Tensor grad_q = bshd_empty(q), grad_k = bshd_empty(k), grad_v = bshd_empty(v);
+  cpu_flash_backward_into(grad_out, q, k, v, out, lse, causal, scale, grad_q, grad_k, grad_v);
   return {grad_q, grad_k, grad_v};
 }
 
@@ -162,18 +171,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_flash_backward(const at::Tens
 at::Tensor cpu_flash_backward_packed(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                                      const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal,
                                      double scale) {
-  require_cpu_blas();
-  const at::Tensor q_ = unit_last_stride(q), k_ = unit_last_stride(k), v_ = unit_last_stride(v);
-  const at::Tensor grad_out_ = unit_last_stride(grad_out.to(q.scalar_type()));
-  const at::Tensor out_ = unit_last_stride(out.to(q.scalar_type()));
-  const at::Tensor lse_ = lse.to(q.scalar_type()).contiguous();
   const int64_t heads = q.size(1), kv_heads = k.size(1);
   at::Tensor grad_qkv = at::empty({q.size(0), q.size(2), heads + 2 * kv_heads, q.size(3)}, q.options());
-  at::Tensor grad_q = grad_qkv.narrow(2, 0, heads).transpose(1, 2);
-  at::Tensor grad_k = grad_qkv.narrow(2, heads, kv_heads).transpose(1, 2);
-  at::Tensor grad_v = grad_qkv.narrow(2, heads + kv_heads, kv_heads).transpose(1, 2);
-  grad_qkv.narrow(2, heads, 2 * kv_heads).zero_();
-  MEMOPT_CPU_KERNEL(attention_bwd_kernel)(grad_out_, q_, k_, v_, out_, lse_, causal, scale, grad_q, grad_k, grad_v);
+  cpu_flash_backward_into(grad_out, q, k, v, out, lse, causal, scale,
+                          grad_qkv.narrow(2, 0, heads).transpose(1, 2),
+                          grad_qkv.narrow(2, heads, kv_heads).transpose(1, 2),
+                          grad_qkv.narrow(2, heads + kv_heads, kv_heads).transpose(1, 2));
   return grad_qkv;
 }
 

@@ -265,9 +265,6 @@ struct NormLinearFunction : public torch::autograd::Function<NormLinearFunction>
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["rms"] = rms;
     ctx->saved_data["has_residual"] = has_residual;
-    // needs_input_grad counts the tensor arguments that were given (an absent optional has no edge)
-    ctx->saved_data["linear_weight_edge"] = int64_t(1) + int64_t(has_residual) + int64_t(norm_weight.has_value()) +
-                                            int64_t(norm_bias.has_value());
     ctx->saved_data["linear_bias_dtype"] =
         linear_bias.has_value() ? static_cast<int64_t>(linear_bias->scalar_type()) : int64_t(-1);
     ctx->set_materialize_grads(false);
@@ -311,7 +308,11 @@ struct NormLinearFunction : public torch::autograd::Function<NormLinearFunction>
         at::AutoDispatchBelowADInplaceOrView guard;
         // A new buffer (the matmul's, or its cast's): grad_x is written over it.
         at::Tensor grad_y = at::mm(grad_out_2d, weight_c).to(x.scalar_type()).view_symint(x.sym_sizes());
-        const bool need_linear_weight_grad = ctx->needs_input_grad(ctx->saved_data["linear_weight_edge"].toInt());
+        // needs_input_grad counts the tensor arguments that were given (an absent optional has no
+        // edge): x, then residual, norm_weight and norm_bias where present, then linear_weight.
+        const size_t linear_weight_edge = 1 + size_t(has_residual) + size_t(norm_weight.defined()) +
+                                          size_t(norm_bias.defined());
+        const bool need_linear_weight_grad = ctx->needs_input_grad(linear_weight_edge);
         at::Tensor y;
         std::tie(grad_norm_weight, grad_norm_bias, y) = norm_backward_inplace(
             rms, grad_y, x, norm_weight, norm_bias, saved[4], saved[5], grad_residual_out, need_linear_weight_grad);

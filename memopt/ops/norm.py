@@ -205,8 +205,15 @@ _RMS_NORM = torch.ops.memopt.rms_norm.default
 _NORM_LINEAR = torch.ops.memopt.norm_linear.default
 
 
-def _unchecked_call_allowed(eps) -> bool:
-    return type(eps) is float and not torch.compiler.is_compiling()
+def _call_unchecked(eps, op, *args):
+    """``op(*args)`` before any Python check, or None when it raised (the checked call that follows
+    says what was wrong, or copies non-contiguous input) or must not run unchecked."""
+    if type(eps) is not float or torch.compiler.is_compiling():
+        return None
+    try:
+        return op(*args)
+    except Exception:
+        return None
 
 
 def layer_norm(
@@ -231,13 +238,9 @@ def layer_norm(
         ``y`` ``(*, n)`` in x's dtype; ``(y, residual_out)`` with ``residual_out = x + residual``
         when a residual is given.
     """
-    if _unchecked_call_allowed(eps):
-        try:
-            y, residual_out = _LAYER_NORM(x, residual, weight, bias, eps)
-        except Exception:
-            pass  # the checked call below says what was wrong, or copies non-contiguous input
-        else:
-            return y if residual is None else (y, residual_out)
+    result = _call_unchecked(eps, _LAYER_NORM, x, residual, weight, bias, eps)
+    if result is not None:
+        return result[0] if residual is None else result
     _check_public("layer_norm", x, residual, weight, bias)
     eps = check_eps("layer_norm", eps)
     y, residual_out = _LAYER_NORM(x.contiguous(), _contiguous(residual), weight, bias, eps)
@@ -263,13 +266,9 @@ def rms_norm(
     Returns:
         ``y`` ``(*, n)`` in x's dtype; ``(y, residual_out)`` when a residual is given.
     """
-    if _unchecked_call_allowed(eps):
-        try:
-            y, residual_out = _RMS_NORM(x, residual, weight, eps)
-        except Exception:
-            pass  # the checked call below says what was wrong, or copies non-contiguous input
-        else:
-            return y if residual is None else (y, residual_out)
+    result = _call_unchecked(eps, _RMS_NORM, x, residual, weight, eps)
+    if result is not None:
+        return result[0] if residual is None else result
     _check_public("rms_norm", x, residual, weight, None)
     eps = check_eps("rms_norm", eps)
     y, residual_out = _RMS_NORM(x.contiguous(), _contiguous(residual), weight, eps)
@@ -305,15 +304,11 @@ def norm_linear(
         ``(*, m)``, in the autocast dtype under ``torch.autocast``; ``(out, residual_out)`` when a
         residual is given.
     """
-    if (norm == "layernorm" or norm == "rmsnorm") and _unchecked_call_allowed(eps):
-        try:
-            out, residual_out = _NORM_LINEAR(
-                x, residual, norm_weight, norm_bias, linear_weight, linear_bias, norm == "rmsnorm", eps
-            )
-        except Exception:
-            pass  # the checked call below says what was wrong, or copies non-contiguous input
-        else:
-            return out if residual is None else (out, residual_out)
+    if norm in _NORMS:
+        result = _call_unchecked(eps, _NORM_LINEAR, x, residual, norm_weight, norm_bias, linear_weight, linear_bias,
+                                 norm == "rmsnorm", eps)
+        if result is not None:
+            return result[0] if residual is None else result
     if norm not in _NORMS:
         raise ValueError(f"memopt.norm_linear: norm must be one of {_NORMS}, got {norm!r}")
     is_rms = norm == "rmsnorm"

@@ -116,13 +116,15 @@ PRESETS: dict[str, Settings] = {
         max_config_seconds=5.0,
     ),
     # Realistic proportions for iterating on this 2-core machine (issue 14): under a minute each.
+    # 12 interleaved rounds (5 left memopt-full / torch-checkpoint +-0.05 from run to run; their
+    # ~0.3 s steps fit 12 rounds in max_config_seconds).
     "cpu": Settings(
         preset="cpu", d_model=512, n_heads=8, d_ff=2048, seq=256, batch=2, layers=4, dropout=0.0, threads=2,
-        max_config_seconds=4.0,
+        repeats=12, max_config_seconds=4.0,
     ),
     "cpu-dropout": Settings(
         preset="cpu-dropout", d_model=384, n_heads=6, d_ff=1536, seq=512, batch=2, layers=4, dropout=0.1, threads=2,
-        max_config_seconds=4.0,
+        repeats=12, max_config_seconds=4.0,
     ),
     "h200": Settings(
         preset="h200", device="cuda", dtype="bfloat16", d_model=2048, n_heads=16, d_ff=8192, seq=2048, batch=4,

@@ -116,8 +116,9 @@ PRESETS: dict[str, Settings] = {
         max_config_seconds=5.0,
     ),
     # Realistic proportions for iterating on this 2-core machine (issue 14): under a minute each.
-    # 12 interleaved rounds (5 left memopt-full / torch-checkpoint +-0.05 from run to run; their
-    # ~0.3 s steps fit 12 rounds in max_config_seconds).
+    # Up to 12 interleaved rounds (5 left memopt-full / torch-checkpoint +-0.05 from run to run);
+    # max_config_seconds keeps each under a minute: the cpu preset's ~0.3 s steps fit 12 rounds,
+    # cpu-dropout's ~0.6 s steps about 6.
     "cpu": Settings(
         preset="cpu", d_model=512, n_heads=8, d_ff=2048, seq=256, batch=2, layers=4, dropout=0.0, threads=2,
         repeats=12, max_config_seconds=4.0,

@@ -166,8 +166,31 @@ def git_commit() -> str:
     return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
+def cpu_details() -> dict:
+    """The CPU a result was measured on: its model name, the instruction set ATen's (and memopt's)
+    CPU kernels run (``torch.backends.cpu.get_cpu_capability()``) and the per-level cache sizes
+    (Linux's sysfs), since CPU ratios differ from one host to the next (AVX2 or AVX-512, L2 per
+    core) and one results file should say which it was."""
+    model = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            model = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), model)
+    except OSError:
+        pass
+    caches = {}
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            level, kind, size = ((index / name).read_text().strip() for name in ("level", "type", "size"))
+        except OSError:
+            continue
+        if kind != "Instruction":
+            caches[f"L{level}{'d' if kind == 'Data' else ''}"] = size
+    return {"cpu_model": model, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_caches": caches}
+
+
 def environment(device: torch.device, threads: int | None = None) -> dict:
-    """Versions, device, commit and date: the header of every results file."""
+    """Versions, device, commit and date: the header of every results file (on CPU also the CPU's
+    model, instruction set and caches, :func:`cpu_details`)."""
     try:
         import triton
 
@@ -178,7 +201,7 @@ def environment(device: torch.device, threads: int | None = None) -> dict:
         device_name = torch.cuda.get_device_name(device)
     else:
         device_name = f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores, {threads or torch.get_num_threads()} torch threads)"
-    return {
+    env = {
         "torch": torch.__version__,
         "triton": triton_version,
         "cuda": torch.version.cuda,
@@ -191,6 +214,9 @@ def environment(device: torch.device, threads: int | None = None) -> dict:
         "commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
+    if device.type == "cpu":
+        env.update(cpu_details())
+    return env
 
 
 def loss_fn(out: torch.Tensor) -> torch.Tensor:

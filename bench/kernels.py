@@ -12,7 +12,9 @@ ops report GB/s of their ideal traffic (every input read once and every output w
 forward and backward); norm_linear, act_linear and attention report TFLOP/s (attention causal,
 backward counted as 2.5 forwards). ``time_vs_eager`` is memopt's (or compile's) time over eager's:
 on CPU the median (p20, p80) of the per-round ratios (both timed in the same interleaved round),
-on GPU the ratio of the medians.
+on GPU the ratio of the medians. On CPU each provider's rows also count the minor page faults of
+a timed step (``page_faults``): fresh buffers fault their pages in one by one, which can decide a
+ratio near 1.00.
 
 Rows follow the house schema (``op, provider, mode, metric, unit, x, median, p20, p80`` plus
 ``width`` and ``status``; ``x`` is the rows, for attention the sequence length), under an
@@ -24,6 +26,11 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+
+try:
+    import resource  # getrusage: the minor page faults of a timed step (POSIX)
+except ImportError:  # Windows
+    resource = None
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -263,10 +270,16 @@ def _quantiles(samples: list[float] | tuple[float, float, float]) -> tuple[float
     return quantile(samples, 0.5), quantile(samples, 0.2), quantile(samples, 0.8)
 
 
+def minor_faults() -> int:
+    """The process's minor page faults so far (0 where getrusage does not exist)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource is not None else 0
+
+
 def interleaved_samples(steps: dict[str, Callable[[], None]], device: torch.device, repeats: int,
-                        budget_s: float = 0.0):
+                        budget_s: float = 0.0, faults: dict[str, list[int]] | None = None):
     """Per step name, the milliseconds of each repeat (repeat ``i`` of every step in the same
-    round); on CUDA ``triton.testing.do_bench``'s (median, p20, p80) instead."""
+    round); on CUDA ``triton.testing.do_bench``'s (median, p20, p80) instead. On CPU, ``faults``
+    (when given) receives each timed step's minor page faults per step name."""
     for step in steps.values():
         step()  # warm-up (and compilation)
     if device.type == "cuda":
@@ -277,9 +290,12 @@ def interleaved_samples(steps: dict[str, Callable[[], None]], device: torch.devi
     names = list(steps)
     for i in range(_rounds_within_budget(steps, repeats, budget_s)):
         for name in names if i % 2 == 0 else reversed(names):
+            f0 = minor_faults() if faults is not None else 0
             t0 = time.perf_counter()
             steps[name]()
             times[name].append((time.perf_counter() - t0) * 1e3)
+            if faults is not None:
+                faults.setdefault(name, []).append(minor_faults() - f0)
     return times
 
 
@@ -354,7 +370,9 @@ def bench_op(spec: OpSpec, shape: Shape, settings: KernelSettings, device: torch
         calls[provider] = fn
     steps = {provider: _fwd_bwd_step(calls[provider], tensors[provider]) for provider in calls}
     try:
-        samples = interleaved_samples(steps, device, _repeats(settings, shape), settings.round_budget_s)
+        faults: dict[str, list[int]] = {}
+        samples = interleaved_samples(steps, device, _repeats(settings, shape), settings.round_budget_s,
+                                      faults if device.type == "cpu" else None)
         timings = {p: _quantiles(ts) for p, ts in samples.items()}
         saved = {p: None if p == "compile" else memopt.saved_bytes(calls[p], *tensors[p]) for p in calls}
     except Exception as exc:  # reported in the table, never allowed to stop the run
@@ -374,6 +392,12 @@ def bench_op(spec: OpSpec, shape: Shape, settings: KernelSettings, device: torch
             {**row, "metric": "saved_bytes", "unit": "bytes", "median": saved[provider], "p20": saved[provider],
              "p80": saved[provider], "status": "ok" if saved[provider] is not None else "n/a (compiled)"},
         ]
+        if provider in faults:
+            # A fresh buffer's pages fault in one by one (glibc gives large freed blocks back to the
+            # kernel): at ~1 us a fault that can decide a ratio near 1.00, so the rows show it.
+            counts = faults[provider]
+            out_rows.append({**row, "metric": "page_faults", "unit": "faults/step", "median": quantile(counts, 0.5),
+                             "p20": quantile(counts, 0.2), "p80": quantile(counts, 0.8), "status": "ok"})
         if provider != "eager" and "eager" in timings:
             if isinstance(samples[provider], list):
                 ratio, ratio_p20, ratio_p80 = paired_ratio(samples[provider], samples["eager"])
@@ -424,23 +448,26 @@ def bytes_text(nbytes: int | None) -> str:
 def markdown_table(rows: list[dict]) -> str:
     """One line per (op, shape, provider): time, rate, saved bytes, memopt's time over eager's,
     or why it did not run."""
-    lines = ["| op | rows x width | provider | fwd+bwd ms (p20-p80) | vs eager | rate | saved for backward |",
-             "|---|---|---|---:|---:|---:|---:|"]
+    lines = ["| op | rows x width | provider | fwd+bwd ms (p20-p80) | vs eager | rate | saved for backward "
+             "| page faults / step |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
     groups: dict[tuple, dict[str, dict]] = {}
     for r in rows:
         groups.setdefault((r["op"], r["x"], r["width"], r["provider"]), {})[r["metric"]] = r
     for (op, rows_, width, provider), metrics in groups.items():
         timing = metrics["time_fwd_bwd"]
         if timing["status"] != "ok":
-            lines.append(f"| {op} | {rows_} x {width} | {provider} | {timing['status']} | | | |")
+            lines.append(f"| {op} | {rows_} x {width} | {provider} | {timing['status']} | | | | |")
             continue
         rate = metrics.get("bandwidth") or metrics.get("throughput")
         saved_text = bytes_text(metrics["saved_bytes"]["median"])
         ratio = metrics.get("time_vs_eager")
         ratio_text = f"{ratio['median']:.2f}x" if ratio else ""
+        faults = metrics.get("page_faults")
+        faults_text = f"{faults['median']:.0f}" if faults else "-"
         lines.append(
             f"| {op} | {rows_} x {width} | {provider} | {timing['median']:.3f} ({timing['p20']:.3f}-{timing['p80']:.3f}) "
-            f"| {ratio_text} | {rate['median']:.3g} {rate['unit']} | {saved_text} |"
+            f"| {ratio_text} | {rate['median']:.3g} {rate['unit']} | {saved_text} | {faults_text} |"
         )
     return "\n".join(lines)
 

@@ -4,7 +4,10 @@ failing configurations, memory accounting, plots."""
 from __future__ import annotations
 
 import json
+import platform
+import re
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,6 +54,12 @@ def test_tiny_run_has_every_column_for_every_configuration(tiny_run):
     for key in ("torch", "device_name", "commit", "date", "memopt_build"):
         assert result["environment"][key], key
     assert result["environment"]["triton"] == installed_triton_version()
+    # a CPU result says which CPU: ratios differ between AVX2 and AVX-512 hosts, and with the caches
+    env = result["environment"]
+    assert isinstance(env["cpu_model"], str) and env["cpu_model"]
+    assert env["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    if platform.system() == "Linux" and Path("/sys/devices/system/cpu/cpu0/cache").is_dir():
+        assert env["cpu_caches"] and all(re.fullmatch(r"\d+[KMG]", size) for size in env["cpu_caches"].values())
     assert result["arguments"]["preset"] == "tiny"
     names = [r["config"] for r in result["rows"]]
     assert names == configs.config_names()
@@ -265,6 +274,9 @@ def test_kernel_benchmarks_run_on_tiny_shapes_and_list_missing_ops(tmp_path, mon
         timing = rows[("dropout_add", provider, "time_fwd_bwd")]
         assert timing["status"] == "ok" and timing["p20"] <= timing["median"] <= timing["p80"]
         assert rows[("dropout_add", provider, "bandwidth")]["median"] > 0
+        # minor page faults per timed step: a count, its quantiles in order
+        faults = rows[("dropout_add", provider, "page_faults")]
+        assert faults["unit"] == "faults/step" and 0 <= faults["p20"] <= faults["median"] <= faults["p80"]
     # memopt keeps the 16-byte RNG key where eager dropout keeps a mask: bool on CUDA, x's
     # dtype (float32) on CPU, where F.dropout multiplies by a Bernoulli tensor.
     assert rows[("dropout_add", "memopt", "saved_bytes")]["median"] == 16

@@ -26,14 +26,14 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-
-try:
-    import resource  # getrusage: the minor page faults of a timed step (POSIX)
-except ImportError:  # Windows
-    resource = None
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
+
+try:
+    import resource  # getrusage: the minor page faults of a timed step (POSIX)
+except ImportError:  # Windows: no fault counts
+    resource = None
 
 import torch
 import torch.nn.functional as F
@@ -271,8 +271,8 @@ def _quantiles(samples: list[float] | tuple[float, float, float]) -> tuple[float
 
 
 def minor_faults() -> int:
-    """The process's minor page faults so far (0 where getrusage does not exist)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt if resource is not None else 0
+    """The process's minor page faults so far (POSIX only: callers check ``resource``)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def interleaved_samples(steps: dict[str, Callable[[], None]], device: torch.device, repeats: int,
@@ -370,9 +370,9 @@ def bench_op(spec: OpSpec, shape: Shape, settings: KernelSettings, device: torch
         calls[provider] = fn
     steps = {provider: _fwd_bwd_step(calls[provider], tensors[provider]) for provider in calls}
     try:
-        faults: dict[str, list[int]] = {}
+        faults: dict[str, list[int]] = {}  # stays empty on CUDA (do_bench) and without getrusage
         samples = interleaved_samples(steps, device, _repeats(settings, shape), settings.round_budget_s,
-                                      faults if device.type == "cpu" else None)
+                                      faults if resource is not None else None)
         timings = {p: _quantiles(ts) for p, ts in samples.items()}
         saved = {p: None if p == "compile" else memopt.saved_bytes(calls[p], *tensors[p]) for p in calls}
     except Exception as exc:  # reported in the table, never allowed to stop the run

@@ -24,4 +24,5 @@ for _ in range(3):
     optimizer.zero_grad(set_to_none=True)
 if dist.get_rank() == 0:
     print(f"loss {result.loss.item():.4f}, micro-batch {result.micro_batch}")
+dist.barrier()                                    # every rank done before the teardown
 dist.destroy_process_group()

@@ -29,4 +29,5 @@ for _ in range(3):
     optimizer.zero_grad(set_to_none=True)
 if rank == stages - 1:
     print(f"loss {torch.stack(losses).mean().item():.4f}")
+dist.barrier()                                    # every rank done before the teardown
 dist.destroy_process_group()

@@ -34,6 +34,14 @@ using Tensor2 = std::tuple<at::Tensor, at::Tensor>;
 
 OptionalTensor optional(const at::Tensor& t) { return t.defined() ? OptionalTensor(t) : std::nullopt; }
 
+// The differentiable ops take x and residual of any strides, as F.layer_norm does; the kernels
+// read rows, so a non-contiguous one is copied first. At the Autograd key that copy is a recorded
+// op (its gradient flows back to the strided input, and create_graph sees it); a contiguous
+// tensor is passed through with no copy.
+OptionalTensor contiguous(const OptionalTensor& t) {
+  return t.has_value() ? OptionalTensor(t->contiguous()) : std::nullopt;
+}
+
 // (y, residual_out, mean (undefined for RMSNorm), rstd) from the registered forward op.
 Tensor4 norm_forward(bool rms, const at::Tensor& x, const OptionalTensor& residual, const OptionalTensor& weight,
                      const OptionalTensor& bias, double eps) {
@@ -336,8 +344,8 @@ std::tuple<at::Tensor, at::Tensor> norm_linear_autograd(const at::Tensor& x, con
                                                         const OptionalTensor& norm_weight,
                                                         const OptionalTensor& norm_bias, const at::Tensor& linear_weight,
                                                         const OptionalTensor& linear_bias, bool rms, double eps) {
-  const variable_list out =
-      NormLinearFunction::apply(x, residual, norm_weight, norm_bias, linear_weight, linear_bias, rms, eps);
+  const variable_list out = NormLinearFunction::apply(x.contiguous(), contiguous(residual), norm_weight, norm_bias,
+                                                      linear_weight, linear_bias, rms, eps);
   return {out[0], out[1]};
 }
 
@@ -347,20 +355,22 @@ std::tuple<at::Tensor, at::Tensor> norm_linear_values(const at::Tensor& x, const
                                                       const at::Tensor& linear_weight,
                                                       const OptionalTensor& linear_bias, bool rms, double eps) {
   check_norm_linear(x, linear_weight, linear_bias, rms, norm_bias);
-  auto [y, residual_out, mean, rstd] = norm_forward(rms, x, residual, norm_weight, norm_bias, eps);
+  auto [y, residual_out, mean, rstd] =
+      norm_forward(rms, x.contiguous(), contiguous(residual), norm_weight, norm_bias, eps);
   return {linear_as_autocast(y, linear_weight, linear_bias), residual_out};
 }
 
 std::tuple<at::Tensor, at::Tensor> layer_norm_autograd(const at::Tensor& x, const OptionalTensor& residual,
                                                        const OptionalTensor& weight, const OptionalTensor& bias,
                                                        double eps) {
-  const variable_list out = NormFunction<false>::apply(x, residual, weight, bias, eps);
+  const variable_list out = NormFunction<false>::apply(x.contiguous(), contiguous(residual), weight, bias, eps);
   return {out[0], out[1]};
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_autograd(const at::Tensor& x, const OptionalTensor& residual,
                                                      const OptionalTensor& weight, double eps) {
-  const variable_list out = NormFunction<true>::apply(x, residual, weight, OptionalTensor(), eps);
+  const variable_list out =
+      NormFunction<true>::apply(x.contiguous(), contiguous(residual), weight, OptionalTensor(), eps);
   return {out[0], out[1]};
 }
 
@@ -368,13 +378,14 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_autograd(const at::Tensor& x, const 
 std::tuple<at::Tensor, at::Tensor> layer_norm_values(const at::Tensor& x, const OptionalTensor& residual,
                                                      const OptionalTensor& weight, const OptionalTensor& bias,
                                                      double eps) {
-  auto [y, residual_out, mean, rstd] = norm_forward(false, x, residual, weight, bias, eps);
+  auto [y, residual_out, mean, rstd] = norm_forward(false, x.contiguous(), contiguous(residual), weight, bias, eps);
   return {y, residual_out};
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_values(const at::Tensor& x, const OptionalTensor& residual,
                                                    const OptionalTensor& weight, double eps) {
-  auto [y, residual_out, mean, rstd] = norm_forward(true, x, residual, weight, std::nullopt, eps);
+  auto [y, residual_out, mean, rstd] =
+      norm_forward(true, x.contiguous(), contiguous(residual), weight, std::nullopt, eps);
   return {y, residual_out};
 }
 

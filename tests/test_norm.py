@@ -363,6 +363,74 @@ def test_gradcheck_norm_linear_op(norm, with_residual):
     )
 
 
+def strided_leaf(t):
+    """t's values as a non-contiguous leaf (a transposed view of a transposed copy)."""
+    if t is None:
+        return None
+    view = t.detach().transpose(0, -1).contiguous().transpose(0, -1)
+    assert not view.is_contiguous()
+    return view.requires_grad_()
+
+
+def registered_op(norm, linear):
+    """The registered differentiable op itself (not memopt's Python wrapper, which copies first) and
+    a function that gives its arguments from (x, residual, weight, bias[, linear_weight, linear_bias])."""
+    is_rms = norm == "rmsnorm"
+    if linear:
+        return torch.ops.memopt.norm_linear.default, lambda x, r, w, b, lw, lb: (x, r, w, b, lw, lb, is_rms, 1e-5)
+    if is_rms:
+        return torch.ops.memopt.rms_norm.default, lambda x, r, w, b: (x, r, w, 1e-5)
+    return torch.ops.memopt.layer_norm.default, lambda x, r, w, b: (x, r, w, b, 1e-5)
+
+
+@pytest.mark.parametrize("linear", [False, True], ids=["norm", "norm_linear"])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("norm", NORMS)
+def test_registered_ops_take_strided_input(norm, with_residual, linear):
+    # As F.layer_norm does, the ops take x and residual of any strides: they copy such input in a
+    # recorded op (raising and retrying from Python cost ~80 us a call at 256 x 512), so gradients
+    # reach the strided leaves, first and second order.
+    x, residual, weight, bias = make_inputs((6, 2, 33), "cpu", torch.float64, "weight_bias", with_residual, norm=norm)
+    bias = bias if norm == "layernorm" else None
+    args = [strided_leaf(x), strided_leaf(residual), double_leaf(weight), double_leaf(bias)]
+    if linear:
+        args += [torch.randn(5, 33, dtype=torch.float64, requires_grad=True),
+                 torch.randn(5, dtype=torch.float64, requires_grad=True)]
+    op, op_args = registered_op(norm, linear)
+    outs = op(*op_args(*args))
+    outs = outs[:1] if residual is None else outs
+    # The reference on contiguous copies, in float64.
+    leaves = [double_leaf(t) for t in args]
+    h = leaves[0] if residual is None else leaves[0] + leaves[1]
+    if norm == "layernorm":
+        normed = F.layer_norm(h, (33,), leaves[2], leaves[3], 1e-5)
+    else:
+        normed = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-5) * leaves[2]
+    refs = (F.linear(normed, leaves[4], leaves[5]) if linear else normed,) + (() if residual is None else (h,))
+    for out, ref in zip(outs, refs):
+        assert out.is_contiguous()
+        torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    grad_outs = [torch.randn_like(o) for o in outs]
+    got = grads_of(outs, args, grad_outs)
+    expected = grads_of(refs, leaves, grad_outs)
+    for g, e, t in zip(got, expected, args):
+        if t is not None:
+            torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-10)
+    with torch.inference_mode():  # below autograd: the CompositeExplicitAutograd kernel
+        detached = [None if t is None else t.detach() for t in args]
+        torch.testing.assert_close(op(*op_args(*detached))[0], refs[0], rtol=1e-12, atol=1e-12)
+    present = [i for i, t in enumerate(args) if t is not None]
+
+    def first_output(*tensors):
+        full = list(args)
+        for i, t in zip(present, tensors):
+            full[i] = t
+        return op(*op_args(*full))[0]
+
+    assert torch.autograd.gradgradcheck(first_output, [args[i] for i in present])
+    torch.library.opcheck(op, op_args(*args))
+
+
 @pytest.mark.parametrize("with_linear_bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
 @pytest.mark.parametrize("norm", NORMS)

@@ -200,6 +200,8 @@ def _check_public(op: str, x, residual, weight, bias, weight_name: str = "weight
 # gets the Python message; the checks cost ~20 us a call (more once a GEMM has swept the caches),
 # which at 512 x 512 was the whole of memopt's lead over F.layer_norm. Under torch.compile, and for
 # an eps that is not a float (the op would take True as 1.0), the checks run first, as before.
+# Strided x and residual are not refused: the ops copy them (norm_autograd.cpp), since a raise
+# and a retry cost ~80 us a call, more than the copy at 256 x 512.
 _LAYER_NORM = torch.ops.memopt.layer_norm.default
 _RMS_NORM = torch.ops.memopt.rms_norm.default
 _NORM_LINEAR = torch.ops.memopt.norm_linear.default
@@ -207,7 +209,7 @@ _NORM_LINEAR = torch.ops.memopt.norm_linear.default
 
 def _call_unchecked(eps, op, *args):
     """``op(*args)`` before any Python check, or None when it raised (the checked call that follows
-    says what was wrong, or copies non-contiguous input) or must not run unchecked."""
+    says what was wrong) or must not run unchecked."""
     if type(eps) is not float or torch.compiler.is_compiling():
         return None
     try:

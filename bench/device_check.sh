@@ -6,6 +6,9 @@
 # Each step has a time limit (STEP_TIMEOUT_<NAME> overrides it) so one slow step cannot eat the
 # whole device session; a step that fails or times out is logged and the next one still runs.
 # BENCH_SWEEPS=1 adds the depth and sequence-length sweeps of the harness (a few more minutes).
+# DEVICE_CHECK_DRY_RUN=1 prints each step's command (one "step NAME: <shell-quoted argv>" line)
+# and runs none: tests/test_device_check.py parses every one with its tool's own argument parser,
+# so a misspelt option cannot cost a step of a device session.
 # Back on the development machine, `python -m bench.collect <the fetched $OUT>` copies the run into
 # bench/results/<gpu>-<date>/ with a summary README and updates the README's GPU results block.
 set -uo pipefail
@@ -18,7 +21,8 @@ export MEMOPT_BUILD_CUDA=1
 export TRITON_INTERPRET=0
 export PYTHONUNBUFFERED=1
 
-{
+DRY_RUN="${DEVICE_CHECK_DRY_RUN:-0}"
+[ "$DRY_RUN" = 1 ] || {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
   # The device machine gets a copy of the work tree without .git: pass MEMOPT_COMMIT there.
   echo "commit: $(git rev-parse --verify -q HEAD 2>/dev/null || echo "${MEMOPT_COMMIT:-unknown}")"
@@ -33,6 +37,10 @@ status=0
 BUDGET="${DEVICE_CHECK_BUDGET:-540}"
 step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.log, keep going
   local name=$1 limit=$2; shift 2
+  if [ "$DRY_RUN" = 1 ]; then
+    printf 'step %s:' "$name"; printf ' %q' "$@"; printf '\n'
+    return 0
+  fi
   local left=$((BUDGET - SECONDS - 5))
   if [ "$left" -lt 20 ]; then
     echo "== $name: skipped, the device-check budget (${BUDGET}s) is spent" | tee "$OUT/$name.log"

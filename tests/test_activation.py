@@ -452,6 +452,59 @@ def test_bias_gradient_over_many_row_chunks_is_deterministic(dtype, activation):
 
 
 @gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("activation", ACTIVATIONS + ("swiglu",))
+def test_cuda_packed_and_elementwise_kernels_agree(activation, with_bias, dtype):
+    # Rows (swiglu: half rows) of a multiple of 16 bytes in 16-byte aligned tensors take the packed
+    # kernels (one 16-byte access per thread and tensor); the same x one element into a buffer is
+    # misaligned and takes the element-wise ones. y, grad_x and the rebuilt y are the same bits
+    # both ways (in place too); the bias gradient, whose row chunks follow each grid, agrees to
+    # float32 summation; both match float64. 3000 rows is more than one row chunk.
+    rows, width = 3000, 2048 if activation == "swiglu" else 1024
+    x = torch.randn(rows, width, device="cuda", dtype=dtype)
+    buffer = torch.empty(rows * width + 1, device="cuda", dtype=dtype)
+    x_shifted = buffer[1:].view(rows, width)
+    x_shifted.copy_(x)
+    assert x.data_ptr() % 16 == 0 and x_shifted.data_ptr() % 16 != 0
+    bias = torch.randn(width, device="cuda", dtype=dtype) if with_bias else None
+    out_width = width // 2 if activation == "swiglu" else width
+    grad = torch.randn(rows, out_width, device="cuda", dtype=dtype)
+
+    def run(x_in):
+        if activation == "swiglu":
+            y = torch.ops.memopt.swiglu_fwd(x_in, bias)
+            return (y, *torch.ops.memopt.swiglu_bwd(grad, x_in, bias, True))
+        y = torch.ops.memopt.bias_act_fwd(x_in, bias, activation)
+        grad_x, grad_bias, rebuilt = torch.ops.memopt.bias_act_bwd(grad, x_in, bias, activation, True)
+        in_place = grad.clone()
+        grad_bias_in_place, _ = torch.ops.memopt.bias_act_bwd_inplace(in_place, x_in, bias, activation, False)
+        assert torch.equal(in_place, grad_x)
+        if with_bias:
+            assert torch.equal(grad_bias_in_place, grad_bias)
+        return y, grad_x, grad_bias, rebuilt
+
+    y, grad_x, grad_bias, rebuilt = run(x)
+    y_e, grad_x_e, grad_bias_e, rebuilt_e = run(x_shifted)
+    assert torch.equal(y, y_e) and torch.equal(rebuilt, rebuilt_e) and torch.equal(grad_x, grad_x_e)
+    assert torch.equal(rebuilt, y)
+    if activation == "swiglu":
+        ref_fn = swiglu_ref
+    else:
+        ref_fn = lambda a, b: bias_act_ref(a, b, activation)  # noqa: E731
+    ref, (ref_dx, ref_db) = _reference_grads(ref_fn, (x, bias), grad)
+    torch.testing.assert_close(y.double(), ref.detach(), **tolerances(dtype))
+    torch.testing.assert_close(grad_x.double(), ref_dx, **tolerances(dtype))
+    if with_bias:
+        # float32 sums over 3000 rows: the summation bound, relative to a column's sum of magnitudes
+        scale = ref_dx.abs().sum(0).max().item()
+        for got in (grad_bias, grad_bias_e):
+            assert got.dtype == dtype
+            torch.testing.assert_close(got.double(), ref_db, atol=1e-5 * scale + tolerances(dtype)["atol"],
+                                       rtol=tolerances(dtype)["rtol"])
+
+
+@gpu
 def test_cuda_matches_cpu_float32():
     x = torch.randn(97, 66)
     bias = torch.randn(66)

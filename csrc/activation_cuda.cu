@@ -6,12 +6,12 @@
 //   CTA writes grad_x (and the rebuilt y) for its tile and the float32 sum of its rows' bias
 //   gradient to partials[chunk, column]; a second kernel adds the partials in chunk order. No
 //   atomics, so the bias gradient is the same on every run.
-// * Every kernel has a packed form, taken when the row width (d for swiglu) is a multiple of a
-//   16-byte pack (4 floats, 8 halves) and the tensors are 16-byte aligned, as ATen's vectorized
-//   elementwise kernels are: each thread moves whole packs, one 16-byte load or store per tensor,
-//   and a pack never straddles two rows, so its bias columns are consecutive. Each element's math
-//   is the element-wise form's, so y and grad_x are the same bits; the bias gradient's row chunks
-//   follow the packed grid (fewer, wider column tiles), so its float32 sums may round apart.
+// * Each kernel moves packs of W elements: W = 16 bytes' worth (4 floats, 8 halves) when the row
+//   (swiglu: the half row d) is a multiple of that and the tensors are 16-byte aligned, as ATen's
+//   vectorized elementwise kernels do, one 16-byte load or store per thread and tensor; W = 1
+//   otherwise. Each element's math does not depend on W, so y and grad_x are the same bits either
+//   way; the bias gradient's row chunks follow the grid (W times wider column tiles when packed),
+//   so its float32 sums may round apart.
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -36,34 +36,35 @@ constexpr int64_t kMaxGridY = 65535;
 
 int multiprocessors() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
 
-// The elements of one 16-byte access.
-template <typename scalar_t>
-struct Pack {
-  static constexpr int kSize = 16 / sizeof(scalar_t);
-  alignas(16) scalar_t v[kSize];
+// W consecutive elements, moved as one access: W = kWide<scalar_t> (16 bytes) in the packed
+// kernels, W = 1 in the element-wise ones.
+template <typename scalar_t, int W>
+struct alignas(W * sizeof(scalar_t)) Pack {
+  scalar_t v[W];
 };
 
-bool pack_aligned(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+template <typename scalar_t>
+constexpr int kWide = 16 / sizeof(scalar_t);
 
 // The packed kernels' condition: `width` (a row, or swiglu's half row) a multiple of the pack and
 // every given pointer 16-byte aligned (null ones, absent outputs, do not count).
 template <typename scalar_t>
 bool packable(int64_t width, std::initializer_list<const void*> pointers) {
-  if (width % Pack<scalar_t>::kSize != 0) return false;
+  if (width % kWide<scalar_t> != 0) return false;
   for (const void* p : pointers) {
-    if (!pack_aligned(p)) return false;
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
   }
   return true;
 }
 
-template <typename scalar_t>
-__device__ __forceinline__ Pack<scalar_t> load_pack(const scalar_t* p) {
-  return *reinterpret_cast<const Pack<scalar_t>*>(p);
+template <int W, typename scalar_t>
+__device__ __forceinline__ Pack<scalar_t, W> load_pack(const scalar_t* p) {
+  return *reinterpret_cast<const Pack<scalar_t, W>*>(p);
 }
 
-template <typename scalar_t>
-__device__ __forceinline__ void store_pack(scalar_t* p, const Pack<scalar_t>& value) {
-  *reinterpret_cast<Pack<scalar_t>*>(p) = value;
+template <int W, typename scalar_t>
+__device__ __forceinline__ void store_pack(scalar_t* p, const Pack<scalar_t, W>& value) {
+  *reinterpret_cast<Pack<scalar_t, W>*>(p) = value;
 }
 
 int elementwise_blocks(int64_t numel) {
@@ -79,7 +80,7 @@ struct BiasGradGrid {
   int64_t chunks;
 };
 
-BiasGradGrid bias_grad_grid(int64_t rows, int64_t cols, int64_t cols_per_thread = 1) {
+BiasGradGrid bias_grad_grid(int64_t rows, int64_t cols, int64_t cols_per_thread) {
   const int64_t tile_width = kTileCols * cols_per_thread;
   const int64_t col_tiles = (cols + tile_width - 1) / tile_width;
   const int64_t wanted = std::max<int64_t>(1, (4 * static_cast<int64_t>(multiprocessors()) + col_tiles - 1) / col_tiles);
@@ -90,34 +91,55 @@ BiasGradGrid bias_grad_grid(int64_t rows, int64_t cols, int64_t cols_per_thread 
   return {dim3(static_cast<unsigned>(col_tiles), static_cast<unsigned>(chunks)), rows_per_chunk, chunks};
 }
 
-template <Activation A, typename scalar_t, typename bias_t>
+// Pack index p covers elements [p * W, p * W + W); a pack never straddles two rows (W divides
+// the row), so its bias columns are consecutive.
+template <Activation A, typename scalar_t, typename bias_t, int W>
 __global__ void bias_act_fwd_cuda_kernel(const scalar_t* __restrict__ x,
                                          const bias_t* __restrict__ bias,  // [cols], or null
-                                         scalar_t* __restrict__ y, int64_t numel, int64_t cols) {
+                                         scalar_t* __restrict__ y, int64_t packs, int64_t row_packs) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel; i += stride) {
-    acc_t h = static_cast<acc_t>(x[i]);
-    if (bias != nullptr) h += static_cast<acc_t>(bias[i % cols]);
-    y[i] = static_cast<scalar_t>(activation_value<A>(h));
+  for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < packs; p += stride) {
+    const Pack<scalar_t, W> in = load_pack<W>(x + p * W);
+    const int64_t col = (p % row_packs) * W;
+    Pack<scalar_t, W> out;
+#pragma unroll
+    for (int j = 0; j < W; ++j) {
+      acc_t h = static_cast<acc_t>(in.v[j]);
+      if (bias != nullptr) h += static_cast<acc_t>(bias[col + j]);
+      out.v[j] = static_cast<scalar_t>(activation_value<A>(h));
+    }
+    store_pack<W>(y + p * W, out);
   }
 }
 
-template <Activation A, typename scalar_t>
-__global__ void bias_act_bwd_cuda_kernel(const scalar_t* grad_y, const scalar_t* __restrict__ x,
-                                         scalar_t* grad_x,  // may be grad_y (bias_act_bwd_inplace)
+// grad_x may be grad_y (bias_act_bwd_inplace): a thread loads its grad_y pack before it stores its
+// grad_x pack there, so the two pointers carry no __restrict__.
+template <Activation A, typename scalar_t, int W>
+__global__ void bias_act_bwd_cuda_kernel(const scalar_t* grad_y, const scalar_t* __restrict__ x, scalar_t* grad_x,
                                          scalar_t* __restrict__ y,  // rebuilt act(x), or null
-                                         int64_t numel) {
+                                         int64_t packs) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel; i += stride) {
-    const ValueAndGrad<acc_t> act = activation_value_and_grad<A>(static_cast<acc_t>(x[i]));
-    grad_x[i] = static_cast<scalar_t>(static_cast<acc_t>(grad_y[i]) * act.grad);
-    if (y != nullptr) y[i] = static_cast<scalar_t>(act.value);
+  for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < packs; p += stride) {
+    const Pack<scalar_t, W> g = load_pack<W>(grad_y + p * W);
+    const Pack<scalar_t, W> in = load_pack<W>(x + p * W);
+    Pack<scalar_t, W> grad, value;
+#pragma unroll
+    for (int j = 0; j < W; ++j) {
+      const ValueAndGrad<acc_t> act = activation_value_and_grad<A>(static_cast<acc_t>(in.v[j]));
+      grad.v[j] = static_cast<scalar_t>(static_cast<acc_t>(g.v[j]) * act.grad);
+      value.v[j] = static_cast<scalar_t>(act.value);
+    }
+    store_pack<W>(grad_x + p * W, grad);
+    if (y != nullptr) store_pack<W>(y + p * W, value);
   }
 }
 
-template <Activation A, typename scalar_t, typename bias_t>
+// A CTA of (kTileCols, kTileRows) threads over kTileCols * W columns and one chunk of rows: thread
+// (tx, ty) takes rows ty, ty + kTileRows, ... for its W columns, and row 0 of the CTA adds the
+// kTileRows sums in order into the chunk's partials.
+template <Activation A, typename scalar_t, typename bias_t, int W>
 __global__ void bias_act_bwd_bias_cuda_kernel(const scalar_t* grad_y, const scalar_t* __restrict__ x,
                                               const bias_t* __restrict__ bias,  // [cols]
                                               scalar_t* grad_x,  // may be grad_y (bias_act_bwd_inplace)
@@ -125,245 +147,65 @@ __global__ void bias_act_bwd_bias_cuda_kernel(const scalar_t* grad_y, const scal
                                               at::opmath_type<scalar_t>* __restrict__ partials,  // [chunks, cols]
                                               int64_t rows, int64_t cols, int64_t rows_per_chunk) {
   using acc_t = at::opmath_type<scalar_t>;
-  __shared__ acc_t tile[kTileRows][kTileCols + 1];
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * kTileCols + threadIdx.x;
+  __shared__ acc_t tile[kTileRows][kTileCols * W + 1];
+  const int64_t col = (static_cast<int64_t>(blockIdx.x) * kTileCols + threadIdx.x) * W;
   const int64_t row_begin = static_cast<int64_t>(blockIdx.y) * rows_per_chunk;
   const int64_t row_end = row_begin + rows_per_chunk < rows ? row_begin + rows_per_chunk : rows;
-  acc_t sum = 0;
-  if (col < cols) {
-    const acc_t b = static_cast<acc_t>(bias[col]);
+  acc_t sum[W];
+#pragma unroll
+  for (int j = 0; j < W; ++j) sum[j] = 0;
+  if (col < cols) {  // W divides cols: the whole pack is in the row
+    acc_t b[W];
+#pragma unroll
+    for (int j = 0; j < W; ++j) b[j] = static_cast<acc_t>(bias[col + j]);
     for (int64_t r = row_begin + threadIdx.y; r < row_end; r += kTileRows) {
       const int64_t i = r * cols + col;
-      const ValueAndGrad<acc_t> act = activation_value_and_grad<A>(static_cast<acc_t>(x[i]) + b);
-      const acc_t grad_h = static_cast<acc_t>(grad_y[i]) * act.grad;
-      grad_x[i] = static_cast<scalar_t>(grad_h);
-      if (y != nullptr) y[i] = static_cast<scalar_t>(act.value);
-      sum += grad_h;
-    }
-  }
-  tile[threadIdx.y][threadIdx.x] = sum;
-  __syncthreads();
-  if (threadIdx.y == 0 && col < cols) {
-    acc_t total = 0;
-    for (int k = 0; k < kTileRows; ++k) total += tile[k][threadIdx.x];
-    partials[static_cast<int64_t>(blockIdx.y) * cols + col] = total;
-  }
-}
-
-template <typename scalar_t, typename bias_t>
-__global__ void swiglu_fwd_cuda_kernel(const scalar_t* __restrict__ x,
-                                       const bias_t* __restrict__ bias,  // [2 * d], or null
-                                       scalar_t* __restrict__ y,         // [rows, d]
-                                       int64_t numel_out, int64_t d) {
-  using acc_t = at::opmath_type<scalar_t>;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel_out; i += stride) {
-    const int64_t r = i / d;
-    const int64_t c = i - r * d;
-    acc_t gate = static_cast<acc_t>(x[r * 2 * d + c]);
-    acc_t up = static_cast<acc_t>(x[r * 2 * d + d + c]);
-    if (bias != nullptr) {
-      gate += static_cast<acc_t>(bias[c]);
-      up += static_cast<acc_t>(bias[d + c]);
-    }
-    y[i] = static_cast<scalar_t>(activation_value<Activation::kSilu>(gate) * up);
-  }
-}
-
-// One (row, column) of swiglu's backward: writes grad_x's gate and up entries and y; returns the
-// gate and up gradients for the bias reduction.
-template <typename scalar_t, typename acc_t>
-__device__ __forceinline__ void swiglu_bwd_element(const scalar_t* __restrict__ grad_y,
-                                                   const scalar_t* __restrict__ x, scalar_t* __restrict__ grad_x,
-                                                   scalar_t* __restrict__ y, int64_t r, int64_t c, int64_t d,
-                                                   acc_t bias_gate, acc_t bias_up, acc_t* grad_gate,
-                                                   acc_t* grad_up) {
-  const int64_t gate_index = r * 2 * d + c;
-  const acc_t gate = static_cast<acc_t>(x[gate_index]) + bias_gate;
-  const acc_t up = static_cast<acc_t>(x[gate_index + d]) + bias_up;
-  const ValueAndGrad<acc_t> act = activation_value_and_grad<Activation::kSilu>(gate);
-  const acc_t g = static_cast<acc_t>(grad_y[r * d + c]);
-  *grad_gate = g * up * act.grad;
-  *grad_up = g * act.value;
-  grad_x[gate_index] = static_cast<scalar_t>(*grad_gate);
-  grad_x[gate_index + d] = static_cast<scalar_t>(*grad_up);
-  if (y != nullptr) y[r * d + c] = static_cast<scalar_t>(act.value * up);
-}
-
-template <typename scalar_t>
-__global__ void swiglu_bwd_cuda_kernel(const scalar_t* __restrict__ grad_y, const scalar_t* __restrict__ x,
-                                       scalar_t* __restrict__ grad_x,
-                                       scalar_t* __restrict__ y,  // rebuilt output, or null
-                                       int64_t numel_out, int64_t d) {
-  using acc_t = at::opmath_type<scalar_t>;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < numel_out; i += stride) {
-    const int64_t r = i / d;
-    acc_t grad_gate, grad_up;
-    swiglu_bwd_element<scalar_t, acc_t>(grad_y, x, grad_x, y, r, i - r * d, d, acc_t(0), acc_t(0), &grad_gate,
-                                        &grad_up);
-  }
-}
-
-template <typename scalar_t, typename bias_t>
-__global__ void swiglu_bwd_bias_cuda_kernel(const scalar_t* __restrict__ grad_y, const scalar_t* __restrict__ x,
-                                            const bias_t* __restrict__ bias,  // [2 * d]
-                                            scalar_t* __restrict__ grad_x,
-                                            scalar_t* __restrict__ y,  // rebuilt output, or null
-                                            at::opmath_type<scalar_t>* __restrict__ partials,  // [chunks, 2 * d]
-                                            int64_t rows, int64_t d, int64_t rows_per_chunk) {
-  using acc_t = at::opmath_type<scalar_t>;
-  __shared__ acc_t gate_tile[kTileRows][kTileCols + 1];
-  __shared__ acc_t up_tile[kTileRows][kTileCols + 1];
-  const int64_t col = static_cast<int64_t>(blockIdx.x) * kTileCols + threadIdx.x;
-  const int64_t row_begin = static_cast<int64_t>(blockIdx.y) * rows_per_chunk;
-  const int64_t row_end = row_begin + rows_per_chunk < rows ? row_begin + rows_per_chunk : rows;
-  acc_t gate_sum = 0;
-  acc_t up_sum = 0;
-  if (col < d) {
-    const acc_t bias_gate = static_cast<acc_t>(bias[col]);
-    const acc_t bias_up = static_cast<acc_t>(bias[d + col]);
-    for (int64_t r = row_begin + threadIdx.y; r < row_end; r += kTileRows) {
-      acc_t grad_gate, grad_up;
-      swiglu_bwd_element<scalar_t, acc_t>(grad_y, x, grad_x, y, r, col, d, bias_gate, bias_up, &grad_gate,
-                                          &grad_up);
-      gate_sum += grad_gate;
-      up_sum += grad_up;
-    }
-  }
-  gate_tile[threadIdx.y][threadIdx.x] = gate_sum;
-  up_tile[threadIdx.y][threadIdx.x] = up_sum;
-  __syncthreads();
-  if (threadIdx.y == 0 && col < d) {
-    acc_t gate_total = 0;
-    acc_t up_total = 0;
-    for (int k = 0; k < kTileRows; ++k) {
-      gate_total += gate_tile[k][threadIdx.x];
-      up_total += up_tile[k][threadIdx.x];
-    }
-    acc_t* partial = partials + static_cast<int64_t>(blockIdx.y) * 2 * d;
-    partial[col] = gate_total;
-    partial[d + col] = up_total;
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// The packed forms (see the top of the file): pack index p covers elements [p * N, p * N + N).
-
-template <Activation A, typename scalar_t, typename bias_t>
-__global__ void bias_act_fwd_packed_kernel(const scalar_t* __restrict__ x,
-                                           const bias_t* __restrict__ bias,  // [cols], or null
-                                           scalar_t* __restrict__ y, int64_t packs, int64_t row_packs) {
-  using acc_t = at::opmath_type<scalar_t>;
-  constexpr int N = Pack<scalar_t>::kSize;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < packs; p += stride) {
-    const Pack<scalar_t> in = load_pack(x + p * N);
-    const int64_t col = (p % row_packs) * N;
-    Pack<scalar_t> out;
+      const Pack<scalar_t, W> g = load_pack<W>(grad_y + i);
+      const Pack<scalar_t, W> in = load_pack<W>(x + i);
+      Pack<scalar_t, W> grad, value;
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
-      acc_t h = static_cast<acc_t>(in.v[j]);
-      if (bias != nullptr) h += static_cast<acc_t>(bias[col + j]);
-      out.v[j] = static_cast<scalar_t>(activation_value<A>(h));
-    }
-    store_pack(y + p * N, out);
-  }
-}
-
-// grad_x may be grad_y: a thread loads its grad_y pack before it stores the grad_x pack there.
-template <Activation A, typename scalar_t>
-__global__ void bias_act_bwd_packed_kernel(const scalar_t* grad_y, const scalar_t* __restrict__ x, scalar_t* grad_x,
-                                           scalar_t* __restrict__ y,  // rebuilt act(x), or null
-                                           int64_t packs) {
-  using acc_t = at::opmath_type<scalar_t>;
-  constexpr int N = Pack<scalar_t>::kSize;
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < packs; p += stride) {
-    const Pack<scalar_t> g = load_pack(grad_y + p * N);
-    const Pack<scalar_t> in = load_pack(x + p * N);
-    Pack<scalar_t> gx, value;
-#pragma unroll
-    for (int j = 0; j < N; ++j) {
-      const ValueAndGrad<acc_t> act = activation_value_and_grad<A>(static_cast<acc_t>(in.v[j]));
-      gx.v[j] = static_cast<scalar_t>(static_cast<acc_t>(g.v[j]) * act.grad);
-      value.v[j] = static_cast<scalar_t>(act.value);
-    }
-    store_pack(grad_x + p * N, gx);
-    if (y != nullptr) store_pack(y + p * N, value);
-  }
-}
-
-// As bias_act_bwd_bias_cuda_kernel with N columns per thread (a tile of kTileCols * N columns):
-// thread (tx, ty) sums rows ty, ty + kTileRows, ... of its chunk for each of its columns, and row 0
-// of the CTA adds the kTileRows sums in order.
-template <Activation A, typename scalar_t, typename bias_t>
-__global__ void bias_act_bwd_bias_packed_kernel(const scalar_t* grad_y, const scalar_t* __restrict__ x,
-                                                const bias_t* __restrict__ bias,  // [cols]
-                                                scalar_t* grad_x,  // may be grad_y
-                                                scalar_t* __restrict__ y,  // rebuilt act(x + bias), or null
-                                                at::opmath_type<scalar_t>* __restrict__ partials,  // [chunks, cols]
-                                                int64_t rows, int64_t cols, int64_t rows_per_chunk) {
-  using acc_t = at::opmath_type<scalar_t>;
-  constexpr int N = Pack<scalar_t>::kSize;
-  __shared__ acc_t tile[kTileRows][kTileCols * N + 1];
-  const int64_t col = (static_cast<int64_t>(blockIdx.x) * kTileCols + threadIdx.x) * N;
-  const int64_t row_begin = static_cast<int64_t>(blockIdx.y) * rows_per_chunk;
-  const int64_t row_end = row_begin + rows_per_chunk < rows ? row_begin + rows_per_chunk : rows;
-  acc_t sum[N];
-#pragma unroll
-  for (int j = 0; j < N; ++j) sum[j] = 0;
-  if (col < cols) {  // cols is a multiple of N: the whole pack is in the row
-    acc_t b[N];
-#pragma unroll
-    for (int j = 0; j < N; ++j) b[j] = static_cast<acc_t>(bias[col + j]);
-    for (int64_t r = row_begin + threadIdx.y; r < row_end; r += kTileRows) {
-      const int64_t i = r * cols + col;
-      const Pack<scalar_t> g = load_pack(grad_y + i);
-      const Pack<scalar_t> in = load_pack(x + i);
-      Pack<scalar_t> gx, value;
-#pragma unroll
-      for (int j = 0; j < N; ++j) {
+      for (int j = 0; j < W; ++j) {
         const ValueAndGrad<acc_t> act = activation_value_and_grad<A>(static_cast<acc_t>(in.v[j]) + b[j]);
         const acc_t grad_h = static_cast<acc_t>(g.v[j]) * act.grad;
-        gx.v[j] = static_cast<scalar_t>(grad_h);
+        grad.v[j] = static_cast<scalar_t>(grad_h);
         value.v[j] = static_cast<scalar_t>(act.value);
         sum[j] += grad_h;
       }
-      store_pack(grad_x + i, gx);
-      if (y != nullptr) store_pack(y + i, value);
+      store_pack<W>(grad_x + i, grad);
+      if (y != nullptr) store_pack<W>(y + i, value);
     }
   }
 #pragma unroll
-  for (int j = 0; j < N; ++j) tile[threadIdx.y][threadIdx.x * N + j] = sum[j];
+  for (int j = 0; j < W; ++j) tile[threadIdx.y][threadIdx.x * W + j] = sum[j];
   __syncthreads();
   if (threadIdx.y == 0 && col < cols) {
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
+    for (int j = 0; j < W; ++j) {
       acc_t total = 0;
-      for (int k = 0; k < kTileRows; ++k) total += tile[k][threadIdx.x * N + j];
+      for (int k = 0; k < kTileRows; ++k) total += tile[k][threadIdx.x * W + j];
       partials[static_cast<int64_t>(blockIdx.y) * cols + col + j] = total;
     }
   }
 }
 
-template <typename scalar_t, typename bias_t>
-__global__ void swiglu_fwd_packed_kernel(const scalar_t* __restrict__ x,
-                                         const bias_t* __restrict__ bias,  // [2 * d], or null
-                                         scalar_t* __restrict__ y,         // [rows, d]
-                                         int64_t packs_out, int64_t d) {
+// Output pack p of swiglu: row r, columns c .. c + W of the gate half (x[r, c]) and of the up half
+// (x[r, d + c]).
+template <typename scalar_t, typename bias_t, int W>
+__global__ void swiglu_fwd_cuda_kernel(const scalar_t* __restrict__ x,
+                                       const bias_t* __restrict__ bias,  // [2 * d], or null
+                                       scalar_t* __restrict__ y,         // [rows, d]
+                                       int64_t packs_out, int64_t d) {
   using acc_t = at::opmath_type<scalar_t>;
-  constexpr int N = Pack<scalar_t>::kSize;
-  const int64_t row_packs = d / N;
+  const int64_t row_packs = d / W;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < packs_out; p += stride) {
     const int64_t r = p / row_packs;
-    const int64_t c = (p - r * row_packs) * N;
-    const Pack<scalar_t> gate = load_pack(x + r * 2 * d + c);
-    const Pack<scalar_t> up = load_pack(x + r * 2 * d + d + c);
-    Pack<scalar_t> out;
+    const int64_t c = (p - r * row_packs) * W;
+    const Pack<scalar_t, W> gate = load_pack<W>(x + r * 2 * d + c);
+    const Pack<scalar_t, W> up = load_pack<W>(x + r * 2 * d + d + c);
+    Pack<scalar_t, W> out;
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
+    for (int j = 0; j < W; ++j) {
       acc_t g = static_cast<acc_t>(gate.v[j]);
       acc_t u = static_cast<acc_t>(up.v[j]);
       if (bias != nullptr) {
@@ -372,25 +214,24 @@ __global__ void swiglu_fwd_packed_kernel(const scalar_t* __restrict__ x,
       }
       out.v[j] = static_cast<scalar_t>(activation_value<Activation::kSilu>(g) * u);
     }
-    store_pack(y + p * N, out);
+    store_pack<W>(y + p * W, out);
   }
 }
 
-// One pack of swiglu's backward at (row r, columns c..c+N): writes grad_x's gate and up packs and
-// y's; adds the gate and up gradients to grad_gate / grad_up (the bias reduction).
-template <typename scalar_t, typename acc_t>
+// One pack of swiglu's backward at row r, columns c .. c + W: writes grad_x's gate and up packs and
+// y's; adds the gate and up gradients to grad_gate_sum / grad_up_sum (the bias reduction).
+template <int W, typename scalar_t, typename acc_t>
 __device__ __forceinline__ void swiglu_bwd_pack(const scalar_t* __restrict__ grad_y, const scalar_t* __restrict__ x,
                                                 scalar_t* __restrict__ grad_x, scalar_t* __restrict__ y, int64_t r,
                                                 int64_t c, int64_t d, const acc_t* bias_gate, const acc_t* bias_up,
                                                 acc_t* grad_gate_sum, acc_t* grad_up_sum) {
-  constexpr int N = Pack<scalar_t>::kSize;
   const int64_t gate_index = r * 2 * d + c;
-  const Pack<scalar_t> gate = load_pack(x + gate_index);
-  const Pack<scalar_t> up = load_pack(x + gate_index + d);
-  const Pack<scalar_t> g = load_pack(grad_y + r * d + c);
-  Pack<scalar_t> grad_gate, grad_up, value;
+  const Pack<scalar_t, W> gate = load_pack<W>(x + gate_index);
+  const Pack<scalar_t, W> up = load_pack<W>(x + gate_index + d);
+  const Pack<scalar_t, W> g = load_pack<W>(grad_y + r * d + c);
+  Pack<scalar_t, W> grad_gate, grad_up, value;
 #pragma unroll
-  for (int j = 0; j < N; ++j) {
+  for (int j = 0; j < W; ++j) {
     const acc_t gate_j = static_cast<acc_t>(gate.v[j]) + bias_gate[j];
     const acc_t up_j = static_cast<acc_t>(up.v[j]) + bias_up[j];
     const ValueAndGrad<acc_t> act = activation_value_and_grad<Activation::kSilu>(gate_j);
@@ -403,73 +244,71 @@ __device__ __forceinline__ void swiglu_bwd_pack(const scalar_t* __restrict__ gra
     grad_gate_sum[j] += dgate;
     grad_up_sum[j] += dup;
   }
-  store_pack(grad_x + gate_index, grad_gate);
-  store_pack(grad_x + gate_index + d, grad_up);
-  if (y != nullptr) store_pack(y + r * d + c, value);
+  store_pack<W>(grad_x + gate_index, grad_gate);
+  store_pack<W>(grad_x + gate_index + d, grad_up);
+  if (y != nullptr) store_pack<W>(y + r * d + c, value);
 }
 
-template <typename scalar_t>
-__global__ void swiglu_bwd_packed_kernel(const scalar_t* __restrict__ grad_y, const scalar_t* __restrict__ x,
-                                         scalar_t* __restrict__ grad_x,
-                                         scalar_t* __restrict__ y,  // rebuilt output, or null
-                                         int64_t packs_out, int64_t d) {
+template <typename scalar_t, int W>
+__global__ void swiglu_bwd_cuda_kernel(const scalar_t* __restrict__ grad_y, const scalar_t* __restrict__ x,
+                                       scalar_t* __restrict__ grad_x,
+                                       scalar_t* __restrict__ y,  // rebuilt output, or null
+                                       int64_t packs_out, int64_t d) {
   using acc_t = at::opmath_type<scalar_t>;
-  constexpr int N = Pack<scalar_t>::kSize;
-  const int64_t row_packs = d / N;
-  acc_t zeros[N], unused_gate[N], unused_up[N];
+  const int64_t row_packs = d / W;
+  acc_t zeros[W], unused_gate[W], unused_up[W];
 #pragma unroll
-  for (int j = 0; j < N; ++j) zeros[j] = unused_gate[j] = unused_up[j] = 0;
+  for (int j = 0; j < W; ++j) zeros[j] = unused_gate[j] = unused_up[j] = 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < packs_out; p += stride) {
     const int64_t r = p / row_packs;
-    swiglu_bwd_pack<scalar_t, acc_t>(grad_y, x, grad_x, y, r, (p - r * row_packs) * N, d, zeros, zeros,
-                                     unused_gate, unused_up);
+    swiglu_bwd_pack<W>(grad_y, x, grad_x, y, r, (p - r * row_packs) * W, d, zeros, zeros, unused_gate, unused_up);
   }
 }
 
-template <typename scalar_t, typename bias_t>
-__global__ void swiglu_bwd_bias_packed_kernel(const scalar_t* __restrict__ grad_y, const scalar_t* __restrict__ x,
-                                              const bias_t* __restrict__ bias,  // [2 * d]
-                                              scalar_t* __restrict__ grad_x,
-                                              scalar_t* __restrict__ y,  // rebuilt output, or null
-                                              at::opmath_type<scalar_t>* __restrict__ partials,  // [chunks, 2 * d]
-                                              int64_t rows, int64_t d, int64_t rows_per_chunk) {
+// As bias_act_bwd_bias_cuda_kernel, over the gate and up halves at once.
+template <typename scalar_t, typename bias_t, int W>
+__global__ void swiglu_bwd_bias_cuda_kernel(const scalar_t* __restrict__ grad_y, const scalar_t* __restrict__ x,
+                                            const bias_t* __restrict__ bias,  // [2 * d]
+                                            scalar_t* __restrict__ grad_x,
+                                            scalar_t* __restrict__ y,  // rebuilt output, or null
+                                            at::opmath_type<scalar_t>* __restrict__ partials,  // [chunks, 2 * d]
+                                            int64_t rows, int64_t d, int64_t rows_per_chunk) {
   using acc_t = at::opmath_type<scalar_t>;
-  constexpr int N = Pack<scalar_t>::kSize;
-  __shared__ acc_t gate_tile[kTileRows][kTileCols * N + 1];
-  __shared__ acc_t up_tile[kTileRows][kTileCols * N + 1];
-  const int64_t col = (static_cast<int64_t>(blockIdx.x) * kTileCols + threadIdx.x) * N;
+  __shared__ acc_t gate_tile[kTileRows][kTileCols * W + 1];
+  __shared__ acc_t up_tile[kTileRows][kTileCols * W + 1];
+  const int64_t col = (static_cast<int64_t>(blockIdx.x) * kTileCols + threadIdx.x) * W;
   const int64_t row_begin = static_cast<int64_t>(blockIdx.y) * rows_per_chunk;
   const int64_t row_end = row_begin + rows_per_chunk < rows ? row_begin + rows_per_chunk : rows;
-  acc_t gate_sum[N], up_sum[N];
+  acc_t gate_sum[W], up_sum[W];
 #pragma unroll
-  for (int j = 0; j < N; ++j) gate_sum[j] = up_sum[j] = 0;
-  if (col < d) {  // d is a multiple of N
-    acc_t bias_gate[N], bias_up[N];
+  for (int j = 0; j < W; ++j) gate_sum[j] = up_sum[j] = 0;
+  if (col < d) {  // W divides d
+    acc_t bias_gate[W], bias_up[W];
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
+    for (int j = 0; j < W; ++j) {
       bias_gate[j] = static_cast<acc_t>(bias[col + j]);
       bias_up[j] = static_cast<acc_t>(bias[d + col + j]);
     }
     for (int64_t r = row_begin + threadIdx.y; r < row_end; r += kTileRows) {
-      swiglu_bwd_pack<scalar_t, acc_t>(grad_y, x, grad_x, y, r, col, d, bias_gate, bias_up, gate_sum, up_sum);
+      swiglu_bwd_pack<W>(grad_y, x, grad_x, y, r, col, d, bias_gate, bias_up, gate_sum, up_sum);
     }
   }
 #pragma unroll
-  for (int j = 0; j < N; ++j) {
-    gate_tile[threadIdx.y][threadIdx.x * N + j] = gate_sum[j];
-    up_tile[threadIdx.y][threadIdx.x * N + j] = up_sum[j];
+  for (int j = 0; j < W; ++j) {
+    gate_tile[threadIdx.y][threadIdx.x * W + j] = gate_sum[j];
+    up_tile[threadIdx.y][threadIdx.x * W + j] = up_sum[j];
   }
   __syncthreads();
   if (threadIdx.y == 0 && col < d) {
     acc_t* partial = partials + static_cast<int64_t>(blockIdx.y) * 2 * d;
 #pragma unroll
-    for (int j = 0; j < N; ++j) {
+    for (int j = 0; j < W; ++j) {
       acc_t gate_total = 0;
       acc_t up_total = 0;
       for (int k = 0; k < kTileRows; ++k) {
-        gate_total += gate_tile[k][threadIdx.x * N + j];
-        up_total += up_tile[k][threadIdx.x * N + j];
+        gate_total += gate_tile[k][threadIdx.x * W + j];
+        up_total += up_tile[k][threadIdx.x * W + j];
       }
       partial[col + j] = gate_total;
       partial[d + col + j] = up_total;
@@ -505,23 +344,18 @@ at::Tensor bias_act_fwd_cuda(const at::Tensor& x, const std::optional<at::Tensor
   if (numel == 0) return y;
   const c10::cuda::CUDAGuard guard(x.device());
   MEMOPT_DISPATCH_CUDA_FLOATS(x.scalar_type(), "bias_act_fwd_cuda", [&] {
-    constexpr int64_t N = Pack<scalar_t>::kSize;
     const scalar_t* x_data = x.const_data_ptr<scalar_t>();
     scalar_t* y_data = y.mutable_data_ptr<scalar_t>();
     const bool packed = packable<scalar_t>(call.cols, {x_data, y_data});
-    const auto stream = at::cuda::getCurrentCUDAStream();
+    const int64_t w = packed ? kWide<scalar_t> : 1;
     dispatch_param_type<scalar_t>(param_dtype(bias, x), [&](auto* bias_tag) {
       using bias_t = std::remove_pointer_t<decltype(bias_tag)>;
       dispatch_activation(call.activation, [&](auto a) {
-        if (packed) {
-          bias_act_fwd_packed_kernel<decltype(a)::value, scalar_t, bias_t>
-              <<<elementwise_blocks(numel / N), kThreads, 0, stream>>>(x_data, optional_data<bias_t>(bias), y_data,
-                                                                        numel / N, call.cols / N);
-        } else {
-          bias_act_fwd_cuda_kernel<decltype(a)::value, scalar_t, bias_t>
-              <<<elementwise_blocks(numel), kThreads, 0, stream>>>(x_data, optional_data<bias_t>(bias), y_data, numel,
-                                                                    call.cols);
-        }
+        constexpr Activation A = decltype(a)::value;
+        const auto kernel = packed ? bias_act_fwd_cuda_kernel<A, scalar_t, bias_t, kWide<scalar_t>>
+                                   : bias_act_fwd_cuda_kernel<A, scalar_t, bias_t, 1>;
+        kernel<<<elementwise_blocks(numel / w), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+            x_data, optional_data<bias_t>(bias), y_data, numel / w, call.cols / w);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     });
@@ -543,34 +377,32 @@ void run_bias_act_bwd_cuda(const ActBackward& call, const at::Tensor& grad_y, co
   const auto stream = at::cuda::getCurrentCUDAStream();
   MEMOPT_DISPATCH_CUDA_FLOATS(x.scalar_type(), "bias_act_bwd_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    constexpr int64_t N = Pack<scalar_t>::kSize;
     const scalar_t* grad_y_data = grad_y.const_data_ptr<scalar_t>();
     const scalar_t* x_data = x.const_data_ptr<scalar_t>();
     scalar_t* grad_x_data = grad_x.mutable_data_ptr<scalar_t>();
     scalar_t* y_ptr = return_y ? y.mutable_data_ptr<scalar_t>() : nullptr;
     const bool packed = packable<scalar_t>(call.cols, {grad_y_data, x_data, grad_x_data, y_ptr});
+    const int64_t w = packed ? kWide<scalar_t> : 1;
     if (!bias.has_value()) {
       dispatch_activation(call.activation, [&](auto a) {
-        if (packed) {
-          bias_act_bwd_packed_kernel<decltype(a)::value, scalar_t>
-              <<<elementwise_blocks(numel / N), kThreads, 0, stream>>>(grad_y_data, x_data, grad_x_data, y_ptr,
-                                                                        numel / N);
-        } else {
-          bias_act_bwd_cuda_kernel<decltype(a)::value, scalar_t><<<elementwise_blocks(numel), kThreads, 0, stream>>>(
-              grad_y_data, x_data, grad_x_data, y_ptr, numel);
-        }
+        constexpr Activation A = decltype(a)::value;
+        const auto kernel = packed ? bias_act_bwd_cuda_kernel<A, scalar_t, kWide<scalar_t>>
+                                   : bias_act_bwd_cuda_kernel<A, scalar_t, 1>;
+        kernel<<<elementwise_blocks(numel / w), kThreads, 0, stream>>>(grad_y_data, x_data, grad_x_data, y_ptr,
+                                                                        numel / w);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
       return;
     }
-    const BiasGradGrid launch = bias_grad_grid(call.rows, call.cols, packed ? N : 1);
+    const BiasGradGrid launch = bias_grad_grid(call.rows, call.cols, w);
     auto partials =
         at::empty({launch.chunks, call.cols}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
     dispatch_param_type<scalar_t>(param_dtype(bias, x), [&](auto* bias_tag) {
       using bias_t = std::remove_pointer_t<decltype(bias_tag)>;
       dispatch_activation(call.activation, [&](auto a) {
-        const auto kernel = packed ? bias_act_bwd_bias_packed_kernel<decltype(a)::value, scalar_t, bias_t>
-                                   : bias_act_bwd_bias_cuda_kernel<decltype(a)::value, scalar_t, bias_t>;
+        constexpr Activation A = decltype(a)::value;
+        const auto kernel = packed ? bias_act_bwd_bias_cuda_kernel<A, scalar_t, bias_t, kWide<scalar_t>>
+                                   : bias_act_bwd_bias_cuda_kernel<A, scalar_t, bias_t, 1>;
         kernel<<<launch.grid, dim3(kTileCols, kTileRows), 0, stream>>>(
             grad_y_data, x_data, optional_data<bias_t>(bias), grad_x_data, y_ptr, partials.mutable_data_ptr<acc_t>(),
             call.rows, call.cols, launch.rows_per_chunk);
@@ -605,20 +437,16 @@ at::Tensor swiglu_fwd_cuda(const at::Tensor& x, const std::optional<at::Tensor>&
   if (numel_out == 0) return y;
   const c10::cuda::CUDAGuard guard(x.device());
   MEMOPT_DISPATCH_CUDA_FLOATS(x.scalar_type(), "swiglu_fwd_cuda", [&] {
-    constexpr int64_t N = Pack<scalar_t>::kSize;
     const scalar_t* x_data = x.const_data_ptr<scalar_t>();
     scalar_t* y_data = y.mutable_data_ptr<scalar_t>();
     const bool packed = packable<scalar_t>(d, {x_data, y_data});
-    const auto stream = at::cuda::getCurrentCUDAStream();
+    const int64_t w = packed ? kWide<scalar_t> : 1;
     dispatch_param_type<scalar_t>(param_dtype(bias, x), [&](auto* bias_tag) {
       using bias_t = std::remove_pointer_t<decltype(bias_tag)>;
-      if (packed) {
-        swiglu_fwd_packed_kernel<scalar_t, bias_t><<<elementwise_blocks(numel_out / N), kThreads, 0, stream>>>(
-            x_data, optional_data<bias_t>(bias), y_data, numel_out / N, d);
-      } else {
-        swiglu_fwd_cuda_kernel<scalar_t, bias_t><<<elementwise_blocks(numel_out), kThreads, 0, stream>>>(
-            x_data, optional_data<bias_t>(bias), y_data, numel_out, d);
-      }
+      const auto kernel = packed ? swiglu_fwd_cuda_kernel<scalar_t, bias_t, kWide<scalar_t>>
+                                 : swiglu_fwd_cuda_kernel<scalar_t, bias_t, 1>;
+      kernel<<<elementwise_blocks(numel_out / w), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+          x_data, optional_data<bias_t>(bias), y_data, numel_out / w, d);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
@@ -640,29 +468,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_bwd_cuda(const at::Tensor&
   const auto stream = at::cuda::getCurrentCUDAStream();
   MEMOPT_DISPATCH_CUDA_FLOATS(x.scalar_type(), "swiglu_bwd_cuda", [&] {
     using acc_t = at::opmath_type<scalar_t>;
-    constexpr int64_t N = Pack<scalar_t>::kSize;
     const scalar_t* grad_y_data = grad_y.const_data_ptr<scalar_t>();
     const scalar_t* x_data = x.const_data_ptr<scalar_t>();
     scalar_t* grad_x_data = grad_x.mutable_data_ptr<scalar_t>();
     scalar_t* y_ptr = return_y ? y.mutable_data_ptr<scalar_t>() : nullptr;
     const bool packed = packable<scalar_t>(d, {grad_y_data, x_data, grad_x_data, y_ptr});
+    const int64_t w = packed ? kWide<scalar_t> : 1;
     if (!bias.has_value()) {
-      if (packed) {
-        swiglu_bwd_packed_kernel<scalar_t><<<elementwise_blocks(numel_out / N), kThreads, 0, stream>>>(
-            grad_y_data, x_data, grad_x_data, y_ptr, numel_out / N, d);
-      } else {
-        swiglu_bwd_cuda_kernel<scalar_t><<<elementwise_blocks(numel_out), kThreads, 0, stream>>>(
-            grad_y_data, x_data, grad_x_data, y_ptr, numel_out, d);
-      }
+      const auto kernel = packed ? swiglu_bwd_cuda_kernel<scalar_t, kWide<scalar_t>> : swiglu_bwd_cuda_kernel<scalar_t, 1>;
+      kernel<<<elementwise_blocks(numel_out / w), kThreads, 0, stream>>>(grad_y_data, x_data, grad_x_data, y_ptr,
+                                                                          numel_out / w, d);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       return;
     }
-    const BiasGradGrid launch = bias_grad_grid(call.rows, d, packed ? N : 1);
+    const BiasGradGrid launch = bias_grad_grid(call.rows, d, w);
     auto partials = at::empty({launch.chunks, 2 * d}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
     dispatch_param_type<scalar_t>(param_dtype(bias, x), [&](auto* bias_tag) {
       using bias_t = std::remove_pointer_t<decltype(bias_tag)>;
-      const auto kernel = packed ? swiglu_bwd_bias_packed_kernel<scalar_t, bias_t>
-                                 : swiglu_bwd_bias_cuda_kernel<scalar_t, bias_t>;
+      const auto kernel = packed ? swiglu_bwd_bias_cuda_kernel<scalar_t, bias_t, kWide<scalar_t>>
+                                 : swiglu_bwd_bias_cuda_kernel<scalar_t, bias_t, 1>;
       kernel<<<launch.grid, dim3(kTileCols, kTileRows), 0, stream>>>(
           grad_y_data, x_data, optional_data<bias_t>(bias), grad_x_data, y_ptr, partials.mutable_data_ptr<acc_t>(),
           call.rows, d, launch.rows_per_chunk);

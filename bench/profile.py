@@ -46,7 +46,7 @@ CATEGORIES = (
     ("activation", r"gelu|silu|relu|swiglu|bias_act|act_linear|tanh"),
     ("dropout", r"dropout|philox|bernoulli"),
     ("softmax/mask", r"softmax|aten::exp\b|aten::where\b|masked_fill|isneginf"),
-    ("autograd", r"backward0|autograd::|TransformerBlockFunction|BlockAttentionFunction|BlockFFNFunction"),
+    ("autograd", r"backward0|autograd::|TransformerBlockFunction|Block(Attention|FFN|FFNIn|FFNOut)Function"),
     ("copy", r"copy|memcpy|memset|contiguous|clone|aten::cat\b|catarraybatched|transpose"),
     ("optimizer", r"foreach|sgd|adam"),
     ("reduce", r"reduce|aten::sum\b|aten::mean\b"),

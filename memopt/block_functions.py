@@ -1,9 +1,11 @@
 """The autograd Functions behind ``memopt.FusedCheckpointBlock``: what each policy saves.
 
-:func:`apply_block` runs a block: ``"full"`` and post-norm blocks as one autograd node
-(``TransformerBlockFunction``), pre-norm ``"none"`` / ``"selective"`` as two, the attention half
-(``BlockAttentionFunction``) and the FFN half (``BlockFFNFunction``), so that the FFN half's saved
-tensors are freed before the attention half's backward (the Note at the end of this file).
+:func:`apply_block` runs a block: ``"full"`` and post-norm ``"selective"`` as one autograd node
+(``TransformerBlockFunction``); pre-norm ``"none"`` / ``"selective"`` and post-norm ``"none"`` as
+the attention half (``BlockAttentionFunction``) and the FFN half, itself two nodes split at fc1's
+output (``BlockFFNInFunction``: pre-norm norm2, fc1; ``BlockFFNOutFunction``: bias + activation,
+fc2, dropout + residual, post-norm norm2; a pre-norm tiled half is one, ``BlockFFNFunction``), so
+that each saved tensor is freed where an eager graph frees it (the Notes at the end of this file).
 
 ``TransformerBlockFunction`` is one transformer block as one ``torch.autograd.Function``. Its
 forward runs the registered memopt ops (norm, attention, bias+activation, dropout+residual) and
@@ -434,6 +436,37 @@ def _attention_forward(call: BlockCall, x: Tensor) -> tuple[AttentionHalf, Tenso
     return AttentionHalf(x, qkv, attn_out, lse, stats, s1=residual_sum), h
 
 
+def _ffn_in_forward(call: BlockCall, h: Tensor) -> tuple[Tensor | None, NormStats | None, Tensor]:
+    """``(n2, norm2's statistics, u)`` from the FFN half's input ``h``: fc1 on norm2(h) (pre-norm)
+    or on h (post-norm: no n2 and no statistics here)."""
+    spec, w = call.spec, call.compute
+    if not spec.norm_first:
+        return None, None, _linear(call, h, w.fc1_weight, None)
+    n2, stats = _norm(call, h, w.norm2_weight, w.norm2_bias)
+    n2 = _cast(n2, spec.compute_dtype)
+    return n2, stats, _linear(call, n2, w.fc1_weight, None)
+
+
+def _ffn_out_forward(call: BlockCall, u: Tensor, h: Tensor) -> tuple[Tensor, Tensor]:
+    """``(g, h + dropout(f))``: the activation of fc1's output and fc2's output added to the
+    residual ``h``."""
+    spec, w = call.spec, call.compute
+    g = _act(call, u, w.fc1_bias)
+    f = _linear(call, g, w.fc2_weight, w.fc2_bias)
+    return g, _dropout_add(spec.residual_dropout, f, h, call.keys.ffn_residual, call.graph)
+
+
+def _ffn_out_half_forward(call: BlockCall, u: Tensor, h: Tensor) -> tuple[FFNHalf, Tensor]:
+    """The FFN half from fc1's output on: its record (u and g; post-norm also s2 and norm2's
+    statistics) and the block output."""
+    spec, w = call.spec, call.compute
+    g, residual_sum = _ffn_out_forward(call, u, h)
+    if spec.norm_first:
+        return FFNHalf(None, u, None, g=g), residual_sum
+    y, stats = _norm(call, residual_sum, w.norm2_weight, w.norm2_bias)
+    return FFNHalf(None, u, stats, g=g, s2=residual_sum), y
+
+
 def _ffn_forward(call: BlockCall, h: Tensor, need_output: bool = True) -> tuple[FFNHalf, Tensor | None]:
     """The FFN half on ``h``: its record and the block output.
 
@@ -441,23 +474,14 @@ def _ffn_forward(call: BlockCall, h: Tensor, need_output: bool = True) -> tuple[
     needs: pre-norm skips the activation (its backward kernel rebuilds it) and fc2, whose output
     only feeds the block output; post-norm needs fc2 again, for norm2's input s2.
     """
-    spec, w = call.spec, call.compute
-    if spec.norm_first:
-        n2, stats = _norm(call, h, w.norm2_weight, w.norm2_bias)
-        n2 = _cast(n2, spec.compute_dtype)
-        u = _linear(call, n2, w.fc1_weight, None)
-        if not need_output:
-            return FFNHalf(h, u, stats, n2=n2), None
-    else:
-        n2 = None
-        u = _linear(call, h, w.fc1_weight, None)
-    g = _act(call, u, w.fc1_bias)
-    f = _linear(call, g, w.fc2_weight, w.fc2_bias)
-    residual_sum = _dropout_add(spec.residual_dropout, f, h, call.keys.ffn_residual, call.graph)
-    if spec.norm_first:
-        return FFNHalf(h, u, stats, n2=n2, g=g), residual_sum
-    y, stats = _norm(call, residual_sum, w.norm2_weight, w.norm2_bias)
-    return FFNHalf(h, u, stats, g=g, s2=residual_sum), y
+    n2, stats, u = _ffn_in_forward(call, h)
+    if call.spec.norm_first and not need_output:
+        return FFNHalf(h, u, stats, n2=n2), None
+    ffn, y = _ffn_out_half_forward(call, u, h)
+    ffn.h, ffn.n2 = h, n2
+    if call.spec.norm_first:
+        ffn.norm2 = stats
+    return ffn, y
 
 
 # ----------------------------------------------------------------------------------------------
@@ -465,21 +489,13 @@ def _ffn_forward(call: BlockCall, h: Tensor, need_output: bool = True) -> tuple[
 # for an eager graph) one step's buffers do not pile up under the next one's.
 
 
-def _ffn_backward(call: BlockCall, grad_y: Tensor, saved: FFNHalf | None, h: Tensor, need: BlockParams):
-    """``(grad_h, six FFN parameter gradients)``; recomputes the half from ``h`` when ``saved``
-    is None ("full"), so that its tensors live in this frame only."""
+def _ffn_out_backward(call: BlockCall, grad_s2: Tensor, ffn: FFNHalf, need: BlockParams):
+    """``(grad_u, grad_fc1_bias, grad_fc2_weight, grad_fc2_bias)`` from ``grad_s2``, the gradient
+    of ``h + dropout(f)``. Takes ``ffn.u`` and ``ffn.g`` (None: rebuilt by the activation's
+    backward kernel) out of the record, so that a recomputed one is freed at its last use here."""
     spec, w, params = call.spec, call.compute, call.params
-    ffn = saved if saved is not None else _ffn_forward(call, h, need_output=not spec.norm_first)[0]
-    u, g, n2, s2, stats = ffn.u, ffn.g, ffn.n2, ffn.s2, ffn.norm2
-    del ffn, saved
-    grad_norm2_weight = grad_norm2_bias = None
-    if spec.norm_first:
-        grad_s2 = grad_y
-    else:
-        grad_s2, grad_norm2_weight, grad_norm2_bias, _ = _norm_backward(
-            call, grad_y, s2, w.norm2_weight, w.norm2_bias, stats, None, False
-        )
-        del s2
+    u, g = ffn.u, ffn.g
+    ffn.u = ffn.g = None
     grad_f = _cast(_dropout_backward(spec.residual_dropout, grad_s2, call.keys.ffn_residual), spec.compute_dtype)
     grad_fc2_bias = _bias_grad(call, grad_f, params.fc2_bias)
     grad_g = grad_f @ w.fc2_weight
@@ -493,19 +509,62 @@ def _ffn_backward(call: BlockCall, grad_y: Tensor, saved: FFNHalf | None, h: Ten
     grad_u = _cast(grad_u, spec.compute_dtype)
     grad_fc1_bias = _cast(grad_fc1_bias, params.fc1_bias.dtype) if params.fc1_bias is not None else None
     grad_fc2_weight = _weight_grad(grad_f, rebuilt_g if g is None else g, params.fc2_weight) if need.fc2_weight else None
-    del grad_f, g, rebuilt_g
+    return grad_u, grad_fc1_bias, grad_fc2_weight, grad_fc2_bias
+
+
+def _ffn_out_half_backward(call: BlockCall, grad_y: Tensor, ffn: FFNHalf, need: BlockParams):
+    """``(grad_u, grad_s2, grad_norm2_weight, grad_norm2_bias, grad_fc1_bias, grad_fc2_weight,
+    grad_fc2_bias)``: the backward of :func:`_ffn_out_half_forward`; ``grad_s2`` is the residual
+    h's gradient from this part (grad_y itself pre-norm, where the norm2 gradients are None)."""
+    spec, w = call.spec, call.compute
+    grad_norm2_weight = grad_norm2_bias = None
     if spec.norm_first:
-        grad_n2 = grad_u @ w.fc1_weight
-        grad_h, grad_norm2_weight, grad_norm2_bias, rebuilt_n2 = _norm_backward(
-            call, grad_n2, h, w.norm2_weight, w.norm2_bias, stats, grad_s2, n2 is None, grad_y_is_scratch=True
-        )
-        del grad_n2
-        grad_fc1_weight = _weight_grad(grad_u, rebuilt_n2 if n2 is None else n2, params.fc1_weight) if need.fc1_weight else None
+        grad_s2 = grad_y
     else:
-        grad_fc1_weight = _weight_grad(grad_u, h, params.fc1_weight) if need.fc1_weight else None
-        grad_h = _input_grad(grad_u, w.fc1_weight, grad_s2)
-    grads = (grad_norm2_weight, grad_norm2_bias, grad_fc1_weight, grad_fc1_bias, grad_fc2_weight, grad_fc2_bias)
-    return grad_h, grads
+        grad_s2, grad_norm2_weight, grad_norm2_bias, _ = _norm_backward(
+            call, grad_y, ffn.s2, w.norm2_weight, w.norm2_bias, ffn.norm2, None, False
+        )
+        ffn.s2 = None
+    grad_u, grad_fc1_bias, grad_fc2_weight, grad_fc2_bias = _ffn_out_backward(call, grad_s2, ffn, need)
+    return grad_u, grad_s2, grad_norm2_weight, grad_norm2_bias, grad_fc1_bias, grad_fc2_weight, grad_fc2_bias
+
+
+def _ffn_in_backward(call: BlockCall, grad_u: Tensor, grad_s2: Tensor, ffn: FFNHalf, need: BlockParams):
+    """``(grad_h, grad_norm2_weight, grad_norm2_bias, grad_fc1_weight)``: fc1's (and pre-norm
+    norm2's) backward, the residual's gradient ``grad_s2`` added into grad_h. Pre-norm: norm2's
+    output is rebuilt by its backward kernel when ``ffn.n2`` is None."""
+    spec, w, params = call.spec, call.compute, call.params
+    if not spec.norm_first:
+        grad_fc1_weight = _weight_grad(grad_u, ffn.h, params.fc1_weight) if need.fc1_weight else None
+        return _input_grad(grad_u, w.fc1_weight, grad_s2), None, None, grad_fc1_weight
+    grad_n2 = grad_u @ w.fc1_weight
+    grad_h, grad_norm2_weight, grad_norm2_bias, rebuilt_n2 = _norm_backward(
+        call, grad_n2, ffn.h, w.norm2_weight, w.norm2_bias, ffn.norm2, grad_s2, ffn.n2 is None, grad_y_is_scratch=True
+    )
+    del grad_n2
+    n2 = rebuilt_n2 if ffn.n2 is None else ffn.n2
+    grad_fc1_weight = _weight_grad(grad_u, n2, params.fc1_weight) if need.fc1_weight else None
+    return grad_h, grad_norm2_weight, grad_norm2_bias, grad_fc1_weight
+
+
+def _ffn_backward(call: BlockCall, grad_y: Tensor, saved: FFNHalf | None, h: Tensor, need: BlockParams):
+    """``(grad_h, six FFN parameter gradients)``; recomputes the half from ``h`` when ``saved``
+    is None ("full"), so that its tensors live in this frame only."""
+    ffn = saved if saved is not None else _ffn_forward(call, h, need_output=not call.spec.norm_first)[0]
+    del saved
+    ffn.h = h  # post-norm "selective" saves no h: the caller rebuilt it
+    grad_u, grad_s2, *out_grads = _ffn_out_half_backward(call, grad_y, ffn, need)
+    grad_h, *in_grads = _ffn_in_backward(call, grad_u, grad_s2, ffn, need)
+    return grad_h, _ffn_grads(call.spec, in_grads, out_grads)
+
+
+def _ffn_grads(spec: BlockSpec, in_grads, out_grads) -> tuple:
+    """The six FFN parameter gradients in BlockParams order from those of
+    :func:`_ffn_in_backward` (norm2 weight and bias, fc1 weight) and of
+    :func:`_ffn_out_half_backward` (norm2 weight and bias, fc1 bias, fc2 weight and bias); norm2's
+    come from the first pre-norm, from the second post-norm."""
+    norm2 = in_grads[:2] if spec.norm_first else out_grads[:2]
+    return (*norm2, in_grads[2], *out_grads[2:])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -667,23 +726,26 @@ class TransformerBlockFunction(torch.autograd.Function):
 
 
 # ----------------------------------------------------------------------------------------------
-# Pre-norm "none" / "selective": the two halves as two Functions.
+# Pre-norm "none" / "selective" and post-norm "none": the two halves as separate Functions.
 #
 # Note: one autograd node holds all of its saved tensors until its whole backward has run, so a
 # single-node block would keep the FFN half's (u, and n2 and g under "none": the widest) alive
 # through the attention half's backward, where an eager graph has already freed them, and its
 # step peak would exceed the eager block's. Split at h, the FFN half's saved tensors are freed as
 # soon as its backward returns. "full" stays one node (it saves x only; split, the FFN half would
-# have to keep h too), and so does post-norm (its FFN half's input h is norm1's output, which
-# "selective" rebuilds from the attention half's s1).
+# have to keep h too), and so does post-norm "selective" (its FFN half's input h is norm1's
+# output, which it rebuilds from the attention half's s1), and a tiled post-norm block.
 
 _ATTENTION_SAVED = frozenset(("x", "qkv", "attn_out", "lse", "n1", "s1", *_stats(1, "layernorm")))
 
 
 @functools.lru_cache(maxsize=None)
-def split_saved_names(policy: str, norm: str, tiled_ffn: bool = False) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """``saved_names(policy, True, norm, tiled_ffn)`` as (the attention half's, the FFN half's)."""
-    names = saved_names(policy, True, norm, tiled_ffn)
+def split_saved_names(
+    policy: str, norm: str, tiled_ffn: bool = False, norm_first: bool = True
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``saved_names(policy, norm_first, norm, tiled_ffn)`` as (the attention half's, the FFN
+    half's)."""
+    names = saved_names(policy, norm_first, norm, tiled_ffn)
     return tuple(n for n in names if n in _ATTENTION_SAVED), tuple(n for n in names if n not in _ATTENTION_SAVED)
 
 
@@ -699,7 +761,7 @@ def _half_needs(half: str, needs) -> BlockParams:
 def _save_half(ctx, half: str, spec: BlockSpec, batch: int, seq: int, tensor_of, rng_key, params) -> None:
     """Saves one half's tensors (``tensor_of(name)`` for its names of :func:`split_saved_names`),
     the RNG key and its six parameters, and what its backward needs besides."""
-    names = split_saved_names(spec.policy, spec.norm, spec.ffn_chunk_tokens is not None)[half == "ffn"]
+    names = split_saved_names(spec.policy, spec.norm, spec.ffn_chunk_tokens is not None, spec.norm_first)[half == "ffn"]
     ctx.spec, ctx.batch, ctx.seq, ctx.saved_tensor_names = spec, batch, seq, names
     ctx.save_for_backward(*(tensor_of(name) for name in names), rng_key, *params)
 
@@ -716,8 +778,8 @@ def _restore_half(ctx, half: str) -> tuple[dict[str, Tensor], BlockCall, BlockPa
 
 
 class BlockAttentionFunction(torch.autograd.Function):
-    """The attention half of a pre-norm block: ``apply(spec, x, rng_key, batch, seq, *six
-    attention parameters)`` returns h; saves the attention half's names of
+    """The attention half of a block (pre-norm, or post-norm "none": norm1 included): ``apply(spec,
+    x, rng_key, batch, seq, *six attention parameters)`` returns h; saves the attention half's names of
     :func:`split_saved_names`."""
 
     @staticmethod
@@ -743,9 +805,10 @@ class BlockAttentionFunction(torch.autograd.Function):
 
 
 class BlockFFNFunction(torch.autograd.Function):
-    """The FFN half of a pre-norm block: ``apply(spec, h, rng_key, batch, seq, *six FFN
-    parameters)`` returns the block output; saves the FFN half's names of
-    :func:`split_saved_names` (h only when the half is tiled)."""
+    """The sequence-tiled FFN half of a pre-norm block (``spec.ffn_chunk_tokens``): ``apply(spec,
+    h, rng_key, batch, seq, *six FFN parameters)`` returns the block output; saves h (the
+    backward recomputes each chunk). Untiled, the half is BlockFFNInFunction and
+    BlockFFNOutFunction (the Note below)."""
 
     @staticmethod
     def forward(ctx, spec, h, rng_key, batch, seq, *params):
@@ -770,11 +833,146 @@ class BlockFFNFunction(torch.autograd.Function):
         return (None, grad_h, None, None, None, *(g if n else None for g, n in zip(grads, need[6:])))
 
 
+# The untiled FFN half of a pre-norm "none" / "selective" or post-norm "none" block: two nodes,
+# split at fc1's output u.
+#
+# Note: the FFN half's d_ff-wide saved tensors (u, and g under "none") are last used by the
+# activation's backward; in one node they would live on through fc1's backward, where the eager
+# graph has freed them and allocates fc1's weight gradient, and the step's peak would exceed the
+# eager block's. BlockFFNOutFunction (bias + activation, fc2, dropout + residual; post-norm: norm2)
+# keeps them and frees them when it returns; BlockFFNInFunction (pre-norm: norm2; fc1) keeps h
+# (pre-norm also norm2's statistics, and n2 under "none"). The residual h reaches
+# BlockFFNOutFunction as BlockFFNInFunction's second output (a view of its input), so its
+# gradient comes back to BlockFFNInFunction and is added in norm2's backward kernel (post-norm: in
+# fc1's input-gradient addmm), as in the one-node half, not by the engine.
+
+# Each node's parameters: their BlockParams slots, by norm_first.
+_FFN_IN_SLOTS = {True: (6, 7, 8), False: (8,)}  # (norm2 weight, norm2 bias,) fc1 weight
+_FFN_OUT_SLOTS = {True: (9, 10, 11), False: (6, 7, 9, 10, 11)}  # (norm2 weight, bias,) fc1 bias, fc2
+
+
+def _ffn_split_call(spec: BlockSpec, device_type: str, rng_key, batch: int, seq: int, params, slots) -> BlockCall:
+    """The call of one of the split FFN half's nodes: its ``params`` at ``slots`` of a
+    BlockParams, None elsewhere."""
+    full = [None] * len(BlockParams._fields)
+    for slot, param in zip(slots, params):
+        full[slot] = param
+    return BlockCall.make(spec, device_type, rng_key, batch, seq, BlockParams(*full))
+
+
+def _ffn_split_needs(needs, slots) -> BlockParams:
+    full = [False] * len(BlockParams._fields)
+    for slot, need in zip(slots, needs):
+        full[slot] = need
+    return BlockParams(*full)
+
+
+@functools.lru_cache(maxsize=None)
+def _ffn_split_names(policy: str, norm: str, norm_first: bool, out: bool) -> tuple[str, ...]:
+    """The FFN half's names of :func:`split_saved_names` that BlockFFNOutFunction (``out``) or
+    BlockFFNInFunction keeps (BlockFFNOutFunction keeps the residual h as well)."""
+    in_names = {"h", "n2", *(_stats(2, norm) if norm_first else ())}
+    names = split_saved_names(policy, norm, False, norm_first)[1]
+    return tuple(n for n in names if (n not in in_names) == out)
+
+
+def _slot_grads(in_grads, slots, need: BlockParams) -> tuple:
+    """The gradients of one split node's parameters (``slots``) from a BlockParams-ordered
+    sequence of 12, None where not needed."""
+    return tuple(in_grads[slot] if need[slot] else None for slot in slots)
+
+
+class BlockFFNInFunction(torch.autograd.Function):
+    """fc1 (pre-norm: on norm2's output) of a block: ``apply(spec, h, batch, seq, *params)``, the
+    parameters at ``_FFN_IN_SLOTS``, returns ``(u, h)``, h as a view for BlockFFNOutFunction's
+    residual (the Note above)."""
+
+    @staticmethod
+    def forward(ctx, spec, h, batch, seq, *params):
+        slots = _FFN_IN_SLOTS[spec.norm_first]
+        call = _ffn_split_call(spec, h.device.type, None, batch, seq, params, slots)
+        with autocast_off(h.device.type):
+            n2, stats, u = _ffn_in_forward(call, h)
+        record = FFNHalf(h, u, stats, n2=n2)
+        names = _ffn_split_names(spec.policy, spec.norm, spec.norm_first, False)
+        ctx.spec, ctx.batch, ctx.seq, ctx.saved_tensor_names = spec, batch, seq, names
+        ctx.save_for_backward(*(_saved_tensor(n, None, record, h) for n in names), *params)
+        return u, h
+
+    @staticmethod
+    def backward(ctx, grad_u, grad_residual):
+        spec, saved = ctx.spec, ctx.saved_tensors
+        slots, count = _FFN_IN_SLOTS[spec.norm_first], len(ctx.saved_tensor_names)
+        by_name = dict(zip(ctx.saved_tensor_names, saved[:count]))
+        h = by_name["h"]
+        call = _ffn_split_call(spec, h.device.type, None, ctx.batch, ctx.seq, saved[count:], slots)
+        need = _ffn_split_needs(ctx.needs_input_grad[-len(slots) :], slots)
+        if building_graph():
+            call = dataclasses.replace(call, graph=True)
+            params = tuple(call.params[slot] for slot in slots)
+            grad_h, *grads = _grads_with_graph(lambda: _ffn_in_forward(call, h)[2], (h, *params), grad_u)
+            grad_h = grad_residual if grad_h is None else grad_h + grad_residual
+            return (None, grad_h, None, None, *grads)
+        stats = NormStats(by_name.get("norm2_mean"), by_name["norm2_rstd"]) if spec.norm_first else None
+        record = FFNHalf(h, None, stats, n2=by_name.get("n2"))
+        with torch.no_grad(), autocast_off(h.device.type):
+            grad_h, grad_norm2_weight, grad_norm2_bias, grad_fc1_weight = _ffn_in_backward(
+                call, grad_u.contiguous(), grad_residual.contiguous(), record, need
+            )
+        grads = (None,) * 6 + (grad_norm2_weight, grad_norm2_bias, grad_fc1_weight) + (None,) * 3
+        return (None, grad_h, None, None, *_slot_grads(grads, slots, need))
+
+
+class BlockFFNOutFunction(torch.autograd.Function):
+    """Bias + activation, fc2, dropout + residual (post-norm: and norm2) of a block:
+    ``apply(spec, u, h, rng_key, batch, seq, *params)``, the parameters at ``_FFN_OUT_SLOTS``,
+    returns the block output; keeps u (and g under "none") until its backward returns (the Note
+    above)."""
+
+    @staticmethod
+    def forward(ctx, spec, u, h, rng_key, batch, seq, *params):
+        slots = _FFN_OUT_SLOTS[spec.norm_first]
+        call = _ffn_split_call(spec, u.device.type, rng_key, batch, seq, params, slots)
+        with autocast_off(u.device.type):
+            record, y = _ffn_out_half_forward(call, u, h)
+        names = _ffn_split_names(spec.policy, spec.norm, spec.norm_first, True)
+        ctx.spec, ctx.batch, ctx.seq, ctx.saved_tensor_names = spec, batch, seq, names
+        # h (BlockFFNInFunction keeps its storage: no bytes) for a backward under create_graph.
+        ctx.save_for_backward(*(_saved_tensor(n, None, record, h) for n in names), h, rng_key, *params)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        grad_y = grad_y.contiguous()  # y.sum().backward() hands in a stride-0 expanded tensor
+        spec, saved = ctx.spec, ctx.saved_tensors
+        slots, count = _FFN_OUT_SLOTS[spec.norm_first], len(ctx.saved_tensor_names)
+        by_name = dict(zip(ctx.saved_tensor_names, saved[:count]))
+        u, h, rng_key = by_name["u"], saved[count], saved[count + 1]
+        call = _ffn_split_call(spec, u.device.type, rng_key, ctx.batch, ctx.seq, saved[count + 2 :], slots)
+        need = _ffn_split_needs(ctx.needs_input_grad[-len(slots) :], slots)
+        if building_graph():
+            call = dataclasses.replace(call, graph=True)
+            params = tuple(call.params[slot] for slot in slots)
+            grad_u, grad_h, *grads = _grads_with_graph(lambda: _ffn_out_half_forward(call, u, h)[1], (u, h, *params), grad_y)
+            return (None, grad_u, grad_h, None, None, None, *grads)
+        stats = None if spec.norm_first else NormStats(by_name.get("norm2_mean"), by_name["norm2_rstd"])
+        record = FFNHalf(None, u, stats, g=by_name.get("g"), s2=by_name.get("s2"))
+        with torch.no_grad(), autocast_off(u.device.type):
+            grad_u, grad_s2, grad_norm2_weight, grad_norm2_bias, *fc_grads = _ffn_out_half_backward(call, grad_y, record, need)
+        grads = (None,) * 6 + (grad_norm2_weight, grad_norm2_bias, None, *fc_grads)
+        return (None, grad_u, grad_s2, None, None, None, *_slot_grads(grads, slots, need))
+
+
 def apply_block(spec: BlockSpec, x: Tensor, rng_key: Tensor | None, batch: int, seq: int, params) -> Tensor:
     """The block on ``x`` (N, D) with ``params`` in ``PARAM_NAMES`` order: pre-norm "none" and
-    "selective" as the two half Functions (see the Note above), otherwise
-    :class:`TransformerBlockFunction`."""
-    if spec.policy == "full" or not spec.norm_first:
+    "selective" and post-norm "none" as the attention half's Function and the FFN half's (two
+    when untiled; the Notes above), otherwise :class:`TransformerBlockFunction`."""
+    tiled = spec.ffn_chunk_tokens is not None
+    if spec.policy == "full" or (not spec.norm_first and (spec.policy != "none" or tiled)):
         return TransformerBlockFunction.apply(spec, x, rng_key, batch, seq, *params)
     h = BlockAttentionFunction.apply(spec, x, rng_key, batch, seq, *params[:6])
-    return BlockFFNFunction.apply(spec, h, rng_key, batch, seq, *params[6:])
+    if tiled:
+        return BlockFFNFunction.apply(spec, h, rng_key, batch, seq, *params[6:])
+    u, residual = BlockFFNInFunction.apply(spec, h, batch, seq, *(params[i] for i in _FFN_IN_SLOTS[spec.norm_first]))
+    out_params = (params[i] for i in _FFN_OUT_SLOTS[spec.norm_first])
+    return BlockFFNOutFunction.apply(spec, u, residual, rng_key, batch, seq, *out_params)

@@ -98,14 +98,21 @@ def test_ffn_backward_writes_the_activation_gradient_over_its_own_input(policy, 
         assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("policy", ["none", "selective"])
-def test_prenorm_block_frees_the_ffn_half_before_the_attention_backward(policy, monkeypatch):
-    """Pre-norm "none"/"selective" run as two autograd nodes: by the time the attention half's
-    backward runs, the FFN half's saved d_ff-wide tensors (u; and g under "none") are freed, as
-    an eager graph frees them, instead of living through the whole block backward."""
-    import weakref
+# The backward steps by which the FFN half's saved d_ff-wide tensors must be freed: the attention
+# half's backward (the FFN half is its own node), and fc1's backward (u and g live in the node of
+# bias + activation and fc2 only), where the eager graph has freed them and allocates fc1's
+# weight gradient.
+_LATER_BACKWARD_STEPS = ("_attention_kernel_bwd", "_ffn_in_backward")
 
-    from memopt import block_functions
+
+@pytest.mark.parametrize("step", _LATER_BACKWARD_STEPS)
+@pytest.mark.parametrize("policy", ["none", "selective"])
+def test_prenorm_block_frees_ffn_tensors_before_later_backward_steps(policy, step, monkeypatch):
+    """Pre-norm "none"/"selective" blocks are three autograd nodes (attention half; norm2 + fc1;
+    bias + activation, fc2, residual): by the time ``step`` runs, the saved d_ff-wide tensors (u;
+    and g under "none") are freed, as an eager graph frees them, instead of living through the
+    whole block backward."""
+    import weakref
 
     tokens, d_ff = 2 * 8, 256
     block = memopt.FusedCheckpointBlock(32, 2, d_ff, causal=True, policy=policy, dtype=torch.float64)
@@ -121,44 +128,13 @@ def test_prenorm_block_frees_the_ffn_half_before_the_attention_backward(policy, 
         out = block(x)
     assert len(wide) == (2 if policy == "none" else 1)  # u and g / u
     alive = []
-    attention_backward = block_functions._attention_kernel_bwd
+    original = getattr(block_functions, step)
 
-    def at_attention_backward(*args):
+    def counting(*args):
         alive.append(sum(ref() is not None for ref in wide))
-        return attention_backward(*args)
+        return original(*args)
 
-    monkeypatch.setattr(block_functions, "_attention_kernel_bwd", at_attention_backward)
-    out.backward(torch.randn_like(out))
-    assert alive == [0]
-
-
-@pytest.mark.parametrize("policy", ["none", "selective"])
-def test_prenorm_ffn_frees_u_and_g_before_fc1_backward(policy, monkeypatch):
-    """The pre-norm FFN half is two nodes split at u: by fc1's backward (where the eager graph has
-    freed them and allocates fc1's weight gradient) the saved d_ff-wide tensors are freed."""
-    import weakref
-
-    tokens, d_ff = 2 * 8, 256
-    block = memopt.FusedCheckpointBlock(32, 2, d_ff, causal=True, policy=policy, dtype=torch.float64)
-    x = torch.randn(2, 8, 32, dtype=torch.float64, requires_grad=True)
-    wide = []
-
-    def pack(t):
-        if t.shape == (tokens, d_ff):
-            wide.append(weakref.ref(t))
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        out = block(x)
-    assert len(wide) == (2 if policy == "none" else 1)
-    alive = []
-    ffn_in_backward = block_functions._ffn_in_backward
-
-    def at_fc1_backward(*args):
-        alive.append(sum(ref() is not None for ref in wide))
-        return ffn_in_backward(*args)
-
-    monkeypatch.setattr(block_functions, "_ffn_in_backward", at_fc1_backward)
+    monkeypatch.setattr(block_functions, step, counting)
     out.backward(torch.randn_like(out))
     assert alive == [0]
 

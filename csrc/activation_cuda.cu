@@ -24,6 +24,7 @@
 
 #include "activation.h"
 #include "common.h"
+#include "vector_pack.cuh"
 
 namespace memopt {
 namespace {
@@ -36,35 +37,12 @@ constexpr int64_t kMaxGridY = 65535;
 
 int multiprocessors() { return at::cuda::getCurrentDeviceProperties()->multiProcessorCount; }
 
-// W consecutive elements, moved as one access: W = kWide<scalar_t> (16 bytes) in the packed
-// kernels, W = 1 in the element-wise ones.
-template <typename scalar_t, int W>
-struct alignas(W * sizeof(scalar_t)) Pack {
-  scalar_t v[W];
-};
-
-template <typename scalar_t>
-constexpr int kWide = 16 / sizeof(scalar_t);
-
-// The packed kernels' condition: `width` (a row, or swiglu's half row) a multiple of the pack and
-// every given pointer 16-byte aligned (null ones, absent outputs, do not count).
+// The packed kernels' condition: `width` (a row, or swiglu's half row) a multiple of the pack
+// (W = kPack16<scalar_t>, 16 bytes; the element-wise kernels take W = 1) and every given pointer
+// 16-byte aligned (null ones, absent outputs, do not count).
 template <typename scalar_t>
 bool packable(int64_t width, std::initializer_list<const void*> pointers) {
-  if (width % kWide<scalar_t> != 0) return false;
-  for (const void* p : pointers) {
-    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
-  }
-  return true;
-}
-
-template <int W, typename scalar_t>
-__device__ __forceinline__ Pack<scalar_t, W> load_pack(const scalar_t* p) {
-  return *reinterpret_cast<const Pack<scalar_t, W>*>(p);
-}
-
-template <int W, typename scalar_t>
-__device__ __forceinline__ void store_pack(scalar_t* p, const Pack<scalar_t, W>& value) {
-  *reinterpret_cast<Pack<scalar_t, W>*>(p) = value;
+  return width % kPack16<scalar_t> == 0 && all_aligned(16, pointers);
 }
 
 int elementwise_blocks(int64_t numel) {
@@ -347,12 +325,12 @@ at::Tensor bias_act_fwd_cuda(const at::Tensor& x, const std::optional<at::Tensor
     const scalar_t* x_data = x.const_data_ptr<scalar_t>();
     scalar_t* y_data = y.mutable_data_ptr<scalar_t>();
     const bool packed = packable<scalar_t>(call.cols, {x_data, y_data});
-    const int64_t w = packed ? kWide<scalar_t> : 1;
+    const int64_t w = packed ? kPack16<scalar_t> : 1;
     dispatch_param_type<scalar_t>(param_dtype(bias, x), [&](auto* bias_tag) {
       using bias_t = std::remove_pointer_t<decltype(bias_tag)>;
       dispatch_activation(call.activation, [&](auto a) {
         constexpr Activation A = decltype(a)::value;
-        const auto kernel = packed ? bias_act_fwd_cuda_kernel<A, scalar_t, bias_t, kWide<scalar_t>>
+        const auto kernel = packed ? bias_act_fwd_cuda_kernel<A, scalar_t, bias_t, kPack16<scalar_t>>
                                    : bias_act_fwd_cuda_kernel<A, scalar_t, bias_t, 1>;
         kernel<<<elementwise_blocks(numel / w), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
             x_data, optional_data<bias_t>(bias), y_data, numel / w, call.cols / w);
@@ -382,11 +360,11 @@ void run_bias_act_bwd_cuda(const ActBackward& call, const at::Tensor& grad_y, co
     scalar_t* grad_x_data = grad_x.mutable_data_ptr<scalar_t>();
     scalar_t* y_ptr = return_y ? y.mutable_data_ptr<scalar_t>() : nullptr;
     const bool packed = packable<scalar_t>(call.cols, {grad_y_data, x_data, grad_x_data, y_ptr});
-    const int64_t w = packed ? kWide<scalar_t> : 1;
+    const int64_t w = packed ? kPack16<scalar_t> : 1;
     if (!bias.has_value()) {
       dispatch_activation(call.activation, [&](auto a) {
         constexpr Activation A = decltype(a)::value;
-        const auto kernel = packed ? bias_act_bwd_cuda_kernel<A, scalar_t, kWide<scalar_t>>
+        const auto kernel = packed ? bias_act_bwd_cuda_kernel<A, scalar_t, kPack16<scalar_t>>
                                    : bias_act_bwd_cuda_kernel<A, scalar_t, 1>;
         kernel<<<elementwise_blocks(numel / w), kThreads, 0, stream>>>(grad_y_data, x_data, grad_x_data, y_ptr,
                                                                         numel / w);
@@ -401,7 +379,7 @@ void run_bias_act_bwd_cuda(const ActBackward& call, const at::Tensor& grad_y, co
       using bias_t = std::remove_pointer_t<decltype(bias_tag)>;
       dispatch_activation(call.activation, [&](auto a) {
         constexpr Activation A = decltype(a)::value;
-        const auto kernel = packed ? bias_act_bwd_bias_cuda_kernel<A, scalar_t, bias_t, kWide<scalar_t>>
+        const auto kernel = packed ? bias_act_bwd_bias_cuda_kernel<A, scalar_t, bias_t, kPack16<scalar_t>>
                                    : bias_act_bwd_bias_cuda_kernel<A, scalar_t, bias_t, 1>;
         kernel<<<launch.grid, dim3(kTileCols, kTileRows), 0, stream>>>(
             grad_y_data, x_data, optional_data<bias_t>(bias), grad_x_data, y_ptr, partials.mutable_data_ptr<acc_t>(),
@@ -440,10 +418,10 @@ at::Tensor swiglu_fwd_cuda(const at::Tensor& x, const std::optional<at::Tensor>&
     const scalar_t* x_data = x.const_data_ptr<scalar_t>();
     scalar_t* y_data = y.mutable_data_ptr<scalar_t>();
     const bool packed = packable<scalar_t>(d, {x_data, y_data});
-    const int64_t w = packed ? kWide<scalar_t> : 1;
+    const int64_t w = packed ? kPack16<scalar_t> : 1;
     dispatch_param_type<scalar_t>(param_dtype(bias, x), [&](auto* bias_tag) {
       using bias_t = std::remove_pointer_t<decltype(bias_tag)>;
-      const auto kernel = packed ? swiglu_fwd_cuda_kernel<scalar_t, bias_t, kWide<scalar_t>>
+      const auto kernel = packed ? swiglu_fwd_cuda_kernel<scalar_t, bias_t, kPack16<scalar_t>>
                                  : swiglu_fwd_cuda_kernel<scalar_t, bias_t, 1>;
       kernel<<<elementwise_blocks(numel_out / w), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
           x_data, optional_data<bias_t>(bias), y_data, numel_out / w, d);
@@ -473,9 +451,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_bwd_cuda(const at::Tensor&
     scalar_t* grad_x_data = grad_x.mutable_data_ptr<scalar_t>();
     scalar_t* y_ptr = return_y ? y.mutable_data_ptr<scalar_t>() : nullptr;
     const bool packed = packable<scalar_t>(d, {grad_y_data, x_data, grad_x_data, y_ptr});
-    const int64_t w = packed ? kWide<scalar_t> : 1;
+    const int64_t w = packed ? kPack16<scalar_t> : 1;
     if (!bias.has_value()) {
-      const auto kernel = packed ? swiglu_bwd_cuda_kernel<scalar_t, kWide<scalar_t>> : swiglu_bwd_cuda_kernel<scalar_t, 1>;
+      const auto kernel = packed ? swiglu_bwd_cuda_kernel<scalar_t, kPack16<scalar_t>> : swiglu_bwd_cuda_kernel<scalar_t, 1>;
       kernel<<<elementwise_blocks(numel_out / w), kThreads, 0, stream>>>(grad_y_data, x_data, grad_x_data, y_ptr,
                                                                           numel_out / w, d);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -485,7 +463,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_bwd_cuda(const at::Tensor&
     auto partials = at::empty({launch.chunks, 2 * d}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
     dispatch_param_type<scalar_t>(param_dtype(bias, x), [&](auto* bias_tag) {
       using bias_t = std::remove_pointer_t<decltype(bias_tag)>;
-      const auto kernel = packed ? swiglu_bwd_bias_cuda_kernel<scalar_t, bias_t, kWide<scalar_t>>
+      const auto kernel = packed ? swiglu_bwd_bias_cuda_kernel<scalar_t, bias_t, kPack16<scalar_t>>
                                  : swiglu_bwd_bias_cuda_kernel<scalar_t, bias_t, 1>;
       kernel<<<launch.grid, dim3(kTileCols, kTileRows), 0, stream>>>(
           grad_y_data, x_data, optional_data<bias_t>(bias), grad_x_data, y_ptr, partials.mutable_data_ptr<acc_t>(),

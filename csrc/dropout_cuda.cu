@@ -10,15 +10,14 @@
 #include "common.h"
 #include "dropout.h"
 #include "philox.h"
+#include "vector_pack.cuh"
 
 namespace memopt {
 namespace {
 
 // The 4 elements of one Philox call, loaded and stored as one 8- or 16-byte access.
 template <typename scalar_t>
-struct alignas(4 * sizeof(scalar_t)) Pack4 {
-  scalar_t v[4];
-};
+using Pack4 = Pack<scalar_t, 4>;
 
 // out = x * factor (+ residual), factor = scale where kept, 0 where dropped: torch's x * mask *
 // scale, so NaN or inf at a dropped position gives NaN. kAligned: x, residual and out are aligned
@@ -37,9 +36,9 @@ __global__ void dropout_add_cuda_kernel(const scalar_t* __restrict__ x,
   for (int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; g < groups; g += stride) {
     const PhiloxBlock words = philox4x32_10(offset + static_cast<uint64_t>(g), seed);
     if (kAligned && 4 * g + 4 <= numel) {
-      const Pack4<scalar_t> x4 = reinterpret_cast<const Pack4<scalar_t>*>(x)[g];
+      const Pack4<scalar_t> x4 = load_pack<4>(x, g);
       Pack4<scalar_t> r4;
-      if (residual != nullptr) r4 = reinterpret_cast<const Pack4<scalar_t>*>(residual)[g];
+      if (residual != nullptr) r4 = load_pack<4>(residual, g);
       Pack4<scalar_t> out4;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
@@ -48,7 +47,7 @@ __global__ void dropout_add_cuda_kernel(const scalar_t* __restrict__ x,
         if (residual != nullptr) value += static_cast<acc_t>(r4.v[j]);
         out4.v[j] = static_cast<scalar_t>(value);
       }
-      reinterpret_cast<Pack4<scalar_t>*>(out)[g] = out4;
+      store_pack<4>(out, g, out4);
       continue;
     }
 #pragma unroll
@@ -62,11 +61,6 @@ __global__ void dropout_add_cuda_kernel(const scalar_t* __restrict__ x,
       }
     }
   }
-}
-
-template <typename scalar_t>
-bool pack4_aligned(const void* p) {
-  return reinterpret_cast<uintptr_t>(p) % sizeof(Pack4<scalar_t>) == 0;
 }
 
 void launch_dropout_add(const at::Tensor& x, const at::Tensor* residual, at::Tensor& out, double p,
@@ -87,8 +81,7 @@ void launch_dropout_add(const at::Tensor& x, const at::Tensor* residual, at::Ten
     const scalar_t* x_data = x.const_data_ptr<scalar_t>();
     const scalar_t* residual_data = residual ? residual->const_data_ptr<scalar_t>() : nullptr;
     scalar_t* out_data = out.mutable_data_ptr<scalar_t>();
-    const bool aligned = pack4_aligned<scalar_t>(x_data) && pack4_aligned<scalar_t>(out_data) &&
-                         (residual_data == nullptr || pack4_aligned<scalar_t>(residual_data));
+    const bool aligned = all_aligned(sizeof(Pack4<scalar_t>), {x_data, residual_data, out_data});
     const auto kernel = aligned ? dropout_add_cuda_kernel<scalar_t, true> : dropout_add_cuda_kernel<scalar_t, false>;
     kernel<<<blocks, threads, 0, at::cuda::getCurrentCUDAStream()>>>(
         x_data, residual_data, out_data, numel, dropout_threshold(p), static_cast<acc_t>(1.0 / (1.0 - p)), seed,

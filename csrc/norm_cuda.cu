@@ -14,6 +14,7 @@
 #include <tuple>
 
 #include "common.h"
+#include "vector_pack.cuh"
 #include "norm.h"
 
 namespace memopt {
@@ -188,26 +189,11 @@ constexpr int kVecBytes = 16;
 constexpr int kVecElementsPerThread = 16;
 constexpr int kMaxVecThreads = 512;
 
-template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
-};
-
 template <typename scalar_t>
 struct VecShape {
   static constexpr int kVec = kVecBytes / sizeof(scalar_t);
   static constexpr int kChunks = kVecElementsPerThread / kVec;
 };
-
-template <typename T, int N>
-__device__ __forceinline__ Pack<T, N> load_pack(const T* base, int64_t chunk) {
-  return reinterpret_cast<const Pack<T, N>*>(base)[chunk];
-}
-
-template <typename T, int N>
-__device__ __forceinline__ void store_pack(T* base, int64_t chunk, const Pack<T, N>& pack) {
-  reinterpret_cast<Pack<T, N>*>(base)[chunk] = pack;
-}
 
 template <typename scalar_t, typename param_t>
 __global__ void __launch_bounds__(kMaxVecThreads) norm_fwd_vec_cuda_kernel(const scalar_t* __restrict__ x,
@@ -234,15 +220,15 @@ __global__ void __launch_bounds__(kMaxVecThreads) norm_fwd_vec_cuda_kernel(const
 #pragma unroll
       for (int k = 0; k < kVec; ++k) v[c][k] = 0.f;
       if (chunk >= chunks) continue;
-      Pack<scalar_t, kVec> src = load_pack<scalar_t, kVec>(x + offset, chunk);
+      Pack<scalar_t, kVec> src = load_pack<kVec>(x + offset, chunk);
       if (residual != nullptr) {
-        const Pack<scalar_t, kVec> res = load_pack<scalar_t, kVec>(residual + offset, chunk);
+        const Pack<scalar_t, kVec> res = load_pack<kVec>(residual + offset, chunk);
 #pragma unroll
         for (int k = 0; k < kVec; ++k) {
           // rounded to scalar_t: the stored sum is what gets normalised (and what the backward reads)
           src.v[k] = static_cast<scalar_t>(static_cast<float>(src.v[k]) + static_cast<float>(res.v[k]));
         }
-        store_pack<scalar_t, kVec>(residual_out + offset, chunk, src);
+        store_pack<kVec>(residual_out + offset, chunk, src);
       }
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
@@ -278,8 +264,8 @@ __global__ void __launch_bounds__(kMaxVecThreads) norm_fwd_vec_cuda_kernel(const
       const int64_t chunk = threadIdx.x + static_cast<int64_t>(c) * blockDim.x;
       if (chunk >= chunks) continue;
       Pack<param_t, kVec> w, b;
-      if (weight != nullptr) w = load_pack<param_t, kVec>(weight, chunk);
-      if (bias != nullptr) b = load_pack<param_t, kVec>(bias, chunk);
+      if (weight != nullptr) w = load_pack<kVec>(weight, chunk);
+      if (bias != nullptr) b = load_pack<kVec>(bias, chunk);
       Pack<scalar_t, kVec> out;
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
@@ -288,7 +274,7 @@ __global__ void __launch_bounds__(kMaxVecThreads) norm_fwd_vec_cuda_kernel(const
         if (bias != nullptr) value += static_cast<float>(b.v[k]);
         out.v[k] = static_cast<scalar_t>(value);
       }
-      store_pack<scalar_t, kVec>(y + offset, chunk, out);
+      store_pack<kVec>(y + offset, chunk, out);
     }
   }
 }
@@ -334,11 +320,11 @@ __global__ void __launch_bounds__(kMaxVecThreads) norm_bwd_vec_cuda_kernel(const
 #pragma unroll
       for (int k = 0; k < kVec; ++k) x_hat[c][k] = g[c][k] = 0.f;
       if (chunk >= chunks) continue;
-      const Pack<scalar_t, kVec> x_pack = load_pack<scalar_t, kVec>(x + offset, chunk);
-      const Pack<scalar_t, kVec> dy_pack = load_pack<scalar_t, kVec>(grad_y + offset, chunk);
+      const Pack<scalar_t, kVec> x_pack = load_pack<kVec>(x + offset, chunk);
+      const Pack<scalar_t, kVec> dy_pack = load_pack<kVec>(grad_y + offset, chunk);
       Pack<param_t, kVec> w, b;
-      if (weight != nullptr) w = load_pack<param_t, kVec>(weight, chunk);
-      if (y != nullptr && bias != nullptr) b = load_pack<param_t, kVec>(bias, chunk);
+      if (weight != nullptr) w = load_pack<kVec>(weight, chunk);
+      if (y != nullptr && bias != nullptr) b = load_pack<kVec>(bias, chunk);
       Pack<scalar_t, kVec> y_pack;
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
@@ -357,7 +343,7 @@ __global__ void __launch_bounds__(kMaxVecThreads) norm_bwd_vec_cuda_kernel(const
           y_pack.v[k] = static_cast<scalar_t>(value);
         }
       }
-      if (y != nullptr) store_pack<scalar_t, kVec>(y + offset, chunk, y_pack);
+      if (y != nullptr) store_pack<kVec>(y + offset, chunk, y_pack);
     }
     const float2 sums = block_sum2(g_partial, g_xhat_partial, shared);
     const float g_mean = mean ? sums.x * inv_n : 0.f;
@@ -367,7 +353,7 @@ __global__ void __launch_bounds__(kMaxVecThreads) norm_bwd_vec_cuda_kernel(const
       const int64_t chunk = threadIdx.x + static_cast<int64_t>(c) * blockDim.x;
       if (chunk >= chunks) continue;
       Pack<scalar_t, kVec> extra;
-      if (grad_x_extra != nullptr) extra = load_pack<scalar_t, kVec>(grad_x_extra + offset, chunk);
+      if (grad_x_extra != nullptr) extra = load_pack<kVec>(grad_x_extra + offset, chunk);
       Pack<scalar_t, kVec> dx_pack;
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
@@ -375,7 +361,7 @@ __global__ void __launch_bounds__(kMaxVecThreads) norm_bwd_vec_cuda_kernel(const
         if (grad_x_extra != nullptr) dx += static_cast<float>(extra.v[k]);
         dx_pack.v[k] = static_cast<scalar_t>(dx);
       }
-      store_pack<scalar_t, kVec>(grad_x + offset, chunk, dx_pack);
+      store_pack<kVec>(grad_x + offset, chunk, dx_pack);
     }
   }
 #pragma unroll
@@ -391,8 +377,6 @@ __global__ void __launch_bounds__(kMaxVecThreads) norm_bwd_vec_cuda_kernel(const
   }
 }
 
-bool aligned_16(const void* p) { return p == nullptr || reinterpret_cast<uintptr_t>(p) % kVecBytes == 0; }
-
 // Whether a row of n scalar_t, with these pointers, takes the vectorized kernels; the threads
 // they run with (at least two warps, each thread at most kVecElementsPerThread elements).
 template <typename scalar_t, typename param_t>
@@ -400,12 +384,7 @@ int vec_threads(int64_t n, std::initializer_list<const void*> row_pointers, std:
   constexpr int kVec = VecShape<scalar_t>::kVec;
   constexpr int kChunks = VecShape<scalar_t>::kChunks;
   if (n % kVec != 0 || n > static_cast<int64_t>(kMaxVecThreads) * kVecElementsPerThread) return 0;
-  for (const void* p : row_pointers) {
-    if (!aligned_16(p)) return 0;
-  }
-  for (const void* p : params) {
-    if (p != nullptr && reinterpret_cast<uintptr_t>(p) % sizeof(Pack<param_t, kVec>) != 0) return 0;
-  }
+  if (!all_aligned(kVecBytes, row_pointers) || !all_aligned(sizeof(Pack<param_t, kVec>), params)) return 0;
   const int64_t chunks = n / kVec;
   const int64_t warps = (chunks + kChunks * kWarpSize - 1) / (kChunks * kWarpSize);
   return static_cast<int>(std::max<int64_t>(2, std::min<int64_t>(warps, kMaxVecThreads / kWarpSize)) * kWarpSize);

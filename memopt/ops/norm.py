@@ -245,7 +245,7 @@ def layer_norm(
         return result[0] if residual is None else result
     _check_public("layer_norm", x, residual, weight, bias)
     eps = check_eps("layer_norm", eps)
-    y, residual_out = _LAYER_NORM(x.contiguous(), _contiguous(residual), weight, bias, eps)
+    y, residual_out = _LAYER_NORM(x, residual, weight, bias, eps)
     return y if residual is None else (y, residual_out)
 
 
@@ -273,7 +273,7 @@ def rms_norm(
         return result[0] if residual is None else result
     _check_public("rms_norm", x, residual, weight, None)
     eps = check_eps("rms_norm", eps)
-    y, residual_out = _RMS_NORM(x.contiguous(), _contiguous(residual), weight, eps)
+    y, residual_out = _RMS_NORM(x, residual, weight, eps)
     return y if residual is None else (y, residual_out)
 
 
@@ -319,9 +319,7 @@ def norm_linear(
     _check_public("norm_linear", x, residual, norm_weight, norm_bias, "norm_weight", "norm_bias")
     check_linear("norm_linear", x, x.shape[-1] if x.dim() else 0, linear_weight, linear_bias)
     eps = check_eps("norm_linear", eps)
-    out, residual_out = _NORM_LINEAR(
-        x.contiguous(), _contiguous(residual), norm_weight, norm_bias, linear_weight, linear_bias, is_rms, eps
-    )
+    out, residual_out = _NORM_LINEAR(x, residual, norm_weight, norm_bias, linear_weight, linear_bias, is_rms, eps)
     return out if residual is None else (out, residual_out)
 
 

@@ -350,6 +350,12 @@ def _repeats(settings: KernelSettings, shape: Shape) -> int:
     return settings.repeats if shape[0] * shape[1] <= 4 * 2**20 else max(3, settings.repeats // 2)
 
 
+def _error_row(base: dict, provider: str, exc: Exception) -> dict:
+    text = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
+    return {**base, "provider": provider, "metric": "time_fwd_bwd", "unit": "ms", "median": None, "p20": None,
+            "p80": None, "status": f"error ({text})"}
+
+
 def bench_op(spec: OpSpec, shape: Shape, settings: KernelSettings, device: torch.device, dtype: torch.dtype) -> list[dict]:
     """The rows of one (op, shape), every provider: time, GB/s or TFLOP/s, saved bytes, and
     memopt's time over eager's; or one status row for a provider that did not run."""
@@ -368,17 +374,24 @@ def bench_op(spec: OpSpec, shape: Shape, settings: KernelSettings, device: torch
         torch.manual_seed(0)
         tensors[provider] = [t.requires_grad_(True) for t in spec.make_inputs(settings, shape, device, dtype)]
         calls[provider] = fn
-    steps = {provider: _fwd_bwd_step(calls[provider], tensors[provider]) for provider in calls}
+    steps, failed = {}, []
+    for provider, fn in calls.items():
+        step = _fwd_bwd_step(fn, tensors[provider])
+        try:
+            step()  # a case one provider does not take (bf16 on memopt's CPU kernels) fails here, alone
+        except Exception as exc:  # reported in the table, never allowed to stop the run
+            failed.append(_error_row(base, provider, exc))
+            continue
+        steps[provider] = step
     try:
         faults: dict[str, list[int]] = {}  # stays empty on CUDA (do_bench) and without getrusage
         samples = interleaved_samples(steps, device, _repeats(settings, shape), settings.round_budget_s,
                                       faults if resource is not None else None)
         timings = {p: _quantiles(ts) for p, ts in samples.items()}
-        saved = {p: None if p == "compile" else memopt.saved_bytes(calls[p], *tensors[p]) for p in calls}
+        saved = {p: None if p == "compile" else memopt.saved_bytes(calls[p], *tensors[p]) for p in steps}
     except Exception as exc:  # reported in the table, never allowed to stop the run
-        text = f"{type(exc).__name__}: {exc}".splitlines()[0][:160]
-        return [{**base, "provider": p, "metric": "time_fwd_bwd", "unit": "ms", "median": None, "p20": None,
-                 "p80": None, "status": f"error ({text})"} for p in calls] + unavailable
+        rows = [_error_row(base, p, exc) for p in steps] + failed + unavailable
+        return sorted(rows, key=lambda r: PROVIDERS.index(r["provider"]))
     amount, unit = spec.work(settings, shape, dtype)
     scale = 1e9 if unit == "GB/s" else 1e12
     rate = {"metric": "bandwidth" if unit == "GB/s" else "throughput", "unit": unit}
@@ -405,7 +418,7 @@ def bench_op(spec: OpSpec, shape: Shape, settings: KernelSettings, device: torch
                 ratio = ratio_p20 = ratio_p80 = median / timings["eager"][0]
             out_rows.append({**row, "metric": "time_vs_eager", "unit": "x", "median": ratio, "p20": ratio_p20,
                              "p80": ratio_p80, "status": "ok"})
-    return out_rows + unavailable
+    return sorted(out_rows + failed + unavailable, key=lambda r: PROVIDERS.index(r["provider"]))  # stable
 
 
 def run_kernels(settings: KernelSettings, ops: list[str] | None = None, progress: bool = True) -> dict:
@@ -476,6 +489,8 @@ def ratio_table(rows: list[dict], provider: str = "memopt") -> str:
     """memopt's forward + backward time over eager's, one line per op, one column per shape."""
     ratios = {(r["op"], (r["x"], r["width"])): r["median"] for r in rows
               if r["metric"] == "time_vs_eager" and r["provider"] == provider}
+    if not ratios:
+        return f"(no ratios: {provider} or eager did not run any case)"
     ops = list(dict.fromkeys(op for op, _ in ratios))
     shapes = list(dict.fromkeys(shape for _, shape in ratios))
     lines = ["| op | " + " | ".join(f"{r} x {w}" for r, w in shapes) + " |", "|---|" + "---:|" * len(shapes)]

@@ -286,6 +286,25 @@ def test_kernel_benchmarks_run_on_tiny_shapes_and_list_missing_ops(tmp_path, mon
     assert json_path.with_suffix(".png").exists()
 
 
+def test_kernel_benchmarks_time_eager_when_memopt_fails(monkeypatch):
+    """A case one provider does not take (bf16 on memopt's CPU kernels raises) is an error row for
+    that provider alone: eager is still timed, and no ratio is made up."""
+    from bench import kernels
+
+    def exploding(*args, **kwargs):
+        raise RuntimeError("kernel exploded\nsecond line")
+
+    monkeypatch.setattr(memopt, "layer_norm", exploding)
+    settings = replace(kernels.KERNEL_PRESETS["tiny"], device="cpu")
+    result = kernels.run_kernels(settings, ["layer_norm"], progress=False)
+    rows = {(r["provider"], r["metric"]): r for r in result["rows"]}
+    assert rows[("memopt", "time_fwd_bwd")]["status"] == "error (RuntimeError: kernel exploded)"
+    assert rows[("memopt", "time_fwd_bwd")]["median"] is None
+    eager = rows[("eager", "time_fwd_bwd")]
+    assert eager["status"] == "ok" and 0 < eager["p20"] <= eager["median"] <= eager["p80"]
+    assert ("memopt", "time_vs_eager") not in rows and ("memopt", "saved_bytes") not in rows
+
+
 def test_memopt_configurations_build_from_the_reference_weights():
     wanted = ["eager-math", "memopt-selective", "memopt-full", "memopt-offload", "memopt-wrap"]
     rows = compare.run_comparison(TINY, [registry_config(n) for n in wanted], progress=False)

@@ -185,13 +185,12 @@ __global__ void reduce_partials_cuda_kernel(const float* __restrict__ partials, 
 // backward holds four 16-element arrays per thread (about 120 registers): __launch_bounds__ keeps
 // it within what 512 threads per CTA may use (128 registers each).
 
-constexpr int kVecBytes = 16;
 constexpr int kVecElementsPerThread = 16;
 constexpr int kMaxVecThreads = 512;
 
 template <typename scalar_t>
 struct VecShape {
-  static constexpr int kVec = kVecBytes / sizeof(scalar_t);
+  static constexpr int kVec = kPack16<scalar_t>;
   static constexpr int kChunks = kVecElementsPerThread / kVec;
 };
 
@@ -384,7 +383,7 @@ int vec_threads(int64_t n, std::initializer_list<const void*> row_pointers, std:
   constexpr int kVec = VecShape<scalar_t>::kVec;
   constexpr int kChunks = VecShape<scalar_t>::kChunks;
   if (n % kVec != 0 || n > static_cast<int64_t>(kMaxVecThreads) * kVecElementsPerThread) return 0;
-  if (!all_aligned(kVecBytes, row_pointers) || !all_aligned(sizeof(Pack<param_t, kVec>), params)) return 0;
+  if (!all_aligned(16, row_pointers) || !all_aligned(sizeof(Pack<param_t, kVec>), params)) return 0;
   const int64_t chunks = n / kVec;
   const int64_t warps = (chunks + kChunks * kWarpSize - 1) / (kChunks * kWarpSize);
   return static_cast<int>(std::max<int64_t>(2, std::min<int64_t>(warps, kMaxVecThreads / kWarpSize)) * kWarpSize);

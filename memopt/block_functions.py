@@ -749,13 +749,25 @@ def split_saved_names(
     return tuple(n for n in names if n in _ATTENTION_SAVED), tuple(n for n in names if n not in _ATTENTION_SAVED)
 
 
+def _at_slots(values, slots, fill) -> BlockParams:
+    """A BlockParams (of parameters, or of needs_input_grad flags) with ``values`` at ``slots``
+    and ``fill`` (None, or False) elsewhere: what one node of a split block holds of the twelve."""
+    full = [fill] * len(BlockParams._fields)
+    for slot, value in zip(slots, values):
+        full[slot] = value
+    return BlockParams(*full)
+
+
+_HALF_SLOTS = {"attention": range(6), "ffn": range(6, 12)}
+
+
 def _half_params(half: str, params) -> BlockParams:
     """A BlockParams with one half's six (in order) and None for the other half's."""
-    return BlockParams(*params, *(None,) * 6) if half == "attention" else BlockParams(*(None,) * 6, *params)
+    return _at_slots(params, _HALF_SLOTS[half], None)
 
 
 def _half_needs(half: str, needs) -> BlockParams:
-    return BlockParams(*needs, *(False,) * 6) if half == "attention" else BlockParams(*(False,) * 6, *needs)
+    return _at_slots(needs, _HALF_SLOTS[half], False)
 
 
 def _save_half(ctx, half: str, spec: BlockSpec, batch: int, seq: int, tensor_of, rng_key, params) -> None:
@@ -854,17 +866,7 @@ _FFN_OUT_SLOTS = {True: (9, 10, 11), False: (6, 7, 9, 10, 11)}  # (norm2 weight,
 def _ffn_split_call(spec: BlockSpec, device_type: str, rng_key, batch: int, seq: int, params, slots) -> BlockCall:
     """The call of one of the split FFN half's nodes: its ``params`` at ``slots`` of a
     BlockParams, None elsewhere."""
-    full = [None] * len(BlockParams._fields)
-    for slot, param in zip(slots, params):
-        full[slot] = param
-    return BlockCall.make(spec, device_type, rng_key, batch, seq, BlockParams(*full))
-
-
-def _ffn_split_needs(needs, slots) -> BlockParams:
-    full = [False] * len(BlockParams._fields)
-    for slot, need in zip(slots, needs):
-        full[slot] = need
-    return BlockParams(*full)
+    return BlockCall.make(spec, device_type, rng_key, batch, seq, _at_slots(params, slots, None))
 
 
 @functools.lru_cache(maxsize=None)
@@ -906,7 +908,7 @@ class BlockFFNInFunction(torch.autograd.Function):
         by_name = dict(zip(ctx.saved_tensor_names, saved[:count]))
         h = by_name["h"]
         call = _ffn_split_call(spec, h.device.type, None, ctx.batch, ctx.seq, saved[count:], slots)
-        need = _ffn_split_needs(ctx.needs_input_grad[-len(slots) :], slots)
+        need = _at_slots(ctx.needs_input_grad[-len(slots) :], slots, False)
         if building_graph():
             call = dataclasses.replace(call, graph=True)
             params = tuple(call.params[slot] for slot in slots)
@@ -949,7 +951,7 @@ class BlockFFNOutFunction(torch.autograd.Function):
         by_name = dict(zip(ctx.saved_tensor_names, saved[:count]))
         u, h, rng_key = by_name["u"], saved[count], saved[count + 1]
         call = _ffn_split_call(spec, u.device.type, rng_key, ctx.batch, ctx.seq, saved[count + 2 :], slots)
-        need = _ffn_split_needs(ctx.needs_input_grad[-len(slots) :], slots)
+        need = _at_slots(ctx.needs_input_grad[-len(slots) :], slots, False)
         if building_graph():
             call = dataclasses.replace(call, graph=True)
             params = tuple(call.params[slot] for slot in slots)

@@ -9,7 +9,9 @@
 // forward + backward, 10% of a (1, 4, 256, 64) call. Here the node is C++, as SDPA's is, and it
 // keeps what SDPA lacks: a backward run with create_graph=True (second derivatives)
 // differentiates the attention again as plain ATen ops, so second derivatives are exact instead
-// of an error.
+// of an error. With dropout, memopt.attention runs memopt's kernels through the ops
+// cpu_flash_attention_fwd / _bwd (their dropout_p and rng_key) under its Python AttentionFunction,
+// which keeps the RNG key and replays the mask in a double backward.
 //
 // Layouts follow memopt.ops.attention's contract: the output is contiguous when q is, else a
 // (B, H, S, D) view of a (B, S, H, D) buffer; the gradients are such views.
@@ -31,6 +33,7 @@
 #include <tuple>
 #include <utility>
 
+#include "common.h"
 #include "cpu_blas.h"
 #include "cpu_kernels.h"
 
@@ -124,19 +127,31 @@ at::Tensor bshd_empty(const at::Tensor& like) {
   return at::empty({like.size(0), like.size(2), like.size(1), like.size(3)}, like.options()).transpose(1, 2);
 }
 
+// The ops' dropout arguments: p in [0, 1); a key (seed, offset) when p > 0.
+AttentionDropout attention_dropout(double p, const std::optional<at::Tensor>& rng_key, const char* op) {
+  TORCH_CHECK_VALUE(p >= 0.0 && p < 1.0, "memopt.", op, ": dropout_p must be in [0, 1), got ", p);
+  if (p == 0.0) {
+    return {};
+  }
+  TORCH_CHECK_VALUE(rng_key.has_value(), "memopt.", op,
+                    ": dropout_p > 0 needs rng_key, an int64 CPU tensor (seed, offset), got None");
+  const auto [seed, offset] = read_rng_key(*rng_key, op);
+  return {p, seed, offset};
+}
+
 void require_cpu_blas() {
   TORCH_CHECK(cpu_blas_available(),
               "memopt.attention: backend 'cpu_flash' multiplies through the BLAS that torch links (sgemm_ / dgemm_), "
-              "which this torch build does not export; use backend='auto' or 'aten_flash'");
+              "which this torch build does not export; use backend='auto', 'native' or 'aten_flash'");
 }
 
 std::tuple<at::Tensor, at::Tensor> cpu_flash_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                     bool causal, double scale) {
+                                                     bool causal, double scale, const AttentionDropout& dropout) {
   require_cpu_blas();
   const at::Tensor q_ = unit_last_stride(q), k_ = unit_last_stride(k), v_ = unit_last_stride(v);
   at::Tensor out = q.is_contiguous() ? at::empty(q.sizes(), q.options()) : bshd_empty(q);
   at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
-  MEMOPT_CPU_KERNEL(attention_fwd_kernel)(q_, k_, v_, causal, scale, out, lse);
+  MEMOPT_CPU_KERNEL(attention_fwd_kernel)(q_, k_, v_, causal, scale, dropout, out, lse);
   return {out, lse};
 }
 
@@ -144,8 +159,8 @@ std::tuple<at::Tensor, at::Tensor> cpu_flash_forward(const at::Tensor& q, const 
 // kernel adds into grad_k and grad_v, so they are zeroed here first).
 void cpu_flash_backward_into(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                              const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal,
-                             double scale, const at::Tensor& grad_q, const at::Tensor& grad_k,
-                             const at::Tensor& grad_v) {
+                             double scale, const AttentionDropout& dropout, const at::Tensor& grad_q,
+                             const at::Tensor& grad_k, const at::Tensor& grad_v) {
   require_cpu_blas();
   const at::Tensor q_ = unit_last_stride(q), k_ = unit_last_stride(k), v_ = unit_last_stride(v);
   const at::Tensor grad_out_ = unit_last_stride(grad_out.to(q.scalar_type()));
@@ -153,15 +168,17 @@ void cpu_flash_backward_into(const at::Tensor& grad_out, const at::Tensor& q, co
   const at::Tensor lse_ = lse.to(q.scalar_type()).contiguous();
   grad_k.zero_();
   grad_v.zero_();
-  MEMOPT_CPU_KERNEL(attention_bwd_kernel)(grad_out_, q_, k_, v_, out_, lse_, causal, scale, grad_q, grad_k, grad_v);
+  MEMOPT_CPU_KERNEL(attention_bwd_kernel)(grad_out_, q_, k_, v_, out_, lse_, causal, scale, dropout, grad_q, grad_k,
+                                          grad_v);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_flash_backward(const at::Tensor& grad_out, const at::Tensor& q,
                                                                   const at::Tensor& k, const at::Tensor& v,
                                                                   const at::Tensor& out, const at::Tensor& lse,
-                                                                  bool causal, double scale) {
+                                                                  bool causal, double scale,
+                                                                  const AttentionDropout& dropout) {
   at::Tensor grad_q = bshd_empty(q), grad_k = bshd_empty(k), grad_v = bshd_empty(v);
-  cpu_flash_backward_into(grad_out, q, k, v, out, lse, causal, scale, grad_q, grad_k, grad_v);
+  cpu_flash_backward_into(grad_out, q, k, v, out, lse, causal, scale, dropout, grad_q, grad_k, grad_v);
   return {grad_q, grad_k, grad_v};
 }
 
@@ -170,10 +187,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_flash_backward(const at::Tens
 // with no torch.cat of three gradients.
 at::Tensor cpu_flash_backward_packed(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                                      const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal,
-                                     double scale) {
+                                     double scale, const AttentionDropout& dropout) {
   const int64_t heads = q.size(1), kv_heads = k.size(1);
   at::Tensor grad_qkv = at::empty({q.size(0), q.size(2), heads + 2 * kv_heads, q.size(3)}, q.options());
-  cpu_flash_backward_into(grad_out, q, k, v, out, lse, causal, scale,
+  cpu_flash_backward_into(grad_out, q, k, v, out, lse, causal, scale, dropout,
                           grad_qkv.narrow(2, 0, heads).transpose(1, 2),
                           grad_qkv.narrow(2, heads, kv_heads).transpose(1, 2),
                           grad_qkv.narrow(2, heads + kv_heads, kv_heads).transpose(1, 2));
@@ -194,17 +211,20 @@ void check_backward_inputs(const char* op, const at::Tensor& grad_out, const at:
 }
 
 std::tuple<at::Tensor, at::Tensor> cpu_flash_attention_fwd(const at::Tensor& q, const at::Tensor& k,
-                                                           const at::Tensor& v, bool causal, double scale) {
+                                                           const at::Tensor& v, bool causal, double scale,
+                                                           double dropout_p, const std::optional<at::Tensor>& rng_key) {
   check_inputs(q, k, v, scale);
-  return cpu_flash_forward(q, k, v, causal, scale);
+  return cpu_flash_forward(q, k, v, causal, scale, attention_dropout(dropout_p, rng_key, "cpu_flash_attention_fwd"));
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_flash_attention_bwd(const at::Tensor& grad_out, const at::Tensor& q,
                                                                        const at::Tensor& k, const at::Tensor& v,
                                                                        const at::Tensor& out, const at::Tensor& lse,
-                                                                       bool causal, double scale) {
+                                                                       bool causal, double scale, double dropout_p,
+                                                                       const std::optional<at::Tensor>& rng_key) {
   check_backward_inputs("cpu_flash_attention_bwd", grad_out, q, k, v, out, lse, scale);
-  return cpu_flash_backward(grad_out, q, k, v, out, lse, causal, scale);
+  return cpu_flash_backward(grad_out, q, k, v, out, lse, causal, scale,
+                            attention_dropout(dropout_p, rng_key, "cpu_flash_attention_bwd"));
 }
 
 // What memopt.attention's "auto" runs on CPU without dropout (memopt.ops.attention.resolve_backend
@@ -219,8 +239,9 @@ std::tuple<at::Tensor, at::Tensor> cpu_flash_fwd_op(const at::Tensor& q, const a
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("memopt::cpu_flash_attention_fwd", "")
-          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, double)>();
-  return op.call(q, k, v, causal, scale);
+          .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, double,
+                                                    double, const std::optional<at::Tensor>&)>();
+  return op.call(q, k, v, causal, scale, 0.0, std::nullopt);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_flash_bwd_op(const at::Tensor& grad_out, const at::Tensor& q,
@@ -231,15 +252,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_flash_bwd_op(const at::Tensor
                              .findSchemaOrThrow("memopt::cpu_flash_attention_bwd", "")
                              .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
                                  const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                 const at::Tensor&, const at::Tensor&, bool, double)>();
-  return op.call(grad_out, q, k, v, out, lse, causal, scale);
+                                 const at::Tensor&, const at::Tensor&, bool, double, double,
+                                 const std::optional<at::Tensor>&)>();
+  return op.call(grad_out, q, k, v, out, lse, causal, scale, 0.0, std::nullopt);
 }
 
 at::Tensor cpu_flash_attention_bwd_packed(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
                                           const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse,
-                                          bool causal, double scale) {
+                                          bool causal, double scale, double dropout_p,
+                                          const std::optional<at::Tensor>& rng_key) {
   check_backward_inputs("cpu_flash_attention_bwd_packed", grad_out, q, k, v, out, lse, scale);
-  return cpu_flash_backward_packed(grad_out, q, k, v, out, lse, causal, scale);
+  return cpu_flash_backward_packed(grad_out, q, k, v, out, lse, causal, scale,
+                                   attention_dropout(dropout_p, rng_key, "cpu_flash_attention_bwd_packed"));
 }
 
 at::Tensor flash_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,

@@ -17,6 +17,12 @@
 // Work split: the forward over (batch, head, query tile); the backward over (batch, kv head), so
 // that one thread owns the gradient rows of its k and v and no two threads add into the same
 // memory: results do not depend on the number of threads.
+//
+// Dropout (AttentionDropout, cpu_kernels.h) multiplies each row of probabilities by its factors
+// (1 / (1 - p) or 0, regenerated from the Philox counter of each element, nothing stored) after
+// the row's sum is taken: the forward before the P V product, the backward on dP (dO V^T) before
+// the softmax backward and on P before dV += P^T dO; the softmax backward itself takes the
+// undropped P, so dS = P * (dP * factors - rowsum(dO * O)).
 #include "cpu_blas.h"
 
 #include <limits>
@@ -84,6 +90,31 @@ void scale_row(T* x, int64_t n, T factor) {
 }
 
 template <typename T>
+void multiply_row(T* x, const T* factors, int64_t n) {
+  for_each_vector<T>(n, [&](int64_t j, int64_t count) {
+    (Vectorized<T>::loadu(x + j, count) * Vectorized<T>::loadu(factors + j, count)).store(x + j, count);
+  });
+}
+
+// The dropout factors of the rows of probabilities: element (b, h, i, j) is element
+// ((b H + h) Sq + i) Sk + j of the mask (AttentionDropout).
+template <typename T>
+class RowDropout {
+ public:
+  RowDropout(const AttentionDropout& d, int64_t heads, int64_t seq_q, int64_t seq_k)
+      : factors_(d.p, d.seed, d.offset), heads_(heads), seq_q_(seq_q), seq_k_(seq_k) {}
+
+  // out[c] for keys key0 .. key0 + n - 1 of query row i of head (b, h).
+  void factors(T* out, int64_t n, int64_t b, int64_t h, int64_t i, int64_t key0) const {
+    factors_.row(out, n, static_cast<uint64_t>(((b * heads_ + h) * seq_q_ + i) * seq_k_ + key0));
+  }
+
+ private:
+  DropoutFactors<T> factors_;
+  int64_t heads_, seq_q_, seq_k_;
+};
+
+template <typename T>
 void zero_row(T* x, int64_t n) {
   std::fill(x, x + n, T(0));
 }
@@ -122,16 +153,19 @@ Rows<T> head_rows(const at::Tensor& t, int64_t b, int64_t h) {
 
 template <typename T>
 void attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, T scale,
-                   const at::Tensor& out, const at::Tensor& lse) {
+                   const AttentionDropout& dropout, const at::Tensor& out, const at::Tensor& lse) {
   const int64_t batch = q.size(0), heads = q.size(1), seq_q = q.size(2), head_dim = q.size(3);
   const int64_t kv_heads = k.size(1), seq_k = k.size(2), group = heads / kv_heads;
   const int64_t tiles = (seq_q + kBlockQ - 1) / kBlockQ;
+  const bool drop = dropout.p > 0.0;
+  const RowDropout<T> row_dropout(dropout, heads, seq_q, seq_k);
   T* lse_data = lse.mutable_data_ptr<T>();
   at::parallel_for(0, batch * heads * tiles, 1, [&](int64_t begin, int64_t end) {
     T* const scores = scratch<T, 0>(kBlockQ * kBlockK);
     T* const acc = scratch<T, 1>(kBlockQ * head_dim);
     T* const row_max_ = scratch<T, 2>(kBlockQ);
     T* const row_sum = scratch<T, 3>(kBlockQ);
+    T* const factors = drop ? scratch<T, 6>(kBlockK) : nullptr;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / (heads * tiles), h = item / tiles % heads, r0 = item % tiles * kBlockQ;
       const int64_t rows = std::min(kBlockQ, seq_q - r0);
@@ -155,6 +189,10 @@ void attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
           const T rescale = c0 == 0 ? T(0) : std::exp(row_max_[i] - new_max);
           const T sum = exp_shifted<true>(s, s, visible, new_max);
           zero_row(s + visible, width - visible);
+          if (drop) {
+            row_dropout.factors(factors, visible, b, h, r0 + i, c0);
+            multiply_row(s, factors, visible);
+          }
           row_sum[i] = row_sum[i] * rescale + sum;
           row_max_[i] = new_max;
           if (c0 != 0 && rescale != T(1)) {
@@ -179,15 +217,19 @@ void attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
 
 template <typename T>
 void attention_bwd(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                   const at::Tensor& out, const at::Tensor& lse, bool causal, T scale, const at::Tensor& grad_q,
-                   const at::Tensor& grad_k, const at::Tensor& grad_v) {
+                   const at::Tensor& out, const at::Tensor& lse, bool causal, T scale,
+                   const AttentionDropout& dropout, const at::Tensor& grad_q, const at::Tensor& grad_k,
+                   const at::Tensor& grad_v) {
   const int64_t batch = q.size(0), heads = q.size(1), seq_q = q.size(2), head_dim = q.size(3);
   const int64_t kv_heads = k.size(1), seq_k = k.size(2), group = heads / kv_heads;
+  const bool drop = dropout.p > 0.0;
+  const RowDropout<T> row_dropout(dropout, heads, seq_q, seq_k);
   const T* lse_data = lse.const_data_ptr<T>();
   at::parallel_for(0, batch * kv_heads, 1, [&](int64_t begin, int64_t end) {
     T* const probs = scratch<T, 0>(kBlockQ * kBlockK);
     T* const grad_scores = scratch<T, 1>(kBlockQ * kBlockK);
     T* const delta = scratch<T, 2>(kBlockQ);
+    T* const factors = drop ? scratch<T, 6>(kBlockK) : nullptr;
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / kv_heads, kv_head = item % kv_heads;
       const Rows<T> k_rows = head_rows<T>(k, b, kv_head), v_rows = head_rows<T>(v, b, kv_head);
@@ -213,15 +255,26 @@ void attention_bwd(const at::Tensor& grad_out, const at::Tensor& q, const at::Te
               exp_shifted<false>(p, p, visible, lse_head[r0 + i]);
               zero_row(p + visible, width - visible);
             }
-            // dV += P^T dO
-            cpu_gemm(true, false, width, head_dim, rows, T(1), probs, kBlockK, do_rows.row(r0), do_rows.stride,
-                     T(1), dv_rows.row(c0), dv_rows.stride);
-            // dP = dO V^T, then dS = P * (dP - rowsum(dO * O)) in its place
+            // dP = dO V^T (of the dropped probabilities), then dS = P * (dP * factors - rowsum(dO * O))
+            // in its place; under dropout P becomes the dropped P * factors after that, for dV
             cpu_gemm(false, true, rows, width, head_dim, T(1), do_rows.row(r0), do_rows.stride, v_rows.row(c0),
                      v_rows.stride, T(0), grad_scores, kBlockK);
             for (int64_t i = 0; i < rows; ++i) {
-              softmax_grad_row(probs + i * kBlockK, grad_scores + i * kBlockK, width, delta[i]);
+              T* p = probs + i * kBlockK;
+              T* dp = grad_scores + i * kBlockK;
+              const int64_t visible = drop ? visible_keys(causal, r0 + i, c0, width) : 0;
+              if (visible > 0) {
+                row_dropout.factors(factors, visible, b, h, r0 + i, c0);
+                multiply_row(dp, factors, visible);
+              }
+              softmax_grad_row(p, dp, width, delta[i]);
+              if (visible > 0) {
+                multiply_row(p, factors, visible);
+              }
             }
+            // dV += P^T dO
+            cpu_gemm(true, false, width, head_dim, rows, T(1), probs, kBlockK, do_rows.row(r0), do_rows.stride,
+                     T(1), dv_rows.row(c0), dv_rows.stride);
             // dQ (+)= scale * dS K, dK += scale * dS^T Q
             cpu_gemm(false, false, rows, head_dim, width, scale, grad_scores, kBlockK, k_rows.row(c0),
                      k_rows.stride, c0 == 0 ? T(0) : T(1), dq_rows.row(r0), dq_rows.stride);
@@ -237,17 +290,19 @@ void attention_bwd(const at::Tensor& grad_out, const at::Tensor& q, const at::Te
 }  // namespace
 
 void attention_fwd_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
-                          const at::Tensor& out, const at::Tensor& lse) {
+                          const AttentionDropout& dropout, const at::Tensor& out, const at::Tensor& lse) {
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_flash_attention_fwd", [&] {
-    attention_fwd<scalar_t>(q, k, v, causal, static_cast<scalar_t>(scale), out, lse);
+    attention_fwd<scalar_t>(q, k, v, causal, static_cast<scalar_t>(scale), dropout, out, lse);
   });
 }
 
 void attention_bwd_kernel(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                           const at::Tensor& out, const at::Tensor& lse, bool causal, double scale,
-                          const at::Tensor& grad_q, const at::Tensor& grad_k, const at::Tensor& grad_v) {
+                          const AttentionDropout& dropout, const at::Tensor& grad_q, const at::Tensor& grad_k,
+                          const at::Tensor& grad_v) {
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "cpu_flash_attention_bwd", [&] {
-    attention_bwd<scalar_t>(grad_out, q, k, v, out, lse, causal, static_cast<scalar_t>(scale), grad_q, grad_k, grad_v);
+    attention_bwd<scalar_t>(grad_out, q, k, v, out, lse, causal, static_cast<scalar_t>(scale), dropout, grad_q,
+                            grad_k, grad_v);
   });
 }
 

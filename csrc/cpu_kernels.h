@@ -27,6 +27,16 @@
 
 namespace memopt {
 
+// Dropout on the attention probabilities (p == 0: none). Element (b, h, i, j) of the (B, H, Sq, Sk)
+// probabilities is element b H Sq Sk + h Sq Sk + i Sk + j of philox.h's mask under (seed, offset),
+// the index memopt.ops.attention's native and Triton paths draw, so every backend drops the same
+// elements; kept probabilities are scaled by 1 / (1 - p) after the softmax's normalisation.
+struct AttentionDropout {
+  double p = 0.0;
+  uint64_t seed = 0;
+  uint64_t offset = 0;
+};
+
 #define MEMOPT_DECLARE_CPU_KERNELS(ISA)                                                                          \
   namespace ISA {                                                                                                \
   void bias_act_fwd_kernel(Activation activation, const at::Tensor& x, const at::Tensor& bias, const at::Tensor& y);   \
@@ -52,11 +62,12 @@ namespace memopt {
   /* same shapes, any strides with a contiguous last dimension; lse (B, H, Sq) contiguous; grad_k and */         \
   /* grad_v zero on entry (the backward adds into them) */                                                      \
   void attention_fwd_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,           \
-                            double scale, const at::Tensor& out, const at::Tensor& lse);                          \
+                            double scale, const AttentionDropout& dropout, const at::Tensor& out,                \
+                            const at::Tensor& lse);                                                               \
   void attention_bwd_kernel(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,                 \
                             const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal,        \
-                            double scale, const at::Tensor& grad_q, const at::Tensor& grad_k,                     \
-                            const at::Tensor& grad_v);                                                            \
+                            double scale, const AttentionDropout& dropout, const at::Tensor& grad_q,              \
+                            const at::Tensor& grad_k, const at::Tensor& grad_v);                                  \
   }
 
 MEMOPT_DECLARE_CPU_KERNELS(generic)

@@ -636,6 +636,70 @@ void dropout_add(const T* x, const T* residual, T* out, int64_t numel, double p,
   });
 }
 
+// The dropout factors (scale or 0) of a row of consecutive elements of a larger tensor, whose first
+// element need not start a Philox call: the attention kernels' rows of probabilities
+// (attention_cpu_kernels_impl.h). The same words as dropout_add, so the same mask.
+template <typename T>
+class DropoutFactors {
+ public:
+  DropoutFactors(double p, uint64_t seed, uint64_t offset)
+      : threshold_(dropout_threshold(p)), scale_(static_cast<T>(1.0 / (1.0 - p))), seed_(seed), offset_(offset)
+#if MEMOPT_PHILOX_X8
+        , keys_(seed)
+#endif
+  {
+  }
+
+  // factors[c] for elements first .. first + n - 1.
+  void row(T* factors, int64_t n, uint64_t first) const {
+    int64_t c = 0;
+    // One Philox call per group of 4 elements, from element c up to `stop`.
+    const auto groups_until = [&](int64_t stop) {
+      while (c < stop) {
+        const uint64_t element = first + static_cast<uint64_t>(c);
+        const PhiloxBlock words = philox4x32_10(offset_ + element / 4, seed_);
+        for (uint64_t w = element % 4; w < 4 && c < stop; ++w, ++c) {
+          factors[c] = dropout_factor(words.v[w], threshold_, scale_);
+        }
+      }
+    };
+    groups_until(std::min<int64_t>(n, static_cast<int64_t>((4 - first % 4) % 4)));
+#if MEMOPT_PHILOX_X8
+    for (; c + kDropoutBlock <= n; c += kDropoutBlock) {
+      __m256i masks[4];
+      dropout_keep_masks_x8(offset_ + (first + static_cast<uint64_t>(c)) / 4, keys_, threshold_, masks);
+      store_factors_x8(factors + c, masks);
+    }
+#endif
+    groups_until(n);
+  }
+
+ private:
+#if MEMOPT_PHILOX_X8
+  // factors[0 .. 32) = scale where the mask is all ones, else 0.
+  void store_factors_x8(float* factors, const __m256i masks[4]) const {
+    const __m256i scale_bits = _mm256_castps_si256(_mm256_set1_ps(scale_));
+    for (int v = 0; v < 4; ++v) {
+      _mm256_storeu_ps(factors + 8 * v, _mm256_castsi256_ps(_mm256_and_si256(masks[v], scale_bits)));
+    }
+  }
+  void store_factors_x8(double* factors, const __m256i masks[4]) const {
+    const __m256i scale_bits = _mm256_castpd_si256(_mm256_set1_pd(scale_));
+    for (int v = 0; v < 8; ++v) {
+      const __m128i half = (v % 2 == 0) ? _mm256_castsi256_si128(masks[v / 2]) : _mm256_extracti128_si256(masks[v / 2], 1);
+      _mm256_storeu_pd(factors + 4 * v, _mm256_castsi256_pd(_mm256_and_si256(_mm256_cvtepi32_epi64(half), scale_bits)));
+    }
+  }
+#endif
+
+  uint32_t threshold_;
+  T scale_;
+  uint64_t seed_, offset_;
+#if MEMOPT_PHILOX_X8
+  PhiloxKeysX8 keys_;
+#endif
+};
+
 template <typename T>
 const T* data_or_null(const at::Tensor& t) {
   return t.defined() ? t.const_data_ptr<T>() : nullptr;
@@ -650,7 +714,7 @@ T* mutable_data_or_null(const at::Tensor& t) {
 // call would be mapped fresh by glibc's malloc each time and page-fault its way in: the norm
 // backward's partials at 512 x 2048 (16 x 2048 floats each) took 20 page faults a call and made it
 // 9% slower than ATen's with cold caches. Slots 0-3 are the attention kernels' tiles, 4 and 5
-// the backward partials below.
+// the backward partials below, 6 the attention kernels' row of dropout factors.
 template <typename T, int Slot>
 T* scratch(int64_t elements) {
   thread_local std::vector<T> buffer;

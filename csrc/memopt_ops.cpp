@@ -78,13 +78,16 @@ TORCH_LIBRARY(memopt, m) {
   // (memopt/ops/attention.py).
   m.def("attention_flash_cpu(Tensor q, Tensor k, Tensor v, bool causal, float? scale=None) -> Tensor out");
   // memopt's CPU flash-attention kernels (attention_cpu.cpp, the "cpu_flash" backend): out and a
-  // contiguous lse (B, H, Sq) in q's dtype; the gradients as (B, S, H, D) buffers' views.
-  m.def("cpu_flash_attention_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale) -> (Tensor out, Tensor lse)");
+  // contiguous lse (B, H, Sq) in q's dtype; the gradients as (B, S, H, D) buffers' views. Dropout
+  // on the probabilities replays philox.h's mask of rng_key (required when dropout_p > 0), the mask
+  // memopt.attention's other backends draw.
+  m.def("cpu_flash_attention_fwd(Tensor q, Tensor k, Tensor v, bool causal, float scale, float dropout_p=0.,"
+        " Tensor? rng_key=None) -> (Tensor out, Tensor lse)");
   m.def("cpu_flash_attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal,"
-        " float scale) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+        " float scale, float dropout_p=0., Tensor? rng_key=None) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
   // The same gradients as one (B, S, H + 2 Hkv, D) tensor, the layout of a fused qkv projection.
   m.def("cpu_flash_attention_bwd_packed(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse,"
-        " bool causal, float scale) -> Tensor grad_qkv");
+        " bool causal, float scale, float dropout_p=0., Tensor? rng_key=None) -> Tensor grad_qkv");
 }
 
 namespace {

@@ -25,12 +25,13 @@ from memopt.ops.attention import (
 from helpers import gpu, needs_triton_interpreter as needs_interpreter
 
 needs_triton = pytest.mark.skipif(attention_triton is None, reason="triton is not installed (CPU-only torch wheels lack it)")
-# The CPU backends that replay memopt's dropout mask, and those that run without dropout only.
+# The CPU backends that replay memopt's dropout mask, and the one that runs without dropout only.
 DROPOUT_BACKENDS = [
     pytest.param("triton", marks=needs_interpreter),
     pytest.param("native"),
+    pytest.param("cpu_flash"),
 ]
-BACKENDS = [*DROPOUT_BACKENDS, pytest.param("cpu_flash"), pytest.param("aten_flash")]
+BACKENDS = [*DROPOUT_BACKENDS, pytest.param("aten_flash")]
 FLOAT64_BACKENDS = ["native", "cpu_flash", "aten_flash"]
 
 # (atol, rtol) of attention outputs and gradients against the float64 reference. float32: the
@@ -142,9 +143,10 @@ def test_float64_matches_reference_to_float64_precision(backend, scale, shape):
     for causal in (False, True):
         actual, expected = _run_and_reference(q, k, v, causal, 0.0, None, backend=backend, scale=scale)
         _assert_close(actual, expected, torch.float64)
-    if backend == "native":
-        actual, expected = _run_and_reference(q, k, v, True, 0.1, rng_key(5), backend=backend, scale=scale)
-        _assert_close(actual, expected, torch.float64)
+    if backend != "aten_flash":
+        for causal in (False, True):
+            actual, expected = _run_and_reference(q, k, v, causal, 0.1, rng_key(5), backend=backend, scale=scale)
+            _assert_close(actual, expected, torch.float64)
     lse = torch.ops.memopt.attention_fwd(q, k, v, False, 0.0, 0.125, rng_key(0), backend)[1]
     assert lse.dtype == torch.float64
 
@@ -231,7 +233,7 @@ def test_strided_views_of_fused_qkv_and_output_layout(backend):
         pytest.param("triton", 0.0, torch.float32, marks=needs_interpreter),
         pytest.param("triton", 0.1, torch.float32, marks=needs_interpreter),
         ("native", 0.0, torch.float32), ("native", 0.1, torch.float32), ("native", 0.1, torch.float64),
-        ("cpu_flash", 0.0, torch.float32), ("cpu_flash", 0.0, torch.float64),
+        ("cpu_flash", 0.0, torch.float32), ("cpu_flash", 0.0, torch.float64), ("cpu_flash", 0.1, torch.float32),
         ("aten_flash", 0.0, torch.float32), ("aten_flash", 0.0, torch.float64), ("auto", 0.1, torch.float32),
         ("auto", 0.0, torch.float32),
     ],
@@ -262,7 +264,9 @@ GRADCHECK_TOLERANCES = {"eps": 1e-6, "atol": 1e-9, "rtol": 1e-8}
 
 
 @pytest.mark.parametrize(
-    "backend,dropout_p", [("native", 0.2), ("native", 0.0), ("aten_flash", 0.0)], ids=lambda x: str(x)
+    "backend,dropout_p",
+    [("native", 0.2), ("native", 0.0), ("cpu_flash", 0.2), ("cpu_flash", 0.0), ("aten_flash", 0.0)],
+    ids=lambda x: str(x),
 )
 @pytest.mark.parametrize("scale", [0.3, 2.0])
 def test_gradcheck_float64(backend, dropout_p, scale):
@@ -279,8 +283,8 @@ def test_gradcheck_float64(backend, dropout_p, scale):
     [
         pytest.param("triton", False, 0.0, marks=needs_interpreter),
         pytest.param("triton", True, 0.2, marks=needs_interpreter),
-        ("native", False, 0.0), ("native", True, 0.2), ("aten_flash", False, 0.0), ("aten_flash", True, 0.0),
-        ("auto", True, 0.0),
+        ("native", False, 0.0), ("native", True, 0.2), ("cpu_flash", False, 0.2), ("cpu_flash", True, 0.2),
+        ("aten_flash", False, 0.0), ("aten_flash", True, 0.0), ("auto", True, 0.0), ("auto", True, 0.2),
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
@@ -301,7 +305,10 @@ def test_opcheck(backend, causal, dropout_p, dtype):
 
 @pytest.mark.parametrize(
     "backend,dropout_p",
-    [pytest.param("triton", 0.1, marks=needs_interpreter), ("native", 0.1), ("cpu_flash", 0.0), ("aten_flash", 0.0), ("auto", 0.0)],
+    [
+        pytest.param("triton", 0.1, marks=needs_interpreter), ("native", 0.1), ("cpu_flash", 0.0), ("cpu_flash", 0.1),
+        ("aten_flash", 0.0), ("auto", 0.0),
+    ],
 )
 def test_compile_fullgraph(backend, dropout_p, compile_cache):
     q, k, v = _inputs((1, 2, 2, 20, 20, 32))
@@ -495,18 +502,25 @@ def test_auto_rule_on_cpu():
     # causal: memopt's kernels (they skip the keys a tile cannot see); without a mask ATen's
     assert resolve_backend("auto", q, q, q, True, 0.0) == ("cpu_flash" if cpu_flash_available() else "aten_flash")
     assert resolve_backend("auto", q, q, q, False, 0.0) == "aten_flash"
-    assert resolve_backend("auto", q, q, q, True, 0.1) == "native"
+    # with dropout memopt's kernels either way (ATen's cannot replay memopt's mask)
+    for causal in (False, True):
+        assert resolve_backend("auto", q, q, q, causal, 0.1) == ("cpu_flash" if cpu_flash_available() else "native")
     with cpu_backend("native"):
         assert resolve_backend("auto", q, q, q, False, 0.0) == "native"
     assert resolve_backend("native", q, q, q, False, 0.0) == "native"
 
 
-def test_every_cpu_backend_gives_the_same_result_to_rounding():
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2], ids=["nodrop", "drop"])
+def test_every_cpu_backend_gives_the_same_result_to_rounding(dropout_p):
+    # With dropout: the same elements dropped by every backend (one Philox mask under the key).
     q, k, v = _inputs((2, 4, 2, 70, 90, 64))
     grad = torch.randn(2, 4, 70, 64)
+    key = rng_key(6, 40)
+    interpreted = attention_triton is not None and attention_triton.INTERPRETED
+    backends = ["native", "cpu_flash", "auto"] + ([] if dropout_p else ["aten_flash"]) + (["triton"] if interpreted else [])
     results = {}
-    for backend in ["native", "cpu_flash", "aten_flash", "auto"] + (["triton"] if attention_triton is not None and attention_triton.INTERPRETED else []):
-        out = memopt.attention(q, k, v, causal=True, backend=backend)
+    for backend in backends:
+        out = memopt.attention(q, k, v, causal=True, dropout_p=dropout_p, rng_key=key, backend=backend)
         results[backend] = (out, *torch.autograd.grad(out, (q, k, v), grad))
     for backend, result in results.items():
         for a, b in zip(result, results["native"]):
@@ -658,7 +672,9 @@ def test_direct_op_calls_give_values_and_torch_warns_when_they_are_backpropagate
         out.sum().backward()
 
 
-@pytest.mark.parametrize("backend,dropout_p", [("native", 0.0), ("native", 0.2), ("aten_flash", 0.0)])
+@pytest.mark.parametrize(
+    "backend,dropout_p", [("native", 0.0), ("native", 0.2), ("cpu_flash", 0.2), ("aten_flash", 0.0)]
+)
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_second_derivatives_match_the_reference(causal, backend, dropout_p):
     # Gradient penalty through attention (grouped-query heads): d/d(q, k, v) of |grad_q|^2 + sum(grad_v),
@@ -776,24 +792,27 @@ def test_flash_cpu_gradcheck_and_gradgradcheck(causal):
 # ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2], ids=["nodrop", "drop"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(
     "shape",
     [(2, 4, 2, 65, 65, 64), (1, 2, 2, 1100, 1100, 32), (1, 2, 1, 600, 1030, 16), (1, 3, 3, 1030, 600, 64)],
     ids=_shape_id,
 )
-def test_cpu_flash_ops_match_the_float64_reference(causal, shape):
+def test_cpu_flash_ops_match_the_float64_reference(causal, dropout_p, shape):
     # Tiles of 64 query rows (65: a one-row tile), keys in blocks of 512 with an online softmax
     # across them (seq_k > 512), grouped-query heads, causal masks of non-square shapes both ways,
-    # q / k / v as strided views of one fused projection.
+    # q / k / v as strided views of one fused projection. With dropout: rows whose first element
+    # index is not a multiple of 4 (seq_k 65, 1030), key blocks starting mid-row, against the mask
+    # of memopt.ops._philox (plain PyTorch).
     batch, heads, kv_heads, seq_q, seq_k, head_dim = shape
     fused_q = torch.randn(batch, seq_q, heads, head_dim, dtype=torch.float64).transpose(1, 2)
     fused_kv = torch.randn(batch, seq_k, 2, kv_heads, head_dim, dtype=torch.float64).permute(2, 0, 3, 1, 4)
     q, (k, v) = fused_q, fused_kv.unbind(0)
-    scale = 0.3
-    out, lse = torch.ops.memopt.cpu_flash_attention_fwd(q, k, v, causal, scale)
+    scale, key = 0.3, rng_key(19, 7)
+    out, lse = torch.ops.memopt.cpu_flash_attention_fwd(q, k, v, causal, scale, dropout_p, key)
     q64, k64, v64 = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    ref = attention_ref(q64, k64, v64, causal=causal, scale=scale)
+    ref = attention_ref(q64, k64, v64, causal=causal, dropout_p=dropout_p, scale=scale, rng_key=key)
     grad = torch.randn_like(ref)
     expected = torch.autograd.grad(ref, (q64, k64, v64), grad)
     group = heads // kv_heads
@@ -802,7 +821,7 @@ def test_cpu_flash_ops_match_the_float64_reference(causal, shape):
         scores = scores.masked_fill(torch.ones(seq_q, seq_k, dtype=torch.bool).triu(1), float("-inf"))
     torch.testing.assert_close(out, ref.detach(), atol=1e-12, rtol=1e-12)
     torch.testing.assert_close(lse, torch.logsumexp(scores, -1), atol=1e-12, rtol=1e-12)
-    actual = torch.ops.memopt.cpu_flash_attention_bwd(grad, q, k, v, out, lse, causal, scale)
+    actual = torch.ops.memopt.cpu_flash_attention_bwd(grad, q, k, v, out, lse, causal, scale, dropout_p, key)
     for name, a, e in zip(("grad_q", "grad_k", "grad_v"), actual, expected):
         torch.testing.assert_close(a, e, atol=1e-11, rtol=1e-11, msg=lambda m, n=name: f"{n}: {m}")
         assert a.transpose(1, 2).is_contiguous()
@@ -834,34 +853,47 @@ def test_cpu_flash_gradcheck_float64():
     torch.autograd.gradcheck(lambda a, b, c: memopt.attention(a, b, c, causal=True, backend="cpu_flash"), (q, k, v))
 
 
-def test_cpu_flash_opcheck():
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2], ids=["nodrop", "drop"])
+def test_cpu_flash_opcheck(dropout_p):
     q, k, v = (torch.randn(1, 2, 70, 32) for _ in range(3))
-    out, lse = torch.ops.memopt.cpu_flash_attention_fwd(q, k, v, True, 0.2)
+    key = rng_key(4)
+    out, lse = torch.ops.memopt.cpu_flash_attention_fwd(q, k, v, True, 0.2, dropout_p, key)
     grad = torch.randn_like(out)
-    torch.library.opcheck(torch.ops.memopt.cpu_flash_attention_fwd.default, (q, k, v, True, 0.2))
-    torch.library.opcheck(torch.ops.memopt.cpu_flash_attention_bwd.default, (grad, q, k, v, out, lse, True, 0.2))
+    torch.library.opcheck(torch.ops.memopt.cpu_flash_attention_fwd.default, (q, k, v, True, 0.2, dropout_p, key))
+    torch.library.opcheck(
+        torch.ops.memopt.cpu_flash_attention_bwd.default, (grad, q, k, v, out, lse, True, 0.2, dropout_p, key)
+    )
 
 
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2], ids=["nodrop", "drop"])
 @pytest.mark.parametrize("kv_heads", [4, 2])
-def test_cpu_flash_packed_gradients_are_the_three_gradients_laid_out_as_qkv(kv_heads):
+def test_cpu_flash_packed_gradients_are_the_three_gradients_laid_out_as_qkv(kv_heads, dropout_p):
     # The block's backward takes grad_qkv from this op: (B, S, H + 2 Hkv, D), q's heads first.
     fused = torch.randn(2, 70, 4 + 2 * kv_heads, 32, dtype=torch.float64)
     q, k, v = fused.split((4, kv_heads, kv_heads), dim=2)
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    out, lse = torch.ops.memopt.cpu_flash_attention_fwd(q, k, v, True, 0.2)
+    key = rng_key(12, 5)
+    out, lse = torch.ops.memopt.cpu_flash_attention_fwd(q, k, v, True, 0.2, dropout_p, key)
     grad = torch.randn_like(out)
-    packed = torch.ops.memopt.cpu_flash_attention_bwd_packed(grad, q, k, v, out, lse, True, 0.2)
+    packed = torch.ops.memopt.cpu_flash_attention_bwd_packed(grad, q, k, v, out, lse, True, 0.2, dropout_p, key)
     q64, k64, v64 = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    expected = torch.autograd.grad(attention_ref(q64, k64, v64, causal=True, scale=0.2), (q64, k64, v64), grad)
+    ref = attention_ref(q64, k64, v64, causal=True, dropout_p=dropout_p, scale=0.2, rng_key=key)
+    expected = torch.autograd.grad(ref, (q64, k64, v64), grad)
     assert packed.shape == fused.shape and packed.is_contiguous()
     torch.testing.assert_close(packed, torch.cat([g.transpose(1, 2) for g in expected], dim=2), atol=1e-12, rtol=1e-12)
-    torch.library.opcheck(torch.ops.memopt.cpu_flash_attention_bwd_packed.default, (grad, q, k, v, out, lse, True, 0.2))
+    torch.library.opcheck(
+        torch.ops.memopt.cpu_flash_attention_bwd_packed.default, (grad, q, k, v, out, lse, True, 0.2, dropout_p, key)
+    )
 
 
 def test_cpu_flash_refuses_what_it_cannot_do():
     q = torch.randn(1, 2, 8, 32)
-    with pytest.raises(ValueError, match="backend 'cpu_flash' has no dropout"):
-        memopt.attention(q, q, q, causal=True, dropout_p=0.1, backend="cpu_flash")
+    with pytest.raises(ValueError, match=r"cpu_flash_attention_fwd: dropout_p > 0 needs rng_key"):
+        torch.ops.memopt.cpu_flash_attention_fwd(q, q, q, True, 0.2, 0.1)
+    with pytest.raises(ValueError, match=r"cpu_flash_attention_bwd: dropout_p must be in \[0, 1\), got 1"):
+        torch.ops.memopt.cpu_flash_attention_bwd(q, q, q, q, q, torch.randn(1, 2, 8), True, 0.2, 1.0, rng_key(1))
+    with pytest.raises(RuntimeError, match="rng_key must be an int64 CPU tensor of 2 elements"):
+        torch.ops.memopt.cpu_flash_attention_bwd_packed(q, q, q, q, q, torch.randn(1, 2, 8), True, 0.2, 0.1, torch.zeros(3))
     with pytest.raises(ValueError, match="head_dim must be one of"):
         torch.ops.memopt.cpu_flash_attention_fwd(torch.randn(1, 2, 8, 24), torch.randn(1, 2, 8, 24), torch.randn(1, 2, 8, 24), True, 0.2)
     with pytest.raises(ValueError, match="cpu_flash_attention_bwd: lse must have shape"):

@@ -24,9 +24,10 @@ def test_cpu_preset_writes_rows(tmp_path):
     by_dropout = {}
     for r in rows:
         by_dropout.setdefault(r["name"].endswith("p0"), set()).add(r["provider"])
-    # Without dropout every CPU backend runs; the flash kernels (memopt's, ATen's) have no dropout.
+    # Without dropout every CPU backend runs; with dropout all but ATen's flash kernels, which
+    # cannot replay memopt's mask.
     assert by_dropout[True] == {"memopt:auto", "memopt:native", "memopt:cpu_flash", "memopt:aten_flash", "sdpa", "eager"}
-    assert by_dropout[False] == {"memopt:auto", "memopt:native", "sdpa", "eager"}
+    assert by_dropout[False] == {"memopt:auto", "memopt:native", "memopt:cpu_flash", "sdpa", "eager"}
     assert {r["mode"] for r in rows} == {"fwd", "fwd_bwd"}
     for r in rows:
         assert r["p20"] <= r["median"] <= r["p80"], r

@@ -31,10 +31,12 @@ Backends (``backend=`` of :func:`attention` and of both ops):
     key chunks forward, chunk-by-chunk recomputation backward, dropout factors from the C++ Philox
     kernel ``memopt::philox_dropout_scale``. Also the CPU path when triton is not installed.
   * ``"cpu_flash"``: memopt's C++ flash kernels for CPU (``csrc/attention_cpu_kernels_impl.h``,
-    float32, float64, grouped-query heads natively, no dropout): tiles of 64 query rows, each
+    float32, float64, grouped-query heads natively, any dropout): tiles of 64 query rows, each
     multiplying only the keys it can see (one BLAS GEMM per tile product, on the strided rows of
-    q, k, v), an online softmax over blocks of 512 keys. ATen's CPU kernel splits keys in blocks
-    of 512 and so computes a causal score matrix whole below that length.
+    q, k, v), an online softmax over blocks of 512 keys, the dropout factors of each row of
+    probabilities regenerated from its Philox counters (eight calls at a time with AVX2). ATen's
+    CPU kernel splits keys in blocks of 512 and so computes a causal score matrix whole below that
+    length.
   * ``"aten_flash"``: ATen's fused flash kernels through their ops, no dropout: on CPU
     ``aten._scaled_dot_product_flash_attention_for_cpu`` (float32, float64; grouped-query heads
     natively), on CUDA ``aten._scaled_dot_product_flash_attention``.
@@ -47,8 +49,13 @@ Backends (``backend=`` of :func:`attention` and of both ops):
   must accept the inputs. Grouped-query heads are expanded (a copy) for ATen's CUDA kernels.
 
 ``"auto"`` (the default) picks, by :func:`resolve_backend`:
-  * CPU: with dropout ``"native"``; without, ``"cpu_flash"`` for a causal mask and ``"aten_flash"``
-    otherwise (``cpu_backend`` can force ``"native"`` or ``"triton"``). Measured forward + backward,
+  * CPU: with dropout ``"cpu_flash"`` (``"native"`` where torch exports no BLAS for it); without,
+    ``"cpu_flash"`` for a causal mask and ``"aten_flash"`` otherwise (``cpu_backend`` can force
+    ``"native"`` or ``"triton"``). With dropout 0.1, forward + backward, float32, one thread, q/k/v
+    views of one fused projection, median of 10 (2026-12-03): ``"cpu_flash"`` / ``"native"``
+    causal 0.42x at (2, 8, 256, 64), 0.66x at (2, 6, 512, 64), 0.59x at (1, 4, 1024, 64); without a
+    mask 0.47x, 0.45x, 0.61x; at (2, 2, 16, 16) 0.04-0.07x (the native path's Python per chunk).
+    The dropout factors cost 1.2-1.7x the same kernels' time without dropout (Philox, twice). Measured forward + backward,
     float32, one thread, q/k/v views of one fused projection, min of 15 (2026-12-02): causal
     ``"cpu_flash"`` / ``"aten_flash"`` 0.67x at (2, 8, 256, 64), 0.67x at (1, 4, 256, 64), 0.73x at
     (2, 6, 512, 64), 0.66x at (1, 8, 1024, 64); without a mask 1.02-1.12x at seq 256 and
@@ -113,23 +120,26 @@ _cpu_backend: str | None = None
 
 
 def get_cpu_backend() -> str:
-    """``"auto"`` (the rule of the module docstring), ``"triton"`` or ``"native"``: what ``"auto"``
-    runs on CPU."""
+    """``"auto"`` (the rule of the module docstring), ``"triton"``, ``"native"`` or ``"cpu_flash"``:
+    what ``"auto"`` runs on CPU."""
     return _cpu_backend or "auto"
 
 
 @contextlib.contextmanager
 def cpu_backend(name: str):
-    """Make ``"auto"`` run ``name`` (``"auto"``, ``"triton"`` or ``"native"``) on CPU inside the block,
-    also where the ops are called without a ``backend`` (``FusedCheckpointBlock``).
+    """Make ``"auto"`` run ``name`` (``"auto"``, ``"triton"``, ``"native"`` or ``"cpu_flash"``: the
+    CPU backends that take any dropout) on CPU inside the block, also where the ops are called
+    without a ``backend`` (``FusedCheckpointBlock``).
 
     ``"triton"`` needs ``TRITON_INTERPRET=1`` set before memopt was imported.
     """
     global _cpu_backend
-    if name not in ("auto", "triton", "native"):
-        raise ValueError(f"memopt.attention: cpu backend must be 'auto', 'triton' or 'native', got {name!r}")
+    if name not in ("auto", "triton", "native", "cpu_flash"):
+        raise ValueError(f"memopt.attention: cpu backend must be 'auto', 'triton', 'native' or 'cpu_flash', got {name!r}")
     if name == "triton":
         _require_interpreter()
+    if name == "cpu_flash":
+        _require_cpu_flash()
     previous, _cpu_backend = _cpu_backend, (None if name == "auto" else name)
     try:
         yield
@@ -172,6 +182,14 @@ _CPU_FLASH_AVAILABLE = bool(torch.ops.memopt.cpu_flash_available())
 def cpu_flash_available() -> bool:
     """Whether the ``"cpu_flash"`` backend can run in this torch build."""
     return _CPU_FLASH_AVAILABLE
+
+
+def _require_cpu_flash() -> None:
+    if not cpu_flash_available():
+        raise ValueError(
+            "memopt.attention: backend 'cpu_flash' multiplies through the BLAS that torch links (sgemm_ / dgemm_), "
+            "which this torch build does not export; use backend='auto', 'native' or 'aten_flash'"
+        )
 
 
 def _check_backend_name(backend) -> None:
@@ -231,7 +249,7 @@ def resolve_backend(backend: str, q, k, v, causal: bool, dropout_p: float) -> st
         if _cpu_backend is not None:
             return _cpu_backend
         if dropout_p > 0.0:
-            return "native"
+            return "cpu_flash" if cpu_flash_available() else "native"
         return "cpu_flash" if causal and cpu_flash_available() else "aten_flash"
     if backend not in CPU_BACKENDS:
         raise ValueError(f"memopt.attention: backend {backend!r} does not run on CPU; CPU backends are {CPU_BACKENDS}")
@@ -240,16 +258,7 @@ def resolve_backend(backend: str, q, k, v, causal: bool, dropout_p: float) -> st
     if backend == "aten_flash":
         _check_aten_keeps_contract(backend, q, k, causal, dropout_p)
     if backend == "cpu_flash":
-        if dropout_p > 0.0:
-            raise ValueError(
-                "memopt.attention: backend 'cpu_flash' has no dropout; use backend='auto', 'triton' or 'native' with "
-                "dropout_p > 0"
-            )
-        if not cpu_flash_available():
-            raise ValueError(
-                "memopt.attention: backend 'cpu_flash' multiplies through the BLAS that torch links (sgemm_ / dgemm_), "
-                "which this torch build does not export; use backend='auto' or 'aten_flash'"
-            )
+        _require_cpu_flash()
     return backend
 
 
@@ -257,7 +266,7 @@ def _check_aten_keeps_contract(backend: str, q, k, causal: bool, dropout_p: floa
     if dropout_p > 0.0:
         raise ValueError(
             f"memopt.attention: backend {backend!r} cannot replay memopt's dropout mask (ATen draws its own); "
-            "use backend='auto', 'triton' or 'native' with dropout_p > 0"
+            "use backend='auto', 'cpu_flash', 'native' or 'triton' with dropout_p > 0"
         )
     if q.device.type == "cuda" and not _causal_square(q, k, causal):
         raise ValueError(
@@ -603,7 +612,7 @@ def run_attention_fwd(backend: str, q, k, v, causal: bool, dropout_p: float, sca
     if backend == "native":
         return _attention_fwd_native(q, k, v, causal, dropout_p, scale, rng_key)
     if backend == "cpu_flash":
-        return torch.ops.memopt.cpu_flash_attention_fwd(q, k, v, causal, scale)
+        return torch.ops.memopt.cpu_flash_attention_fwd(q, k, v, causal, scale, dropout_p, rng_key)
     if backend == "aten_flash" and q.device.type == "cpu":
         return _attention_fwd_aten_cpu(q, k, v, causal, scale)
     if backend in ATEN_CUDA_BACKENDS:
@@ -667,7 +676,7 @@ def run_attention_bwd_packed(backend: str, grad_out, q, k, v, out, lse, causal: 
     of a fused qkv projection's output (the block's): written there by the ``"cpu_flash"`` kernels,
     assembled with one copy by the other backends."""
     if backend == "cpu_flash":
-        return torch.ops.memopt.cpu_flash_attention_bwd_packed(grad_out, q, k, v, out, lse, causal, scale)
+        return torch.ops.memopt.cpu_flash_attention_bwd_packed(grad_out, q, k, v, out, lse, causal, scale, dropout_p, rng_key)
     return pack_qkv_grads(*run_attention_bwd(backend, grad_out, q, k, v, out, lse, causal, dropout_p, scale, rng_key))
 
 
@@ -682,7 +691,7 @@ def run_attention_bwd(backend: str, grad_out, q, k, v, out, lse, causal: bool, d
     if backend == "native":
         return _attention_bwd_native(grad_out, q, k, v, out, lse, causal, dropout_p, scale, rng_key)
     if backend == "cpu_flash":
-        return torch.ops.memopt.cpu_flash_attention_bwd(grad_out, q, k, v, out, lse, causal, scale)
+        return torch.ops.memopt.cpu_flash_attention_bwd(grad_out, q, k, v, out, lse, causal, scale, dropout_p, rng_key)
     if backend == "aten_flash" and q.device.type == "cpu":
         return _attention_bwd_aten_cpu(grad_out, q, k, v, out, lse, causal, scale)
     if backend in ATEN_CUDA_BACKENDS:
@@ -705,17 +714,17 @@ def _attention_flash_cpu_fake(q, k, v, causal, scale=None):
 
 
 @torch.library.register_fake("memopt::cpu_flash_attention_fwd")
-def _cpu_flash_attention_fwd_fake(q, k, v, causal, scale):
+def _cpu_flash_attention_fwd_fake(q, k, v, causal, scale, dropout_p=0.0, rng_key=None):
     return attention_out_empty(q), q.new_empty(q.shape[:3])
 
 
 @torch.library.register_fake("memopt::cpu_flash_attention_bwd")
-def _cpu_flash_attention_bwd_fake(grad_out, q, k, v, out, lse, causal, scale):
-    return _attention_bwd_fake(grad_out, q, k, v, out, lse, causal, 0.0, scale, None)
+def _cpu_flash_attention_bwd_fake(grad_out, q, k, v, out, lse, causal, scale, dropout_p=0.0, rng_key=None):
+    return _attention_bwd_fake(grad_out, q, k, v, out, lse, causal, dropout_p, scale, rng_key)
 
 
 @torch.library.register_fake("memopt::cpu_flash_attention_bwd_packed")
-def _cpu_flash_attention_bwd_packed_fake(grad_out, q, k, v, out, lse, causal, scale):
+def _cpu_flash_attention_bwd_packed_fake(grad_out, q, k, v, out, lse, causal, scale, dropout_p=0.0, rng_key=None):
     batch, heads, seq, head_dim = q.shape
     return q.new_empty((batch, seq, heads + 2 * k.shape[1], head_dim))
 

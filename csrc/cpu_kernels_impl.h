@@ -583,25 +583,30 @@ inline void dropout_keep_masks_x8(uint64_t counter, const PhiloxKeysX8& keys, ui
   masks[3] = _mm256_permute2x128_si256(u2, u3, 0x31);
 }
 
-// out[0 .. 8) = x * factor (+ residual): eight floats per mask.
+// The factors (scale where the mask is all ones, else 0) of the block's floats 8v .. 8v + 7, or of
+// its doubles 4v .. 4v + 3 (each 8-lane mask widens to two 4-lane ones).
+inline __m256 dropout_factor_vector(const __m256i masks[4], int v, float scale) {
+  return _mm256_castsi256_ps(_mm256_and_si256(masks[v], _mm256_castps_si256(_mm256_set1_ps(scale))));
+}
+
+inline __m256d dropout_factor_vector(const __m256i masks[4], int v, double scale) {
+  const __m128i half = (v % 2 == 0) ? _mm256_castsi256_si128(masks[v / 2]) : _mm256_extracti128_si256(masks[v / 2], 1);
+  return _mm256_castsi256_pd(_mm256_and_si256(_mm256_cvtepi32_epi64(half), _mm256_castpd_si256(_mm256_set1_pd(scale))));
+}
+
+// out[0 .. 32) = x * factor (+ residual).
 inline void dropout_apply_x8(const float* x, const float* residual, float* out, const __m256i masks[4], float scale) {
-  const __m256i scale_bits = _mm256_castps_si256(_mm256_set1_ps(scale));
   for (int v = 0; v < 4; ++v) {
-    const __m256 factor = _mm256_castsi256_ps(_mm256_and_si256(masks[v], scale_bits));
-    __m256 value = _mm256_mul_ps(_mm256_loadu_ps(x + 8 * v), factor);
+    __m256 value = _mm256_mul_ps(_mm256_loadu_ps(x + 8 * v), dropout_factor_vector(masks, v, scale));
     if (residual != nullptr) value = _mm256_add_ps(value, _mm256_loadu_ps(residual + 8 * v));
     _mm256_storeu_ps(out + 8 * v, value);
   }
 }
 
-// Doubles: each 8-lane mask widens to two 4-lane ones.
 inline void dropout_apply_x8(const double* x, const double* residual, double* out, const __m256i masks[4],
                              double scale) {
-  const __m256i scale_bits = _mm256_castpd_si256(_mm256_set1_pd(scale));
   for (int v = 0; v < 8; ++v) {
-    const __m128i half = (v % 2 == 0) ? _mm256_castsi256_si128(masks[v / 2]) : _mm256_extracti128_si256(masks[v / 2], 1);
-    const __m256d factor = _mm256_castsi256_pd(_mm256_and_si256(_mm256_cvtepi32_epi64(half), scale_bits));
-    __m256d value = _mm256_mul_pd(_mm256_loadu_pd(x + 4 * v), factor);
+    __m256d value = _mm256_mul_pd(_mm256_loadu_pd(x + 4 * v), dropout_factor_vector(masks, v, scale));
     if (residual != nullptr) value = _mm256_add_pd(value, _mm256_loadu_pd(residual + 4 * v));
     _mm256_storeu_pd(out + 4 * v, value);
   }
@@ -678,17 +683,10 @@ class DropoutFactors {
 #if MEMOPT_PHILOX_X8
   // factors[0 .. 32) = scale where the mask is all ones, else 0.
   void store_factors_x8(float* factors, const __m256i masks[4]) const {
-    const __m256i scale_bits = _mm256_castps_si256(_mm256_set1_ps(scale_));
-    for (int v = 0; v < 4; ++v) {
-      _mm256_storeu_ps(factors + 8 * v, _mm256_castsi256_ps(_mm256_and_si256(masks[v], scale_bits)));
-    }
+    for (int v = 0; v < 4; ++v) _mm256_storeu_ps(factors + 8 * v, dropout_factor_vector(masks, v, scale_));
   }
   void store_factors_x8(double* factors, const __m256i masks[4]) const {
-    const __m256i scale_bits = _mm256_castpd_si256(_mm256_set1_pd(scale_));
-    for (int v = 0; v < 8; ++v) {
-      const __m128i half = (v % 2 == 0) ? _mm256_castsi256_si128(masks[v / 2]) : _mm256_extracti128_si256(masks[v / 2], 1);
-      _mm256_storeu_pd(factors + 4 * v, _mm256_castsi256_pd(_mm256_and_si256(_mm256_cvtepi32_epi64(half), scale_bits)));
-    }
+    for (int v = 0; v < 8; ++v) _mm256_storeu_pd(factors + 4 * v, dropout_factor_vector(masks, v, scale_));
   }
 #endif
 

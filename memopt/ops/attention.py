@@ -51,12 +51,13 @@ Backends (``backend=`` of :func:`attention` and of both ops):
 ``"auto"`` (the default) picks, by :func:`resolve_backend`:
   * CPU: with dropout ``"cpu_flash"`` (``"native"`` where torch exports no BLAS for it); without,
     ``"cpu_flash"`` for a causal mask and ``"aten_flash"`` otherwise (``cpu_backend`` can force
-    ``"native"`` or ``"triton"``). With dropout 0.1, forward + backward, float32, one thread, q/k/v
-    views of one fused projection, median of 10 (2026-12-03): ``"cpu_flash"`` / ``"native"``
-    causal 0.42x at (2, 8, 256, 64), 0.66x at (2, 6, 512, 64), 0.59x at (1, 4, 1024, 64); without a
-    mask 0.47x, 0.45x, 0.61x; at (2, 2, 16, 16) 0.04-0.07x (the native path's Python per chunk).
-    The dropout factors cost 1.2-1.7x the same kernels' time without dropout (Philox, twice). Measured forward + backward,
-    float32, one thread, q/k/v views of one fused projection, min of 15 (2026-12-02): causal
+    ``"native"``, ``"triton"`` or ``"cpu_flash"``).
+    With dropout 0.1, forward + backward, float32, one thread, q/k/v views of one fused projection,
+    median of 10 (2026-12-03): ``"cpu_flash"`` / ``"native"`` causal 0.42x at (2, 8, 256, 64), 0.66x
+    at (2, 6, 512, 64), 0.59x at (1, 4, 1024, 64); without a mask 0.47x, 0.45x, 0.61x; at
+    (2, 2, 16, 16) 0.04-0.07x (the native path's Python per chunk). The dropout factors cost 1.2-1.7x
+    the same kernels' time without dropout (Philox, twice).
+    Without dropout, measured forward + backward, float32, one thread, q/k/v views of one fused projection, min of 15 (2026-12-02): causal
     ``"cpu_flash"`` / ``"aten_flash"`` 0.67x at (2, 8, 256, 64), 0.67x at (1, 4, 256, 64), 0.73x at
     (2, 6, 512, 64), 0.66x at (1, 8, 1024, 64); without a mask 1.02-1.12x at seq 256 and
     0.92-0.94x at 512-1024, so "auto" keeps ATen's there. Before, on this shared 2-core machine (float32,

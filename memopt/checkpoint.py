@@ -45,9 +45,8 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from memopt.offload import Offload, offload_group
 from memopt.policy import (
-    SELECTIVE_SAVED_OPS, PolicyFunctionCall, check_offload, check_policy, selective_checkpoint_policy,
+    PolicyFunctionCall, check_offload, check_policy, is_selective_saved, selective_checkpoint_policy,
 )  # fmt: skip
-from memopt.saved import storage_key
 
 _CHECKPOINT_RESPECTS_HOOKS = (
     "respect_saved_tensors_hooks" in inspect.signature(torch.utils.checkpoint.checkpoint).parameters
@@ -216,20 +215,24 @@ class _CacheEntriesToHost:
 # (version counters) and refused with ``ValueError``.
 # ---------------------------------------------------------------------------------------------
 
-_WRITTEN_ARGS: dict = {}
+# Note: the guards below run in Python for every op of a guarded checkpoint's forward and
+# recompute, so they key their tables by id(func) (an op overload's __hash__ is Python code) and
+# look at an op's outputs only when it is a cached call or may alias a cached storage. Op
+# overloads are created once per process and never freed, so their ids are stable.
+_WRITTEN_ARGS: dict[int, tuple] = {}  # id(func) -> (func, its written arguments)
 
 
 def _written_arguments(func) -> tuple[tuple[int, str], ...]:
     """Positions and names of the arguments ``func`` writes into (``Tensor(a!)`` in its schema)."""
-    found = _WRITTEN_ARGS.get(func)
+    found = _WRITTEN_ARGS.get(id(func))
     if found is None:
-        found = tuple(
+        written = tuple(
             (i, arg.name)
             for i, arg in enumerate(func._schema.arguments)
             if arg.alias_info is not None and arg.alias_info.is_write
         )
-        _WRITTEN_ARGS[func] = found
-    return found
+        found = _WRITTEN_ARGS[id(func)] = (func, written)
+    return found[1]
 
 
 def _written_tensors(func, args, kwargs):
@@ -241,15 +244,26 @@ def _written_tensors(func, args, kwargs):
 
 
 def _storage_key(t: torch.Tensor):
-    """``memopt.saved.storage_key``, or None for an empty storage (their data pointers collide)."""
-    return storage_key(t) if t.untyped_storage().nbytes() else None
+    """The key ``memopt.saved.storage_key`` gives (one storage object made, not two), or None for an
+    empty storage (their data pointers collide)."""
+    storage = t.untyped_storage()
+    return (storage.data_ptr(), str(t.device)) if storage.nbytes() else None
+
+
+def _output_leaves(out) -> list:
+    """``tree_flatten(out)[0]``, without the pytree walk for the usual outputs."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if type(out) in (tuple, list) and all(isinstance(leaf, torch.Tensor) for leaf in out):
+        return list(out)
+    return tree_flatten(out)[0]
 
 
 class _SelectiveGuardState:
-    """What the forward's guard leaves for the recompute's, per cached op call ``(op, n)`` (the
-    ``n``-th call of ``op``); ``is_cached(site)`` says which calls the policy saved."""
+    """What the forward's guard leaves for the recompute's, per cached op call ``(id(op), n)``
+    (the ``n``-th call of ``op``); ``is_cached(op, n)`` says which calls the policy saved."""
 
-    def __init__(self, hooks, is_cached: Callable[[tuple], bool], policy_name: str):
+    def __init__(self, hooks, is_cached: Callable[[Any, int], bool], policy_name: str):
         self.hooks = hooks  # the saved-tensors hooks around the checkpoint, or None
         self.is_cached = is_cached
         self.policy_name = policy_name
@@ -258,85 +272,165 @@ class _SelectiveGuardState:
         self.aliases: dict[tuple, list] = defaultdict(list)
 
 
-class _CachedOutputGuard(TorchDispatchMode):
-    """Forward side of note [what a recompute may rely on], 1."""
+class _CachedOutputGuard:
+    """Forward side of note [what a recompute may rely on], 1: ``before_write`` and ``after`` each
+    op that PyTorch's caching mode runs (see :class:`_GuardedCachingMode`), ``finish`` when the
+    forward ends."""
 
     def __init__(self, state: _SelectiveGuardState):
-        super().__init__()
         self._state = state
-        self._calls: dict = defaultdict(int)
+        self._calls: dict[int, int] = {}  # id(op) -> calls so far
         self._cached: dict = {}  # storage key -> [(site, leaf index, cached output)]
         self._alias_of: dict = {}  # storage key -> [sites], kept after the snapshot for alias tracking
+        # [first, last] byte address of each storage in _alias_of: an output whose data pointer
+        # falls in none of them cannot alias one, and needs no storage key (~1 us each)
+        self._spans: list[tuple[int, int]] = []
         self._made: list = []  # (site, tensor) for every op output aliasing a cached storage
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if self._cached and func._schema.is_mutable:
-            for t in _written_tensors(func, args, kwargs):
-                for site, leaf_index, cached in self._cached.pop(_storage_key(t), ()):
-                    # Outside the dispatch modes: selective checkpointing must not see memopt's copy
-                    # as an op of the checkpointed function.
-                    with _disable_current_modes():
-                        copy = cached.clone()
-                        pack = self._state.hooks[0] if self._state.hooks else None
-                        self._state.snapshots.setdefault(site, {})[leaf_index] = pack(copy) if pack else copy
-        out = func(*args, **kwargs)
-        leaves = tree_flatten(out)[0]
-        site = (func, self._calls[func])
-        self._calls[func] += 1
-        if self._state.is_cached(site):
+    @property
+    def watches_writes(self) -> bool:
+        """Whether an op that writes into a tensor needs :meth:`before_write` (a cached output
+        has no snapshot yet)."""
+        return bool(self._cached)
+
+    def before_write(self, func, args, kwargs) -> None:
+        """Before ``func`` (a mutable op) runs: snapshot each cached output it writes into."""
+        for t in _written_tensors(func, args, kwargs):
+            for site, leaf_index, cached in self._cached.pop(_storage_key(t), ()):
+                # Outside the dispatch modes: selective checkpointing must not see memopt's copy
+                # as an op of the checkpointed function.
+                with _disable_current_modes():
+                    copy = cached.clone()
+                    pack = self._state.hooks[0] if self._state.hooks else None
+                    self._state.snapshots.setdefault(site, {})[leaf_index] = pack(copy) if pack else copy
+
+    def after(self, func, out) -> None:
+        n = self._calls.get(id(func), 0)
+        self._calls[id(func)] = n + 1
+        is_cached = self._state.is_cached(func, n)
+        if not is_cached and not self._spans:
+            return
+        leaves = _output_leaves(out)
+        if is_cached:
+            site = (id(func), n)
             for leaf_index, leaf in enumerate(leaves):
                 if isinstance(leaf, torch.Tensor) and (key := _storage_key(leaf)) is not None:
                     self._cached.setdefault(key, []).append((site, leaf_index, leaf.detach()))
-                    self._alias_of.setdefault(key, []).append(site)
-        if self._alias_of:
-            for leaf in leaves:
-                if isinstance(leaf, torch.Tensor) and (key := _storage_key(leaf)) in self._alias_of:
-                    for site in self._alias_of[key]:
-                        self._made.append((site, leaf))
-        return out
+                    if key not in self._alias_of:
+                        self._alias_of[key] = []
+                        self._spans.append((key[0], key[0] + leaf.untyped_storage().nbytes()))
+                    self._alias_of[key].append(site)
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor) and self._may_alias(leaf.data_ptr()):
+                for site in self._alias_of.get(_storage_key(leaf), ()):
+                    self._made.append((site, leaf))
 
-    def __exit__(self, *exc):
+    def _may_alias(self, address: int) -> bool:
+        for first, last in self._spans:
+            if first <= address <= last:
+                return True
+        return False
+
+    def finish(self) -> None:
         # Versions at the end of the forward; weak references, so nothing here keeps a storage
         # alive (offload frees what it moved only when nothing else holds it).
         for site, tensor in self._made:
             self._state.aliases[site].append((weakref.ref(tensor), tensor._version))
         self._cached.clear()
         self._alias_of.clear()
+        self._spans.clear()
         self._made.clear()
-        return super().__exit__(*exc)
 
 
-class _CachedOutputRestore(TorchDispatchMode):
+class _CachedOutputRestore:
     """Recompute side of note [what a recompute may rely on], 1: hands out the snapshots, and
-    refuses a cache entry that was written into after the forward."""
+    refuses a cache entry that was written into after the forward (``after`` each op that
+    PyTorch's cached mode gives the recompute, see :class:`_GuardedCachedMode`)."""
 
     def __init__(self, state: _SelectiveGuardState):
-        super().__init__()
         self._state = state
-        self._calls: dict = defaultdict(int)
+        self._calls: dict[int, int] = {}
+        self._ops: set[int] = set()  # id(op) of the ops with a site to check or hand out
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        site = (func, self._calls[func])
-        self._calls[func] += 1
-        for ref, version in self._state.aliases.pop(site, ()):
+    def start(self) -> None:
+        self._calls.clear()
+        self._ops = {op for op, _ in self._state.aliases} | {op for op, _ in self._state.snapshots}
+
+    def after(self, func, out):
+        if id(func) not in self._ops:
+            return out  # sites are numbered per op: the other ops need no count
+        state = self._state
+        n = self._calls.get(id(func), 0)
+        self._calls[id(func)] = n + 1
+        site = (id(func), n)
+        for ref, version in state.aliases.pop(site, ()):
             tensor = ref()
             if tensor is not None and tensor._version != version:
                 raise RuntimeError(
-                    f"memopt.checkpoint(policy={self._state.policy_name}): the output of {func} (call {site[1]}) that the "
+                    f"memopt.checkpoint(policy={state.policy_name}): the output of {func} (call {n}) that the "
                     "recompute starts from was changed in place after the checkpointed forward returned; "
                     "its value at save time is gone. Clone it before changing it, or use policy='full'"
                 )
-        snapshot = self._state.snapshots.pop(site, None)
+        snapshot = state.snapshots.pop(site, None)
         if snapshot:
             leaves, spec = tree_flatten(out)
-            unpack = self._state.hooks[1] if self._state.hooks else None
+            unpack = state.hooks[1] if state.hooks else None
             with _disable_current_modes():
                 for leaf_index, packed in snapshot.items():
                     leaves[leaf_index] = unpack(packed) if unpack else packed
             out = tree_unflatten(leaves, spec)
         return out
+
+
+# The guards run inside PyTorch's own selective-checkpoint modes rather than as dispatch modes of
+# their own: a Python dispatch mode costs ~10 us an op in dispatch alone, which at small layers
+# made memopt.wrap 1.35x PyTorch's selective checkpointing. ``_guard_modes`` turns the two modes
+# ``create_selective_checkpoint_contexts`` made into subclasses (their class only; the instances,
+# their state and their constructors are torch's, whichever version) that call the guards around
+# their own ``__torch_dispatch__``.
+
+
+class _GuardedCachingMode:
+    """Mixed into PyTorch's forward (caching) mode: :class:`_CachedOutputGuard` around each op."""
+
+    _memopt_guard: _CachedOutputGuard
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if self._memopt_guard.watches_writes and func._schema.is_mutable:
+            self._memopt_guard.before_write(func, args, kwargs)
+        out = super().__torch_dispatch__(func, types, args, kwargs)
+        self._memopt_guard.after(func, out)
+        return out
+
+    def __exit__(self, *exc):
+        self._memopt_guard.finish()
+        return super().__exit__(*exc)
+
+
+class _GuardedCachedMode:
+    """Mixed into PyTorch's recompute (cached) mode: :class:`_CachedOutputRestore` after each op."""
+
+    _memopt_restore: _CachedOutputRestore
+
+    def __enter__(self):
+        self._memopt_restore.start()  # torch enters the same mode once per recompute
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return self._memopt_restore.after(func, super().__torch_dispatch__(func, types, args, kwargs))
+
+
+@functools.cache
+def _guarded_class(mixin: type, mode_class: type) -> type:
+    return type(f"{mixin.__name__}[{mode_class.__name__}]", (mixin, mode_class), {"__module__": __name__})
+
+
+def _guard_modes(forward_mode: TorchDispatchMode, recompute_mode: TorchDispatchMode, state: _SelectiveGuardState):
+    forward_mode.__class__ = _guarded_class(_GuardedCachingMode, type(forward_mode))
+    forward_mode._memopt_guard = _CachedOutputGuard(state)
+    recompute_mode.__class__ = _guarded_class(_GuardedCachedMode, type(recompute_mode))
+    recompute_mode._memopt_restore = _CachedOutputRestore(state)
 
 
 def _checkpointed_modules(fn) -> list[nn.Module]:
@@ -558,8 +652,15 @@ class _RecomputeContexts(_Contexts):
         return self._during_forward if self._tracker.running else self._factories
 
 
-def _is_selective_saved(site: tuple) -> bool:
-    return site[0] in SELECTIVE_SAVED_OPS
+def _saved_by(policy_fn: PolicyFunctionCall) -> Callable[[Any, int], bool]:
+    def is_cached(op, n: int) -> bool:
+        return (op, n) in policy_fn.saved
+
+    return is_cached
+
+
+def _is_selective_saved(op, n: int) -> bool:
+    return is_selective_saved(op)
 
 
 def _context_fn(policy, respect_hooks, cache_hooks, guard_hooks, guarded: bool, buffers, user_context_fn):
@@ -580,7 +681,7 @@ def _context_fn(policy, respect_hooks, cache_hooks, guard_hooks, guarded: bool, 
             policy_fn, is_cached = selective_checkpoint_policy, _is_selective_saved
         elif guarded:
             policy_fn = PolicyFunctionCall(policy)
-            is_cached = policy_fn.saved.__contains__
+            is_cached = _saved_by(policy_fn)
         else:
             policy_fn = policy  # torch.compile reads the function's answers, CPU offload included, itself
         # The guards decide about written cache entries (the note above), so the cache allows them.
@@ -592,6 +693,9 @@ def _context_fn(policy, respect_hooks, cache_hooks, guard_hooks, guarded: bool, 
             sac_forward.respect_saved_tensors_hooks = respect_hooks
         if not guarded and not buffers and user_context_fn is None:
             return sac_forward, sac_recompute  # under torch.compile: PyTorch's own modes, as they are
+        if guarded:
+            policy_name = repr(policy) if isinstance(policy, str) else getattr(policy, "__qualname__", repr(policy))
+            _guard_modes(sac_forward, sac_recompute, _SelectiveGuardState(guard_hooks, is_cached, policy_name))
         caching_mode = sac_forward
         # The lowest of this checkpoint's forward modes: what a recompute during the forward lifts.
         during_forward.append(lambda: _SuspendedModes(caching_mode))
@@ -601,11 +705,6 @@ def _context_fn(policy, respect_hooks, cache_hooks, guard_hooks, guarded: bool, 
             sac_forward = _PackCachedWithHooks(sac_forward, cache_hooks)
         forward.append(lambda: sac_forward)
         recompute.append(lambda: sac_recompute)
-        if guarded:
-            policy_name = repr(policy) if isinstance(policy, str) else getattr(policy, "__qualname__", repr(policy))
-            state = _SelectiveGuardState(guard_hooks, is_cached, policy_name)
-            forward.append(lambda: _CachedOutputGuard(state))
-            recompute.append(lambda: _CachedOutputRestore(state))
     if user_context_fn is not None:
         user_forward, user_recompute = user_context_fn()
         forward.append(lambda: user_forward)

@@ -157,18 +157,11 @@ def _outside_selective_checkpoint() -> Iterator[None]:
 
 @functools.cache
 def _selective_modes() -> tuple[type, ...]:
-    import importlib
-
+    # memopt.checkpoint's guards run inside these two modes (their instances' classes are
+    # subclasses of them there), so hiding the modes hides the guards too.
     from torch.utils import checkpoint as torch_checkpoint
 
-    memopt_checkpoint = importlib.import_module("memopt.checkpoint")  # memopt.checkpoint is also the function
-
-    return (
-        torch_checkpoint._CachingTorchDispatchMode,
-        torch_checkpoint._CachedTorchDispatchMode,
-        memopt_checkpoint._CachedOutputGuard,
-        memopt_checkpoint._CachedOutputRestore,
-    )
+    return (torch_checkpoint._CachingTorchDispatchMode, torch_checkpoint._CachedTorchDispatchMode)
 
 
 class TiledFFNFunction(torch.autograd.Function):

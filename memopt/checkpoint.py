@@ -454,15 +454,15 @@ class _BufferGuard:
     """
 
     def __init__(self, modules: list[nn.Module]):
-        self._buffers = [b for m in modules for b in m.buffers()]
-        self._running_stats = [
-            b
-            for m in modules
-            for sub in m.modules()
-            if isinstance(sub, nn.modules.batchnorm._NormBase) and sub.track_running_stats
-            for b in (sub.running_mean, sub.running_var)
-            if b is not None
-        ]
+        # One walk over the submodules (every checkpointed call builds a guard): their buffers,
+        # each once, and the running statistics of the BatchNorm-style ones.
+        found: dict[int, torch.Tensor] = {}
+        self._running_stats: list[torch.Tensor] = []
+        for sub in {id(sub): sub for m in modules for sub in m.modules()}.values():
+            found.update((id(b), b) for b in sub._buffers.values() if b is not None)
+            if isinstance(sub, nn.modules.batchnorm._NormBase) and sub.track_running_stats:
+                self._running_stats += [b for b in (sub.running_mean, sub.running_var) if b is not None]
+        self._buffers = list(found.values())
         self._changed: list[torch.Tensor] = []
 
     def __bool__(self) -> bool:
@@ -494,12 +494,21 @@ class _BufferGuard:
                     buffer.copy_(value)
 
 
+_CACHE_CLASSES: list = [None, ()]  # [the transformers.cache_utils module they came from, classes]
+
+
 def _cache_classes() -> tuple[type, ...]:
     """``transformers``' cache and cache-layer base classes, if it is imported (a cache argument
-    can only come from it then); empty otherwise."""
+    can only come from it then); empty otherwise. Looked up again only when the module object
+    changes (every checkpointed call asks)."""
     cache_utils = sys.modules.get("transformers.cache_utils")
-    names = ("Cache", "CacheLayerMixin", "LinearAttentionCacheLayerMixin")
-    return tuple(c for c in (getattr(cache_utils, n, None) for n in names) if isinstance(c, type))
+    if cache_utils is None:
+        return ()
+    if _CACHE_CLASSES[0] is not cache_utils:
+        names = ("Cache", "CacheLayerMixin", "LinearAttentionCacheLayerMixin")
+        found = tuple(c for c in (getattr(cache_utils, n, None) for n in names) if isinstance(c, type))
+        _CACHE_CLASSES[:] = [cache_utils, found]
+    return _CACHE_CLASSES[1]
 
 
 def is_cache(value: Any) -> bool:

@@ -318,7 +318,11 @@ def empty_row(config: BenchConfig, settings: Settings, device: torch.device, sta
         "grad_rtol": None,
         "grad_check": "n/a",
         "time_vs_checkpoint": None,
+        "time_vs_checkpoint_p20": None,
+        "time_vs_checkpoint_p80": None,
         "time_vs_eager": None,
+        "time_vs_eager_p20": None,
+        "time_vs_eager_p80": None,
         "memory_vs_checkpoint": None,
     }
 
@@ -488,14 +492,17 @@ def first_grad_reference(
     return GradReference(f"{name} in float32", fp32_grads, max(2 * baseline_error, GRAD_RTOL_FLOOR[dtype]))
 
 
-def time_ratio(row: dict, ref: dict, paired: bool) -> float:
-    """``row``'s step time over ``ref``'s. ``paired`` (interleaved rounds, the CPU default): the
-    median over rounds of the two steps timed in the same round, so that a slow spell of a shared
-    machine divides out instead of landing on one row; otherwise the ratio of the medians."""
+def time_ratio(row: dict, ref: dict, paired: bool) -> tuple[float, float | None, float | None]:
+    """``row``'s step time over ``ref``'s, as ``(ratio, p20, p80)``. ``paired`` (interleaved
+    rounds, the CPU default): the median over rounds of the two steps timed in the same round, so
+    that a slow spell of a shared machine divides out instead of landing on one row, with the 20th
+    and 80th percentiles of those per-round ratios (how far one run can be trusted); otherwise the
+    ratio of the medians, and no spread."""
     times, ref_times = row["step_times_ms"] or [], ref["step_times_ms"] or []
     if paired and times and len(times) == len(ref_times):
-        return quantile([t / r for t, r in zip(times, ref_times)], 0.5)
-    return row["step_time_ms_median"] / ref["step_time_ms_median"]
+        ratios = [t / r for t, r in zip(times, ref_times)]
+        return quantile(ratios, 0.5), quantile(ratios, 0.2), quantile(ratios, 0.8)
+    return row["step_time_ms_median"] / ref["step_time_ms_median"], None, None
 
 
 def add_ratios(rows: list[dict], paired: bool = False) -> None:
@@ -506,14 +513,16 @@ def add_ratios(rows: list[dict], paired: bool = False) -> None:
     if eager is not None:
         for row in rows:
             if row["step_time_ms_median"]:
-                row["time_vs_eager"] = time_ratio(row, eager, paired)
+                row["time_vs_eager"], row["time_vs_eager_p20"], row["time_vs_eager_p80"] = time_ratio(row, eager, paired)
     ref = next((r for r in rows if r["config"] == RATIO_REFERENCE and r["step_time_ms_median"]), None)
     if ref is None:
         return
     memory_key = "peak_gpu_bytes" if ref["peak_gpu_bytes"] else "activation_bytes"
     for row in rows:
         if row["step_time_ms_median"]:
-            row["time_vs_checkpoint"] = time_ratio(row, ref, paired)
+            row["time_vs_checkpoint"], row["time_vs_checkpoint_p20"], row["time_vs_checkpoint_p80"] = time_ratio(
+                row, ref, paired
+            )
         if row[memory_key] is not None and ref[memory_key]:
             row["memory_vs_checkpoint"] = row[memory_key] / ref[memory_key]
 
@@ -629,6 +638,15 @@ def _num(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
+def _ratio_cell(row: dict, key: str) -> str:
+    """``0.94 (0.91-0.97)``: the ratio and, from interleaved rounds, the p20-p80 of the per-round
+    ratios (a reference row's own ratio is exactly 1 and has no spread to show)."""
+    low, high = row.get(f"{key}_p20"), row.get(f"{key}_p80")
+    if low is None or high is None or low == high:
+        return _num(row[key], ".2f")
+    return f"{row[key]:.2f} ({low:.2f}-{high:.2f})"
+
+
 def markdown_table(rows: list[dict]) -> str:
     """The comparison as a markdown table (one line per configuration, unavailable ones too)."""
     header = (
@@ -647,7 +665,7 @@ def markdown_table(rows: list[dict]) -> str:
         lines.append(
             f"| {r['config']} | {time_cell} | {r['tokens_per_s']:,.0f} | {_mib(r['peak_gpu_bytes'])} | {act} "
             f"| {_mib(r['saved_bytes'])} | {_num(r['grad_max_rel_diff'], '.1e')} | {r['grad_check']} "
-            f"| {_num(r['time_vs_eager'], '.2f')} | {_num(r['time_vs_checkpoint'], '.2f')} "
+            f"| {_ratio_cell(r, 'time_vs_eager')} | {_ratio_cell(r, 'time_vs_checkpoint')} "
             f"| {_num(r['memory_vs_checkpoint'], '.2f')} |"
         )
     return "\n".join(lines)

@@ -101,11 +101,21 @@ def test_time_ratios_pair_the_steps_of_one_round_when_interleaved():
     memopt_row = row("memopt-full", [12.0, 36.0, 12.5])
     rows = [eager, ckpt, memopt_row]
     compare.add_ratios(rows, paired=True)
-    assert memopt_row["time_vs_checkpoint"] == pytest.approx(sorted([12 / 13, 36 / 39, 12.5 / 13])[1])
+    per_round = sorted([12 / 13, 36 / 39, 12.5 / 13])
+    assert memopt_row["time_vs_checkpoint"] == pytest.approx(per_round[1])
     assert memopt_row["time_vs_eager"] == pytest.approx(sorted([1.2, 1.2, 1.25])[1])
     assert ckpt["time_vs_checkpoint"] == eager["time_vs_eager"] == 1.0
+    # the spread of the per-round ratios: p20 and p80 by linear interpolation over the 3 rounds
+    low, high = per_round[0] + 0.4 * (per_round[1] - per_round[0]), per_round[1] + 0.6 * (per_round[2] - per_round[1])
+    assert memopt_row["time_vs_checkpoint_p20"] == pytest.approx(low)
+    assert memopt_row["time_vs_checkpoint_p80"] == pytest.approx(high)
+    assert f"| {per_round[1]:.2f} ({low:.2f}-{high:.2f}) |" in compare.markdown_table(
+        [{**r, "status": "ok", "step_time_ms_p20": 1.0, "step_time_ms_p80": 1.0, "tokens_per_s": 1.0, "saved_bytes": 1,
+          "activation_host_bytes": None, "grad_max_rel_diff": None, "grad_check": "n/a"} for r in rows]
+    )
     compare.add_ratios(rows, paired=False)
     assert memopt_row["time_vs_checkpoint"] == pytest.approx(12.5 / 13)  # medians 12.5 and 13
+    assert memopt_row["time_vs_checkpoint_p20"] is None and memopt_row["time_vs_checkpoint_p80"] is None
 
 
 def test_tiny_run_writes_a_plot_and_plot_module_redraws_it(tiny_run, tmp_path):

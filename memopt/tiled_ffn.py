@@ -127,8 +127,8 @@ def _chunk_view(rows: Tensor, shape: torch.Size) -> Tensor:
 
 @contextlib.contextmanager
 def _outside_selective_checkpoint() -> Iterator[None]:
-    """Hide selective checkpointing's dispatch modes (PyTorch's caching modes and memopt's guards
-    in :mod:`memopt.checkpoint`) while a tiled FFN runs its chunks inside a checkpointed layer.
+    """Hide selective checkpointing's dispatch modes (PyTorch's caching modes, with the guards of
+    :mod:`memopt.checkpoint` inside them) while a tiled FFN runs its chunks inside a checkpointed layer.
 
     They would keep every chunk's matmul outputs until the backward (the whole ``tokens x d_ff``
     the tiling avoids). Hidden in the forward and in the layer's recompute alike, so their call

@@ -88,6 +88,50 @@ def test_cached_output_changed_after_the_forward_raises():
         z.sum().backward()
 
 
+def test_a_view_of_a_cached_output_changed_after_the_forward_raises():
+    """The guard finds the aliases of a cached storage by their data pointers: a view into the
+    middle of a cached matmul output is one of them."""
+    x = torch.randn(4, 6, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(6, 8, dtype=torch.float64, requires_grad=True)
+
+    def fn(x, w):
+        y = x @ w  # cached (mm)
+        part = y[:, 3:5]  # a view starting inside y's storage
+        return part, y.sin()
+
+    part, z = memopt.checkpoint(fn, x, w, policy="selective")
+    with torch.no_grad():
+        part.add_(1)
+    with pytest.raises(RuntimeError, match="changed in place after the checkpointed forward"):
+        z.sum().backward()
+
+
+def test_the_guards_add_no_dispatch_mode_of_their_own():
+    """The guards run inside PyTorch's selective-checkpoint modes (a Python dispatch mode costs
+    ~10 us an op): a guarded forward and recompute see as many modes as PyTorch's own selective
+    checkpointing does."""
+    import functools
+
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+    from memopt.policy import selective_checkpoint_policy
+
+    depths = {"memopt": [], "torch": []}
+
+    def fn(x, w, who):
+        depths[who].append(len(_get_current_dispatch_mode_stack()))
+        return (x @ w).relu().sum()
+
+    x = torch.randn(4, 5, requires_grad=True)
+    w = torch.randn(5, 3, requires_grad=True)
+    memopt.checkpoint(fn, x, w, "memopt", policy="selective").backward()
+    context_fn = functools.partial(create_selective_checkpoint_contexts, selective_checkpoint_policy)
+    checkpoint(fn, x, w, "torch", use_reentrant=False, context_fn=context_fn).backward()
+    assert len(depths["memopt"]) == len(depths["torch"]) == 2  # forward and recompute
+    assert depths["memopt"] == depths["torch"] and depths["torch"][0] >= 1
+
+
 class _ConvBN(nn.Module):
     def __init__(self, channels_in: int):
         super().__init__()

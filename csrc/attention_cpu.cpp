@@ -1,17 +1,17 @@
-// memopt.attention without dropout on CPU: memopt's flash kernels (the "cpu_flash" backend,
-// attention_cpu_kernels_impl.h) and ATen's, each where it is the faster (use_cpu_flash), under an
-// autograd node in C++ (the op attention_flash_cpu).
+// memopt.attention on CPU: memopt's flash kernels (the "cpu_flash" backend,
+// attention_cpu_kernels_impl.h) and ATen's, each where it is the faster (use_cpu_flash; memopt's
+// whenever there is dropout, which ATen's cannot replay), under an autograd node in C++ (the op
+// attention_flash_cpu).
 //
-// Without dropout, both keep memopt's attention contract (save q, k, v, the output and one
-// log-sum-exp per row; the backward recomputes the probabilities tile by tile), so the only thing
-// memopt's Python path (AttentionFunction over attention_fwd / attention_bwd) would add is its
-// cost: two dispatcher round trips into Python kernels and a Python autograd node, ~0.2 ms per
-// forward + backward, 10% of a (1, 4, 256, 64) call. Here the node is C++, as SDPA's is, and it
-// keeps what SDPA lacks: a backward run with create_graph=True (second derivatives)
-// differentiates the attention again as plain ATen ops, so second derivatives are exact instead
-// of an error. With dropout, memopt.attention runs memopt's kernels through the ops
-// cpu_flash_attention_fwd / _bwd (their dropout_p and rng_key) under its Python AttentionFunction,
-// which keeps the RNG key and replays the mask in a double backward.
+// Both keep memopt's attention contract (save q, k, v, the output, one log-sum-exp per row and the
+// RNG key; the backward recomputes the probabilities tile by tile and regenerates the dropout mask
+// from the key), so the only thing memopt's Python path (AttentionFunction over attention_fwd /
+// attention_bwd) would add is its cost: two dispatcher round trips into Python kernels and a Python
+// autograd node, ~0.2 ms per forward + backward, 10% of a (1, 4, 256, 64) call and half of a
+// (2, 2, 16, 16) one with dropout. Here the node is C++, as SDPA's is, and it keeps what SDPA
+// lacks: a backward run with create_graph=True (second derivatives) differentiates the attention
+// again as plain ATen ops, the same dropout mask included (philox_dropout_scale), so second
+// derivatives are exact instead of an error.
 //
 // Layouts follow memopt.ops.attention's contract: the output is contiguous when q is, else a
 // (B, H, S, D) view of a (B, S, H, D) buffer; the gradients are such views.
@@ -127,14 +127,20 @@ at::Tensor bshd_empty(const at::Tensor& like) {
   return at::empty({like.size(0), like.size(2), like.size(1), like.size(3)}, like.options()).transpose(1, 2);
 }
 
-// The ops' dropout arguments: p in [0, 1); a key (seed, offset) when p > 0.
-AttentionDropout attention_dropout(double p, const std::optional<at::Tensor>& rng_key, const char* op) {
+// The ops' dropout arguments: p in [0, 1); a key when p > 0. Checked without reading the key,
+// which a fake tensor (torch.compile, opcheck) cannot give.
+void check_attention_dropout(double p, const std::optional<at::Tensor>& rng_key, const char* op) {
   TORCH_CHECK_VALUE(p >= 0.0 && p < 1.0, "memopt.", op, ": dropout_p must be in [0, 1), got ", p);
+  TORCH_CHECK_VALUE(p == 0.0 || rng_key.has_value(), "memopt.", op,
+                    ": dropout_p > 0 needs rng_key, an int64 CPU tensor (seed, offset), got None");
+}
+
+// The kernels' dropout: the checked arguments and the key's (seed, offset).
+AttentionDropout attention_dropout(double p, const std::optional<at::Tensor>& rng_key, const char* op) {
+  check_attention_dropout(p, rng_key, op);
   if (p == 0.0) {
     return {};
   }
-  TORCH_CHECK_VALUE(rng_key.has_value(), "memopt.", op,
-                    ": dropout_p > 0 needs rng_key, an int64 CPU tensor (seed, offset), got None");
   const auto [seed, offset] = read_rng_key(*rng_key, op);
   return {p, seed, offset};
 }
@@ -235,26 +241,28 @@ bool use_cpu_flash(bool causal) { return causal && cpu_blas_available(); }
 // The node calls memopt's kernels through their registered ops, as it calls ATen's, so that under
 // torch.compile's fake tensors the ops' fake impls answer instead of a kernel reading no data.
 std::tuple<at::Tensor, at::Tensor> cpu_flash_fwd_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                    bool causal, double scale) {
+                                                    bool causal, double scale, double dropout_p = 0.0,
+                                                    const std::optional<at::Tensor>& rng_key = std::nullopt) {
   static const auto op =
       c10::Dispatcher::singleton()
           .findSchemaOrThrow("memopt::cpu_flash_attention_fwd", "")
           .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool, double,
                                                     double, const std::optional<at::Tensor>&)>();
-  return op.call(q, k, v, causal, scale, 0.0, std::nullopt);
+  return op.call(q, k, v, causal, scale, dropout_p, rng_key);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_flash_bwd_op(const at::Tensor& grad_out, const at::Tensor& q,
                                                                 const at::Tensor& k, const at::Tensor& v,
                                                                 const at::Tensor& out, const at::Tensor& lse,
-                                                                bool causal, double scale) {
+                                                                bool causal, double scale, double dropout_p = 0.0,
+                                                                const std::optional<at::Tensor>& rng_key = std::nullopt) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("memopt::cpu_flash_attention_bwd", "")
                              .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
                                  const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                  const at::Tensor&, const at::Tensor&, bool, double, double,
                                  const std::optional<at::Tensor>&)>();
-  return op.call(grad_out, q, k, v, out, lse, causal, scale, 0.0, std::nullopt);
+  return op.call(grad_out, q, k, v, out, lse, causal, scale, dropout_p, rng_key);
 }
 
 at::Tensor cpu_flash_attention_bwd_packed(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
@@ -266,10 +274,11 @@ at::Tensor cpu_flash_attention_bwd_packed(const at::Tensor& grad_out, const at::
                                    attention_dropout(dropout_p, rng_key, "cpu_flash_attention_bwd_packed"));
 }
 
+// With dropout (dropout_p > 0, rng_key given) always memopt's kernels: ATen's cannot replay a mask.
 at::Tensor flash_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
-                         at::Tensor* lse) {
-  if (use_cpu_flash(causal)) {
-    auto [out, row_lse] = cpu_flash_fwd_op(q, k, v, causal, scale);
+                         double dropout_p, const std::optional<at::Tensor>& rng_key, at::Tensor* lse) {
+  if (dropout_p > 0.0 || use_cpu_flash(causal)) {
+    auto [out, row_lse] = cpu_flash_fwd_op(q, k, v, causal, scale, dropout_p, rng_key);
     if (lse != nullptr) {
       *lse = row_lse;
     }
@@ -285,19 +294,34 @@ at::Tensor flash_forward(const at::Tensor& q, const at::Tensor& k, const at::Ten
 std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& grad_out, const at::Tensor& q,
                                                               const at::Tensor& k, const at::Tensor& v,
                                                               const at::Tensor& out, const at::Tensor& lse,
-                                                              bool causal, double scale) {
-  if (use_cpu_flash(causal)) {
-    return cpu_flash_bwd_op(grad_out, q, k, v, out, lse, causal, scale);
+                                                              bool causal, double scale, double dropout_p,
+                                                              const std::optional<at::Tensor>& rng_key) {
+  if (dropout_p > 0.0 || use_cpu_flash(causal)) {
+    return cpu_flash_bwd_op(grad_out, q, k, v, out, lse, causal, scale, dropout_p, rng_key);
   }
   auto [grad_q, grad_k, grad_v] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
       grad_out, q, k, v, out, lse, 0.0, causal, std::nullopt, scale);
   return {as_bshd(grad_q), as_bshd(grad_k), as_bshd(grad_v)};
 }
 
+// The dropout factors keep / (1 - p) of the whole (B, H, Sq, Sk) probabilities (element
+// ((b H + h) Sq + i) Sk + j of the key's mask), through the registered op the Python paths use.
+at::Tensor dropout_scale_op(const at::Tensor& q, int64_t seq_k, double p, const at::Tensor& rng_key) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("memopt::philox_dropout_scale", "")
+                             .typed<at::Tensor(c10::IntArrayRef, c10::IntArrayRef, int64_t, double,
+                                               const at::Tensor&, at::ScalarType)>();
+  const int64_t heads = q.size(1), seq_q = q.size(2);
+  return op.call({q.size(0), heads, seq_q, seq_k}, {heads * seq_q * seq_k, seq_q * seq_k, seq_k, 1}, 0, p, rng_key,
+                 q.scalar_type());
+}
+
 // The attention as differentiable ATen ops (the (B, H, Sq, Sk) probabilities materialised, as a
 // double backward through attention must keep them); the causal mask is top-left aligned, like
-// F.scaled_dot_product_attention's is_causal, so every row sees key 0.
-at::Tensor attention_math(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale) {
+// F.scaled_dot_product_attention's is_causal, so every row sees key 0. With dropout the
+// probabilities are multiplied by the factors of the same mask the kernels regenerate.
+at::Tensor attention_math(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
+                          double dropout_p, const at::Tensor& rng_key) {
   const int64_t group = q.size(1) / k.size(1);
   const at::Tensor keys = group == 1 ? k : k.repeat_interleave(group, 1);
   const at::Tensor values = group == 1 ? v : v.repeat_interleave(group, 1);
@@ -306,26 +330,41 @@ at::Tensor attention_math(const at::Tensor& q, const at::Tensor& k, const at::Te
     const at::Tensor hidden = at::ones({q.size(2), k.size(2)}, q.options().dtype(at::kBool)).triu(1);
     scores = scores.masked_fill(hidden, -std::numeric_limits<double>::infinity());
   }
-  return at::matmul(at::softmax(scores, -1), values);
+  at::Tensor probs = at::softmax(scores, -1);
+  if (dropout_p > 0.0) {
+    probs = probs * dropout_scale_op(q, k.size(2), dropout_p, rng_key);
+  }
+  return at::matmul(probs, values);
+}
+
+std::optional<at::Tensor> optional_key(const at::Tensor& key) {
+  return key.defined() ? std::optional<at::Tensor>(key) : std::nullopt;
 }
 
 struct FlashAttentionCpuFunction : public torch::autograd::Function<FlashAttentionCpuFunction> {
+  // rng_key: none without dropout (nothing to replay, nothing saved for it). An optional, not an
+  // undefined tensor: the node's inputs and its saved tensors are handed to saved-tensor hooks
+  // (offload, SavedTensorCounter), and an undefined tensor has no device to be read.
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                            bool causal, double scale) {
+                            bool causal, double scale, double dropout_p, const std::optional<at::Tensor>& rng_key) {
     at::AutoDispatchBelowADInplaceOrView guard;
     at::Tensor lse;
-    at::Tensor out = flash_forward(q, k, v, causal, scale, &lse);
-    ctx->save_for_backward({q, k, v, out, lse});
+    at::Tensor out = flash_forward(q, k, v, causal, scale, dropout_p, rng_key, &lse);
+    ctx->save_for_backward(rng_key.has_value() ? variable_list{q, k, v, out, lse, *rng_key}
+                                               : variable_list{q, k, v, out, lse});
     ctx->saved_data["causal"] = causal;
     ctx->saved_data["scale"] = scale;
+    ctx->saved_data["dropout_p"] = dropout_p;
     return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2];
+    const at::Tensor rng_key = saved.size() > 5 ? saved[5] : at::Tensor();
     const bool causal = ctx->saved_data["causal"].toBool();
     const double scale = ctx->saved_data["scale"].toDouble();
+    const double dropout_p = ctx->saved_data["dropout_p"].toDouble();
     const at::Tensor& grad_out = grads[0];
     if (at::GradMode::is_enabled()) {
       // create_graph=True: gradients as functions of q, k, v, differentiable again.
@@ -337,10 +376,11 @@ struct FlashAttentionCpuFunction : public torch::autograd::Function<FlashAttenti
       }
       variable_list found;
       if (!inputs.empty() && grad_out.defined()) {
-        found = torch::autograd::grad({attention_math(q, k, v, causal, scale)}, inputs, {grad_out},
-                                      /*retain_graph=*/true, /*create_graph=*/true, /*allow_unused=*/true);
+        found = torch::autograd::grad({attention_math(q, k, v, causal, scale, dropout_p, rng_key)}, inputs,
+                                      {grad_out}, /*retain_graph=*/true, /*create_graph=*/true,
+                                      /*allow_unused=*/true);
       }
-      variable_list result(5);
+      variable_list result(7);
       size_t next = 0;
       for (size_t i = 0; i < 3; ++i) {
         if (saved[i].requires_grad()) {
@@ -350,21 +390,31 @@ struct FlashAttentionCpuFunction : public torch::autograd::Function<FlashAttenti
       }
       return result;
     }
-    auto [grad_q, grad_k, grad_v] = flash_backward(grad_out, q, k, v, saved[3], saved[4], causal, scale);
-    return {grad_q, grad_k, grad_v, at::Tensor(), at::Tensor()};
+    auto [grad_q, grad_k, grad_v] =
+        flash_backward(grad_out, q, k, v, saved[3], saved[4], causal, scale, dropout_p, optional_key(rng_key));
+    return {grad_q, grad_k, grad_v, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
+// The key the node keeps: the caller's when there is dropout, else none. Its contents are checked
+// where they are read, by the cpu_flash_attention_fwd op the node calls.
+std::optional<at::Tensor> checked_key(double dropout_p, const std::optional<at::Tensor>& rng_key) {
+  check_attention_dropout(dropout_p, rng_key, "attention_flash_cpu");
+  return dropout_p > 0.0 ? rng_key : std::nullopt;
+}
+
 at::Tensor attention_flash_cpu(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                               std::optional<double> scale) {
+                               std::optional<double> scale, double dropout_p, const std::optional<at::Tensor>& rng_key) {
   check_inputs(q, k, v, scale);
-  return flash_forward(q, k, v, causal, resolved_scale(q, scale), nullptr);
+  return flash_forward(q, k, v, causal, resolved_scale(q, scale), dropout_p, checked_key(dropout_p, rng_key), nullptr);
 }
 
 at::Tensor attention_flash_cpu_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                                        std::optional<double> scale) {
+                                        std::optional<double> scale, double dropout_p,
+                                        const std::optional<at::Tensor>& rng_key) {
   check_inputs(q, k, v, scale);
-  return FlashAttentionCpuFunction::apply(q, k, v, causal, resolved_scale(q, scale));
+  return FlashAttentionCpuFunction::apply(q, k, v, causal, resolved_scale(q, scale), dropout_p,
+                                          checked_key(dropout_p, rng_key));
 }
 
 }  // namespace

@@ -70,13 +70,14 @@ TORCH_LIBRARY(memopt, m) {
   // tensor, e.g. one key chunk of the attention probabilities, without an index tensor.
   m.def("philox_dropout_scale(int[] size, int[] index_strides, int index_offset, float p, Tensor rng_key,"
         " ScalarType dtype) -> Tensor scale");
-  // softmax(q @ k^T * scale + causal mask) @ v without dropout on CPU, through ATen's flash kernels
-  // under a C++ autograd node that saves q, k, v, out and the log-sum-exp (attention_cpu.cpp);
+  // softmax(q @ k^T * scale + causal mask) @ v on CPU, with dropout on the probabilities (philox.h's
+  // mask of rng_key, required when dropout_p > 0), through memopt's or ATen's flash kernels under a
+  // C++ autograd node that saves q, k, v, out, the log-sum-exp and the key (attention_cpu.cpp);
   // grouped-query heads when q's heads are a multiple of k's; scale None: 1 / sqrt(head_dim). It
-  // checks its inputs as memopt.attention does (same messages): memopt.attention calls it directly
-  // for CPU tensors without dropout; with dropout it runs the attention_fwd / attention_bwd ops
-  // (memopt/ops/attention.py).
-  m.def("attention_flash_cpu(Tensor q, Tensor k, Tensor v, bool causal, float? scale=None) -> Tensor out");
+  // checks its inputs as memopt.attention does (same messages): memopt.attention calls it for CPU
+  // tensors whenever "auto" resolves to a CPU flash backend (memopt/ops/attention.py).
+  m.def("attention_flash_cpu(Tensor q, Tensor k, Tensor v, bool causal, float? scale=None, float dropout_p=0.,"
+        " Tensor? rng_key=None) -> Tensor out");
   // memopt's CPU flash-attention kernels (attention_cpu.cpp, the "cpu_flash" backend): out and a
   // contiguous lse (B, H, Sq) in q's dtype; the gradients as (B, S, H, D) buffers' views. Dropout
   // on the probabilities replays philox.h's mask of rng_key (required when dropout_p > 0), the mask

@@ -350,6 +350,68 @@ def test_gpu_launch_table_covers_exactly_the_supported_head_dims():
         assert sorted({head_dim for head_dim, _ in table}) == list(SUPPORTED_HEAD_DIMS), kernel
 
 
+@pytest.mark.skipif(not cpu_flash_available(), reason="the cpu_flash kernels need the BLAS torch links")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_cpu_attention_with_dropout_runs_the_cpp_node_and_matches_the_reference(causal):
+    # "auto" with dropout on CPU: the C++ node over memopt's kernels, which keeps the key and
+    # replays its mask; the float64 reference built from that key (grouped-query heads, seq_q !=
+    # seq_k), and the same bits as the Python AttentionFunction over the same kernels.
+    q, k, v = (t.double() for t in _inputs((2, 4, 2, 13, 11, 16)))
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    key = rng_key(5)
+    out = memopt.attention(q, k, v, causal=causal, dropout_p=0.3, rng_key=key)
+    assert "FlashAttentionCpuFunction" in out.grad_fn.name()
+    grad = torch.randn_like(out)
+    ref = attention_ref(q, k, v, causal=causal, dropout_p=0.3, rng_key=key)
+    torch.testing.assert_close(out, ref, atol=1e-12, rtol=1e-12)
+    actual = torch.autograd.grad(out, (q, k, v), grad)
+    expected = torch.autograd.grad(ref, (q, k, v), grad)
+    for a, e in zip(actual, expected):
+        torch.testing.assert_close(a, e, atol=1e-12, rtol=1e-12)
+    python_out = memopt.attention(q, k, v, causal=causal, dropout_p=0.3, rng_key=key, backend="cpu_flash")
+    assert "AttentionFunction" in python_out.grad_fn.name()
+    assert torch.equal(out, python_out)
+    for a, p in zip(actual, torch.autograd.grad(python_out, (q, k, v), grad)):
+        assert torch.equal(a, p)
+
+
+@pytest.mark.skipif(not cpu_flash_available(), reason="the cpu_flash kernels need the BLAS torch links")
+def test_cpu_attention_with_dropout_and_no_key_draws_it_from_the_default_generator():
+    # The fast path (no key given) draws the key as the checked path does: same seed, same mask.
+    q, k, v = (t.detach() for t in _inputs((1, 2, 2, 16, 16, 32)))
+    torch.manual_seed(11)
+    drawn = memopt.attention(q, k, v, causal=True, dropout_p=0.25)
+    torch.manual_seed(11)
+    key = attention_ops.new_rng_key()
+    torch.testing.assert_close(drawn, attention_ref(q, k, v, causal=True, dropout_p=0.25, rng_key=key, upcast=False))
+    assert torch.equal(drawn, memopt.attention(q, k, v, causal=True, dropout_p=0.25, rng_key=key, backend="cpu_flash"))
+
+
+@pytest.mark.skipif(not cpu_flash_available(), reason="the cpu_flash kernels need the BLAS torch links")
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_flash_cpu_op_with_dropout_opcheck_gradcheck_and_gradgradcheck(causal):
+    q = torch.randn(1, 4, 9, 16, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 11, 16, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, 11, 16, dtype=torch.float64, requires_grad=True)
+    key = rng_key(3, 40)
+    torch.library.opcheck(torch.ops.memopt.attention_flash_cpu.default, (q, k, v, causal, 0.25, 0.2, key))
+    fn = lambda a, b, c: torch.ops.memopt.attention_flash_cpu(a, b, c, causal, 0.3, 0.2, key)  # noqa: E731
+    assert torch.autograd.gradcheck(fn, (q, k, v), **GRADCHECK_TOLERANCES)
+    # second derivatives through the node's create_graph path: the same mask, as ATen ops
+    assert torch.autograd.gradgradcheck(fn, (q, k, v), eps=1e-6, atol=1e-7, rtol=1e-6)
+
+
+def test_flash_cpu_op_refuses_a_bad_dropout_p_or_a_missing_key():
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    with pytest.raises(ValueError, match=r"attention_flash_cpu: dropout_p must be in \[0, 1\), got 1"):
+        torch.ops.memopt.attention_flash_cpu(q, k, v, False, None, 1.0, rng_key(1))
+    with pytest.raises(ValueError, match="dropout_p > 0 needs rng_key"):
+        torch.ops.memopt.attention_flash_cpu(q, k, v, False, None, 0.1)
+    # the key's contents are checked where they are read, by the kernels' op (as dropout_add's are)
+    with pytest.raises(RuntimeError, match="cpu_flash_attention_fwd: rng_key must be an int64 CPU tensor"):
+        torch.ops.memopt.attention_flash_cpu(q, k, v, False, None, 0.1, torch.zeros(3, dtype=torch.int64))
+
+
 def _t(*shape, dtype=torch.float32):
     return torch.randn(*shape, dtype=dtype)
 

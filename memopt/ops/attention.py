@@ -4,11 +4,12 @@ Layers: the ops ``torch.ops.memopt.attention_fwd`` / ``attention_bwd`` (``torch.
 with CPU and CUDA kernels and fake impls so ``torch.compile`` traces them); ``AttentionFunction``
 saves q, k, v, the output, one log-sum-exp per row (float32, float64 for float64 inputs) and the 16-byte RNG key, O(seq) bytes
 where eager attention keeps the (B, H, Sq, Sk) probabilities and dropout mask; the backward
-recomputes the probabilities block by block. Without dropout on CPU, :func:`attention` calls
-the C++ op ``torch.ops.memopt.attention_flash_cpu`` instead (``csrc/attention_cpu.cpp``: the
-"cpu_flash" kernels for a causal mask, ATen's flash kernels without one, both keeping this
-contract as they are, under a C++ autograd node that saves q, k, v, out and lse, so no Python
-runs in its forward or backward; second derivatives exact as here). The "cpu_flash" kernels are
+recomputes the probabilities block by block. On CPU, when "auto" resolves to a flash backend,
+:func:`attention` calls the C++ op ``torch.ops.memopt.attention_flash_cpu`` instead
+(``csrc/attention_cpu.cpp``: the "cpu_flash" kernels for a causal mask or dropout, ATen's flash
+kernels otherwise, both keeping this contract as they are, under a C++ autograd node that saves
+q, k, v, out, lse and, with dropout, the key, so no Python runs in its forward or backward;
+second derivatives exact as here, the dropout mask included). The "cpu_flash" kernels are
 also ops of their own, ``torch.ops.memopt.cpu_flash_attention_{fwd,bwd,bwd_packed}`` (C++, fake
 impls below); ``_bwd_packed`` writes the three gradients into one (B, S, H + 2 Hkv, D) tensor, the
 layout of the block's fused qkv projection, so the block needs no ``torch.cat`` to assemble them.
@@ -710,7 +711,7 @@ torch.library.impl("memopt::attention_bwd", ("cpu", "cuda"), _without_grad(atten
 
 
 @torch.library.register_fake("memopt::attention_flash_cpu")
-def _attention_flash_cpu_fake(q, k, v, causal, scale=None):
+def _attention_flash_cpu_fake(q, k, v, causal, scale=None, dropout_p=0.0, rng_key=None):
     return attention_out_empty(q)
 
 
@@ -827,14 +828,16 @@ def attention(
     """
     if (
         type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
-        and q.is_cpu and k.is_cpu and v.is_cpu
-        and type(dropout_p) in (float, int) and dropout_p == 0 and rng_key is None and backend == "auto"
+        and q.is_cpu and k.is_cpu and v.is_cpu and rng_key is None and backend == "auto"
         and type(causal) is bool and (scale is None or type(scale) is float) and _cpu_backend is None
     ):  # fmt: skip
-        # The common CPU call: ATen's kernels under the C++ node (csrc/attention_cpu.cpp), which
-        # checks the tensors itself with this function's messages; the checks below would cost
-        # more than the node.
-        return torch.ops.memopt.attention_flash_cpu(q, k, v, causal, scale)
+        # The common CPU calls: the flash kernels "auto" picks under the C++ node
+        # (csrc/attention_cpu.cpp), which checks the tensors itself with this function's
+        # messages; the checks below would cost more than the node.
+        if type(dropout_p) in (float, int) and dropout_p == 0:
+            return torch.ops.memopt.attention_flash_cpu(q, k, v, causal, scale)
+        if type(dropout_p) is float and 0.0 < dropout_p < 1.0 and _CPU_FLASH_AVAILABLE:
+            return torch.ops.memopt.attention_flash_cpu(q, k, v, causal, scale, dropout_p, new_rng_key())
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"memopt.attention: {name} must be a tensor, got {type(t).__name__}")
@@ -856,12 +859,14 @@ def attention(
     if rng_key is None:
         rng_key = new_rng_key() if dropout_p > 0.0 else _NO_DROPOUT_KEY
     if (
-        dropout_p == 0.0 and q.device.type == "cpu" and backend == "auto"
-        and _check_inputs(q, k, v, causal, 0.0, rng_key, backend) in ("cpu_flash", "aten_flash")
+        q.device.type == "cpu" and backend == "auto"
+        and _check_inputs(q, k, v, causal, dropout_p, rng_key, backend) in ("cpu_flash", "aten_flash")
     ):  # fmt: skip
         # The C++ autograd node (csrc/attention_cpu.cpp) runs what "auto" picks (the same rule in
         # C++): the same kernels and saved tensors as AttentionFunction, without its Python overhead.
-        return torch.ops.memopt.attention_flash_cpu(q, k, v, causal, float(scale))
+        if dropout_p == 0.0:
+            return torch.ops.memopt.attention_flash_cpu(q, k, v, causal, float(scale))
+        return torch.ops.memopt.attention_flash_cpu(q, k, v, causal, float(scale), float(dropout_p), rng_key)
     return AttentionFunction.apply(q, k, v, causal, float(dropout_p), float(scale), rng_key, backend)
 
 

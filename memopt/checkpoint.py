@@ -661,13 +661,6 @@ class _RecomputeContexts(_Contexts):
         return self._during_forward if self._tracker.running else self._factories
 
 
-def _saved_by(policy_fn: PolicyFunctionCall) -> Callable[[Any, int], bool]:
-    def is_cached(op, n: int) -> bool:
-        return (op, n) in policy_fn.saved
-
-    return is_cached
-
-
 def _is_selective_saved(op, n: int) -> bool:
     return is_selective_saved(op)
 
@@ -690,7 +683,7 @@ def _context_fn(policy, respect_hooks, cache_hooks, guard_hooks, guarded: bool, 
             policy_fn, is_cached = selective_checkpoint_policy, _is_selective_saved
         elif guarded:
             policy_fn = PolicyFunctionCall(policy)
-            is_cached = _saved_by(policy_fn)
+            is_cached = policy_fn.is_saved
         else:
             policy_fn = policy  # torch.compile reads the function's answers, CPU offload included, itself
         # The guards decide about written cache entries (the note above), so the cache allows them.

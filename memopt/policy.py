@@ -151,6 +151,10 @@ class PolicyFunctionCall:
                 self.offloaded.append(site)
         return decision
 
+    def is_saved(self, op, n: int) -> bool:
+        """Whether the forward saved the outputs of the ``n``-th call of ``op``."""
+        return (op, n) in self.saved
+
 
 def check_policy(value: Any, owner: str, name: str = "policy", functions: bool = False) -> str | Callable:
     """``value`` if it is one of :data:`POLICIES` (or, with ``functions``, a selective-checkpoint

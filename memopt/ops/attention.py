@@ -864,8 +864,7 @@ def attention(
     ):  # fmt: skip
         # The C++ autograd node (csrc/attention_cpu.cpp) runs what "auto" picks (the same rule in
         # C++): the same kernels and saved tensors as AttentionFunction, without its Python overhead.
-        if dropout_p == 0.0:
-            return torch.ops.memopt.attention_flash_cpu(q, k, v, causal, float(scale))
+        # (without dropout the node keeps no key: the placeholder is not read)
         return torch.ops.memopt.attention_flash_cpu(q, k, v, causal, float(scale), float(dropout_p), rng_key)
     return AttentionFunction.apply(q, k, v, causal, float(dropout_p), float(scale), rng_key, backend)
 

@@ -321,7 +321,7 @@ at::Tensor dropout_scale_op(const at::Tensor& q, int64_t seq_k, double p, const 
 // F.scaled_dot_product_attention's is_causal, so every row sees key 0. With dropout the
 // probabilities are multiplied by the factors of the same mask the kernels regenerate.
 at::Tensor attention_math(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
-                          double dropout_p, const std::optional<at::Tensor>& rng_key) {
+                          double dropout_p, const at::Tensor& rng_key) {
   const int64_t group = q.size(1) / k.size(1);
   const at::Tensor keys = group == 1 ? k : k.repeat_interleave(group, 1);
   const at::Tensor values = group == 1 ? v : v.repeat_interleave(group, 1);
@@ -332,9 +332,13 @@ at::Tensor attention_math(const at::Tensor& q, const at::Tensor& k, const at::Te
   }
   at::Tensor probs = at::softmax(scores, -1);
   if (dropout_p > 0.0) {
-    probs = probs * dropout_scale_op(q, k.size(2), dropout_p, *rng_key);
+    probs = probs * dropout_scale_op(q, k.size(2), dropout_p, rng_key);
   }
   return at::matmul(probs, values);
+}
+
+std::optional<at::Tensor> optional_key(const at::Tensor& key) {
+  return key.defined() ? std::optional<at::Tensor>(key) : std::nullopt;
 }
 
 struct FlashAttentionCpuFunction : public torch::autograd::Function<FlashAttentionCpuFunction> {
@@ -357,7 +361,7 @@ struct FlashAttentionCpuFunction : public torch::autograd::Function<FlashAttenti
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &q = saved[0], &k = saved[1], &v = saved[2];
-    const std::optional<at::Tensor> rng_key = saved.size() > 5 ? std::optional<at::Tensor>(saved[5]) : std::nullopt;
+    const at::Tensor rng_key = saved.size() > 5 ? saved[5] : at::Tensor();
     const bool causal = ctx->saved_data["causal"].toBool();
     const double scale = ctx->saved_data["scale"].toDouble();
     const double dropout_p = ctx->saved_data["dropout_p"].toDouble();
@@ -387,7 +391,7 @@ struct FlashAttentionCpuFunction : public torch::autograd::Function<FlashAttenti
       return result;
     }
     auto [grad_q, grad_k, grad_v] =
-        flash_backward(grad_out, q, k, v, saved[3], saved[4], causal, scale, dropout_p, rng_key);
+        flash_backward(grad_out, q, k, v, saved[3], saved[4], causal, scale, dropout_p, optional_key(rng_key));
     return {grad_q, grad_k, grad_v, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };

@@ -459,7 +459,7 @@ class _BufferGuard:
         found: dict[int, torch.Tensor] = {}
         self._running_stats: list[torch.Tensor] = []
         for sub in {id(sub): sub for m in modules for sub in m.modules()}.values():
-            found.update((id(b), b) for b in sub._buffers.values() if b is not None)
+            found.update((id(b), b) for b in sub.buffers(recurse=False))
             if isinstance(sub, nn.modules.batchnorm._NormBase) and sub.track_running_stats:
                 self._running_stats += [b for b in (sub.running_mean, sub.running_var) if b is not None]
         self._buffers = list(found.values())
@@ -494,7 +494,10 @@ class _BufferGuard:
                     buffer.copy_(value)
 
 
-_CACHE_CLASSES: list = [None, ()]  # [the transformers.cache_utils module they came from, classes]
+@functools.lru_cache(maxsize=1)
+def _cache_classes_of(cache_utils) -> tuple[type, ...]:
+    names = ("Cache", "CacheLayerMixin", "LinearAttentionCacheLayerMixin")
+    return tuple(c for c in (getattr(cache_utils, n, None) for n in names) if isinstance(c, type))
 
 
 def _cache_classes() -> tuple[type, ...]:
@@ -502,13 +505,7 @@ def _cache_classes() -> tuple[type, ...]:
     can only come from it then); empty otherwise. Looked up again only when the module object
     changes (every checkpointed call asks)."""
     cache_utils = sys.modules.get("transformers.cache_utils")
-    if cache_utils is None:
-        return ()
-    if _CACHE_CLASSES[0] is not cache_utils:
-        names = ("Cache", "CacheLayerMixin", "LinearAttentionCacheLayerMixin")
-        found = tuple(c for c in (getattr(cache_utils, n, None) for n in names) if isinstance(c, type))
-        _CACHE_CLASSES[:] = [cache_utils, found]
-    return _CACHE_CLASSES[1]
+    return () if cache_utils is None else _cache_classes_of(cache_utils)
 
 
 def is_cache(value: Any) -> bool:

@@ -229,9 +229,10 @@ def _hub_kernels_side_effects_allowed():
     ``torch.utils.checkpoint`` as much as for memopt, unless told not to replay it in the backward;
     a set/reset pair need not be replayed. The flag is the one torchtitan and transformers' own
     examples set; without ``kernels`` the test runs with dynamo's defaults."""
-    if importlib.util.find_spec("kernels") is None or not hasattr(torch._dynamo.config, "skip_fwd_side_effects_in_bwd_under_checkpoint"):
+    flag = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+    if importlib.util.find_spec("kernels") is None or not hasattr(torch._dynamo.config, flag):
         return contextlib.nullcontext()
-    return torch._dynamo.config.patch(skip_fwd_side_effects_in_bwd_under_checkpoint=True)
+    return torch._dynamo.config.patch(**{flag: True})
 
 
 @pytest.mark.parametrize("policy", ["selective", "full"])

@@ -773,7 +773,8 @@ def _half_needs(half: str, needs) -> BlockParams:
 def _save_half(ctx, half: str, spec: BlockSpec, batch: int, seq: int, tensor_of, rng_key, params) -> None:
     """Saves one half's tensors (``tensor_of(name)`` for its names of :func:`split_saved_names`),
     the RNG key and its six parameters, and what its backward needs besides."""
-    names = split_saved_names(spec.policy, spec.norm, spec.ffn_chunk_tokens is not None, spec.norm_first)[half == "ffn"]
+    attention_names, ffn_names = split_saved_names(spec.policy, spec.norm, spec.ffn_chunk_tokens is not None, spec.norm_first)
+    names = ffn_names if half == "ffn" else attention_names
     ctx.spec, ctx.batch, ctx.seq, ctx.saved_tensor_names = spec, batch, seq, names
     ctx.save_for_backward(*(tensor_of(name) for name in names), rng_key, *params)
 

@@ -19,7 +19,9 @@ def _triton_interpreter_missing() -> str | None:
         return "triton is not installed (CPU-only torch wheels lack it)"
     if not attention_triton.INTERPRETED:
         return "the Triton CPU path needs TRITON_INTERPRET=1 before memopt is imported"
-    return None
+    from memopt.ops.attention import _interpreter_numpy_problem
+
+    return _interpreter_numpy_problem()
 
 
 _WHY_NO_TRITON_INTERPRETER = _triton_interpreter_missing()

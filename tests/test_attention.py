@@ -22,7 +22,7 @@ from memopt.ops.attention import (
     resolve_backend,
 )
 
-from helpers import gpu, needs_triton_interpreter as needs_interpreter
+from helpers import _WHY_NO_TRITON_INTERPRETER, gpu, needs_triton_interpreter as needs_interpreter
 
 needs_triton = pytest.mark.skipif(attention_triton is None, reason="triton is not installed (CPU-only torch wheels lack it)")
 # The CPU backends that replay memopt's dropout mask, and the one that runs without dropout only.
@@ -578,7 +578,7 @@ def test_every_cpu_backend_gives_the_same_result_to_rounding(dropout_p):
     q, k, v = _inputs((2, 4, 2, 70, 90, 64))
     grad = torch.randn(2, 4, 70, 64)
     key = rng_key(6, 40)
-    interpreted = attention_triton is not None and attention_triton.INTERPRETED
+    interpreted = _WHY_NO_TRITON_INTERPRETER is None
     backends = ["native", "cpu_flash", "auto"] + ([] if dropout_p else ["aten_flash"]) + (["triton"] if interpreted else [])
     results = {}
     for backend in backends:
@@ -587,6 +587,33 @@ def test_every_cpu_backend_gives_the_same_result_to_rounding(dropout_p):
     for backend, result in results.items():
         for a, b in zip(result, results["native"]):
             torch.testing.assert_close(a, b, atol=3e-5, rtol=3e-5, msg=lambda m, n=backend: f"{n}: {m}")
+
+
+@pytest.mark.parametrize(
+    "triton_version, numpy_version, broken",
+    [("3.6.0", "2.4.6", True), ("3.6.0", "2.3.5", False), ("3.7.1", "2.4.0", False), ("3.8.0", "2.10.1", False)],
+)
+def test_triton_interpreter_numpy_clash_is_a_clear_error(monkeypatch, triton_version, numpy_version, broken):
+    # Triton 3.6's interpreter ends with "only 0-dimensional arrays can be converted to Python
+    # scalars" deep in a kernel under numpy 2.4 (measured: torch 2.11 + triton 3.6.0 + numpy 2.4.6).
+    numpy = pytest.importorskip("numpy")
+    triton = pytest.importorskip("triton")
+    monkeypatch.setattr(triton, "__version__", triton_version)
+    monkeypatch.setattr(numpy, "__version__", numpy_version)
+    attention_ops._interpreter_numpy_problem.cache_clear()
+    try:
+        problem = attention_ops._interpreter_numpy_problem()
+        if not broken:
+            assert problem is None
+            return
+        assert "numpy<2.4" in problem and triton_version in problem and numpy_version in problem
+        if attention_triton is not None and attention_triton.INTERPRETED:
+            q = torch.randn(1, 1, 4, 16)
+            with pytest.raises(RuntimeError, match=r"'triton' CPU backend cannot run here: .*numpy<2.4"):
+                memopt.attention(q, q, q, backend="triton")
+    finally:
+        monkeypatch.undo()
+        attention_ops._interpreter_numpy_problem.cache_clear()
 
 
 class _CudaStandIn:

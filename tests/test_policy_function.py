@@ -41,7 +41,8 @@ def save_first_matmul_and_gelu(ctx, op, *args, **kwargs):
     if op == aten.gelu.default:
         return CheckpointPolicy.MUST_SAVE
     if op == aten.mm.default:
-        return CheckpointPolicy.PREFER_SAVE if ctx.op_output.shape[-1] == 48 else CheckpointPolicy.PREFER_RECOMPUTE
+        # args, not ctx.op_output: torch before 2.13 does not pass the output to the policy.
+        return CheckpointPolicy.PREFER_SAVE if args[1].shape[-1] == 48 else CheckpointPolicy.PREFER_RECOMPUTE
     return CheckpointPolicy.PREFER_RECOMPUTE
 
 
@@ -69,7 +70,7 @@ class _OutputsOfSavedOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        ctx = torch.utils.checkpoint.SelectiveCheckpointContext(is_recompute=False, op_output=out)
+        ctx = torch.utils.checkpoint.SelectiveCheckpointContext(is_recompute=False)
         if self.policy_fn(ctx, func, *args, **(kwargs or {})) != CheckpointPolicy.PREFER_RECOMPUTE:
             for t in out if isinstance(out, (tuple, list)) else (out,):
                 self.storages[memopt.saved.storage_key(t)] = t.untyped_storage().nbytes()

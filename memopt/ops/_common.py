@@ -73,9 +73,17 @@ def check_linear(op: str, x: torch.Tensor, in_features: int, weight, bias) -> No
             )
 
 
+@torch.compiler.assume_constant_result
+def _autocast_available(device_type: str) -> bool:
+    """Whether autocast exists for ``device_type`` (not for ``meta``): fixed for the process, and
+    read outside the graph under torch.compile (dynamo before torch 2.13 cannot trace
+    ``torch._C._is_autocast_available``; fullgraph would fail on it)."""
+    return torch.amp.is_autocast_available(device_type)
+
+
 def autocast_state(device_type: str) -> tuple[str, bool, torch.dtype | None]:
     """(device_type, enabled, dtype) of autocast now; disabled where autocast does not exist."""
-    if not torch.amp.is_autocast_available(device_type):
+    if not _autocast_available(device_type):
         return device_type, False, None
     return device_type, torch.is_autocast_enabled(device_type), torch.get_autocast_dtype(device_type)
 
@@ -87,7 +95,7 @@ def autocast_as(state: tuple[str, bool, torch.dtype | None]):
     """Enter the autocast state that :func:`autocast_state` recorded (nothing for ``meta``, nor
     when it is the state already: entering ``torch.autocast`` costs ~5-20 us, each time)."""
     device_type, enabled, dtype = state
-    if not torch.amp.is_autocast_available(device_type):
+    if not _autocast_available(device_type):
         return _NO_CONTEXT
     if torch.is_autocast_enabled(device_type) == enabled and (not enabled or torch.get_autocast_dtype(device_type) == dtype):
         return _NO_CONTEXT

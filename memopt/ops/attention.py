@@ -160,6 +160,27 @@ def _require_interpreter() -> None:
             "memopt.attention: the 'triton' CPU backend runs the kernels in Triton's interpreter, which "
             "needs TRITON_INTERPRET=1 in the environment before memopt is imported"
         )
+    if (problem := _interpreter_numpy_problem()) is not None:
+        raise RuntimeError(f"memopt.attention: the 'triton' CPU backend cannot run here: {problem}")
+
+
+@functools.lru_cache(maxsize=1)
+def _interpreter_numpy_problem() -> str | None:
+    """Triton's interpreter before 3.7 takes a loop bound computed in the kernel as
+    ``int(ndarray of shape (1,))``, which numpy 2.4 refuses; every kernel here has such bounds."""
+    import numpy
+    import triton
+
+    def major_minor(version: str) -> tuple[int, int]:
+        major, minor = version.split(".")[:2]
+        return int(major), int("".join(c for c in minor if c.isdigit()) or 0)
+
+    if major_minor(triton.__version__) < (3, 7) and major_minor(numpy.__version__) >= (2, 4):
+        return (
+            f"Triton {triton.__version__}'s interpreter does not work with numpy {numpy.__version__} "
+            "(it converts 1-element arrays with int()); install numpy<2.4 or triton>=3.7"
+        )
+    return None
 
 
 def supported_dtypes(device: torch.device | str) -> tuple[torch.dtype, ...]:

@@ -398,11 +398,11 @@ def _attention_kernel_fwd(call: BlockCall, q: Tensor, k: Tensor, v: Tensor) -> t
 def _attention_kernel_bwd(call: BlockCall, grad_out, q, k, v, out, lse) -> Tensor:
     """``memopt::attention_bwd``, called as :func:`_attention_kernel_fwd` calls the forward; the
     gradients of q, k, v as one (B, S, H + 2 Hkv, hd) tensor, laid out as qkv is (the CPU flash
-    kernels write them there; otherwise one copy assembles them)."""
+    and Triton kernels write them there; ATen's and the native path's are assembled by one copy)."""
     spec = call.spec
     args = (spec.causal, spec.attention_dropout, spec.scale, call.keys.attention)
     if q.device.type != "cpu" or torch.compiler.is_compiling():
-        return _attention_ops.pack_qkv_grads(*torch.ops.memopt.attention_bwd(grad_out, q, k, v, out, lse, *args))
+        return torch.ops.memopt.attention_bwd_packed(grad_out, q, k, v, out, lse, *args)
     backend = _attention_ops.resolve_backend("auto", q, k, v, spec.causal, spec.attention_dropout)
     return _attention_ops.run_attention_bwd_packed(backend, grad_out, q, k, v, out, lse, *args)
 

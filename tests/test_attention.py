@@ -989,3 +989,46 @@ def test_cpu_flash_refuses_what_it_cannot_do():
         torch.ops.memopt.cpu_flash_attention_bwd(q, q, q, q, q, torch.randn(1, 2, 7), True, 0.2)
     with pytest.raises(ValueError, match="cpu_flash_attention_bwd_packed: grad_out must have shape"):
         torch.ops.memopt.cpu_flash_attention_bwd_packed(q[:, :1], q, q, q, q, torch.randn(1, 2, 8), True, 0.2)
+
+
+@pytest.mark.parametrize(
+    "backend,dropout_p",
+    [
+        pytest.param("triton", 0.0, marks=needs_interpreter), pytest.param("triton", 0.2, marks=needs_interpreter),
+        ("native", 0.2), ("cpu_flash", 0.2), ("aten_flash", 0.0), ("auto", 0.0),
+    ],
+)
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_bwd_packed_op_is_the_three_gradients_laid_out_as_qkv(backend, dropout_p, kv_heads):
+    # The block's backward takes grad_qkv from this op on CUDA and under torch.compile:
+    # (B, S, H + 2 Hkv, D), q's heads first; the Triton kernels write it in place of three buffers.
+    dtype = torch.float32 if backend == "triton" else torch.float64
+    fused = torch.randn(2, 33, 4 + 2 * kv_heads, 32, dtype=dtype)
+    q, k, v = (t.transpose(1, 2) for t in fused.split((4, kv_heads, kv_heads), dim=2))
+    key = rng_key(12, 5)
+    out, lse = torch.ops.memopt.attention_fwd(q, k, v, True, dropout_p, 0.2, key, backend)
+    grad = torch.randn_like(out)
+    args = (grad, q, k, v, out, lse, True, dropout_p, 0.2, key, backend)
+    packed = torch.ops.memopt.attention_bwd_packed(*args)
+    assert packed.shape == fused.shape and packed.is_contiguous()
+    # Independent of the kernels: the float64 reference's gradients, laid out by hand.
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = attention_ref(q64, k64, v64, causal=True, dropout_p=dropout_p, scale=0.2, rng_key=key)
+    expected = torch.autograd.grad(ref, (q64, k64, v64), grad.double())
+    atol, rtol = ATTENTION_TOLERANCES[dtype]
+    for got, want in zip(packed.split((4, kv_heads, kv_heads), dim=2), expected):
+        torch.testing.assert_close(got.double(), want.transpose(1, 2), atol=atol, rtol=rtol)
+    # And what attention_bwd returns, to the bit: the packed layout changes where, not what.
+    assert torch.equal(packed, torch.cat([g.transpose(1, 2) for g in torch.ops.memopt.attention_bwd(*args)], dim=2))
+    torch.library.opcheck(torch.ops.memopt.attention_bwd_packed.default, args)
+
+
+def test_bwd_packed_op_refuses_cross_attention_and_names_its_arguments():
+    q, k = torch.randn(1, 2, 8, 16), torch.randn(1, 2, 6, 16)
+    out, lse = torch.ops.memopt.attention_fwd(q, k, k, False, 0.0, 0.25, rng_key(1), "auto")
+    with pytest.raises(ValueError, match="attention_bwd_packed: packs the gradients .* seq_q must equal seq_k, got 8 and 6"):
+        torch.ops.memopt.attention_bwd_packed(out, q, k, k, out, lse, False, 0.0, 0.25, rng_key(1))
+    with pytest.raises(ValueError, match=r"memopt.attention_bwd_packed: lse must be torch.float32 of shape \(1, 2, 8\)"):
+        torch.ops.memopt.attention_bwd_packed(out, q, q, q, out, lse[..., :7], False, 0.0, 0.25, rng_key(1))
+    with pytest.raises(ValueError, match=r"memopt.attention_bwd_packed: grad_out must have q's shape"):
+        torch.ops.memopt.attention_bwd_packed(out[:, :1], q, q, q, out, lse, False, 0.0, 0.25, rng_key(1))

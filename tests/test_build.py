@@ -38,7 +38,7 @@ def test_cpu_only_build_where_expected():
 # keeps on the CPU (seed, offset), so the dispatcher always picks the CPU kernel.
 HOST_ONLY_OPS = {"memopt::philox_dropout_scale": "the native CPU attention path's dropout factors"}
 # Ops that wrap a CPU-only ATen kernel: memopt.attention calls this one for CPU tensors only (CUDA
-# attention runs attention_fwd / attention_bwd); a CUDA tensor gets the dispatcher's "could not
+# attention runs attention_fwd / attention_bwd / attention_bwd_packed); a CUDA tensor gets the dispatcher's "could not
 # run with arguments from the 'CUDA' backend".
 CPU_ONLY_OPS = {
     "memopt::attention_flash_cpu": "the CPU flash attention kernels under a C++ autograd node",

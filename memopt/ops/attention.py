@@ -1,6 +1,7 @@
 """attention: scaled dot-product attention that stores no probability matrix.
 
-Layers: the ops ``torch.ops.memopt.attention_fwd`` / ``attention_bwd`` (``torch.library.define``
+Layers: the ops ``torch.ops.memopt.attention_fwd`` / ``attention_bwd`` / ``attention_bwd_packed``
+(``torch.library.define``
 with CPU and CUDA kernels and fake impls so ``torch.compile`` traces them); ``AttentionFunction``
 saves q, k, v, the output, one log-sum-exp per row (float32, float64 for float64 inputs) and the 16-byte RNG key, O(seq) bytes
 where eager attention keeps the (B, H, Sq, Sk) probabilities and dropout mask; the backward
@@ -608,6 +609,11 @@ torch.library.define(
     "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, float dropout_p, "
     "float scale, Tensor rng_key, str backend='auto') -> (Tensor, Tensor, Tensor)",
 )
+torch.library.define(
+    "memopt::attention_bwd_packed",
+    "(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, bool causal, float dropout_p, "
+    "float scale, Tensor rng_key, str backend='auto') -> Tensor",
+)
 
 
 def attention_fwd(
@@ -681,25 +687,58 @@ def attention_bwd(
     """Attention backward from the saved ``out`` and ``lse``; recomputes the probabilities.
     Returns ``grad_q`` (B, H, Sq, D) and ``grad_k``, ``grad_v`` (B, Hkv, Sk, D), each a view of a
     (B, S, H, D) buffer."""
+    backend = _check_bwd_inputs("attention_bwd", grad_out, q, k, v, out, lse, causal, dropout_p, rng_key, backend)
+    return run_attention_bwd(backend, grad_out, q, k, v, out, lse, causal, dropout_p, scale, rng_key)
+
+
+def attention_bwd_packed(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    causal: bool,
+    dropout_p: float,
+    scale: float,
+    rng_key: torch.Tensor,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """:func:`attention_bwd`'s three gradients as one ``(B, S, H + 2 Hkv, D)`` contiguous tensor,
+    q's heads first: the layout of a fused qkv projection's output, so its backward needs no
+    ``torch.cat``. Self-attention only (``seq_q == seq_k``)."""
+    backend = _check_bwd_inputs("attention_bwd_packed", grad_out, q, k, v, out, lse, causal, dropout_p, rng_key, backend)
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(
+            "memopt.attention_bwd_packed: packs the gradients of q, k and v along the heads, so seq_q must "
+            f"equal seq_k, got {q.shape[2]} and {k.shape[2]}; use memopt.attention_bwd"
+        )
+    return run_attention_bwd_packed(backend, grad_out, q, k, v, out, lse, causal, dropout_p, scale, rng_key)
+
+
+def _check_bwd_inputs(op: str, grad_out, q, k, v, out, lse, causal, dropout_p, rng_key, backend) -> str:
+    """:func:`_check_inputs` plus the backward's own arguments; returns the backend that runs."""
     backend = _check_inputs(q, k, v, causal, dropout_p, rng_key, backend)
     expected = (q.shape[0], q.shape[1], q.shape[2])
     for name, t in (("grad_out", grad_out), ("out", out)):
         if not isinstance(t, torch.Tensor) or t.shape != q.shape or t.device != q.device:
             got = f"{tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"memopt.attention_bwd: {name} must have q's shape {tuple(q.shape)} on {q.device}, got {got}")
+            raise ValueError(f"memopt.{op}: {name} must have q's shape {tuple(q.shape)} on {q.device}, got {got}")
     want = lse_dtype(q.dtype)
     if not isinstance(lse, torch.Tensor) or lse.shape != expected or lse.dtype != want or lse.device != q.device:
         got = f"{lse.dtype} {tuple(lse.shape)} on {lse.device}" if isinstance(lse, torch.Tensor) else type(lse).__name__
-        raise ValueError(f"memopt.attention_bwd: lse must be {want} of shape {expected} on {q.device}, got {got}")
-    return run_attention_bwd(backend, grad_out, q, k, v, out, lse, causal, dropout_p, scale, rng_key)
+        raise ValueError(f"memopt.{op}: lse must be {want} of shape {expected} on {q.device}, got {got}")
+    return backend
 
 
 def run_attention_bwd_packed(backend: str, grad_out, q, k, v, out, lse, causal: bool, dropout_p: float, scale: float, rng_key):
     """:func:`run_attention_bwd`'s three gradients as one ``(B, S, H + 2 Hkv, D)`` tensor, the layout
-    of a fused qkv projection's output (the block's): written there by the ``"cpu_flash"`` kernels,
-    assembled with one copy by the other backends."""
+    of a fused qkv projection's output (the block's): written there by the ``"cpu_flash"`` and
+    ``"triton"`` kernels, assembled with one copy from ATen's and the native path's."""
     if backend == "cpu_flash":
         return torch.ops.memopt.cpu_flash_attention_bwd_packed(grad_out, q, k, v, out, lse, causal, scale, dropout_p, rng_key)
+    if backend == "triton":
+        return _attention_bwd_triton(grad_out, q, k, v, out, lse, causal, dropout_p, scale, rng_key, packed=True)
     return pack_qkv_grads(*run_attention_bwd(backend, grad_out, q, k, v, out, lse, causal, dropout_p, scale, rng_key))
 
 
@@ -719,16 +758,23 @@ def run_attention_bwd(backend: str, grad_out, q, k, v, out, lse, causal: bool, d
         return _attention_bwd_aten_cpu(grad_out, q, k, v, out, lse, causal, scale)
     if backend in ATEN_CUDA_BACKENDS:
         return _attention_bwd_aten_cuda(backend, grad_out, q, k, v, out, lse, causal, scale)
+    return _attention_bwd_triton(grad_out, q, k, v, out, lse, causal, dropout_p, scale, rng_key)
+
+
+def _attention_bwd_triton(grad_out, q, k, v, out, lse, causal, dropout_p, scale, rng_key, packed=False):
     if grad_out.dtype != q.dtype:
         grad_out = grad_out.to(q.dtype)
     if grad_out.stride(-1) != 1:
         grad_out = grad_out.contiguous()
     if out.stride(-1) != 1:
         out = out.contiguous()
-    return attention_triton.attention_bwd_triton(grad_out, q, k, v, out, lse.contiguous(), causal, dropout_p, scale, rng_key)
+    return attention_triton.attention_bwd_triton(
+        grad_out, q, k, v, out, lse.contiguous(), causal, dropout_p, scale, rng_key, packed=packed
+    )
 
 
 torch.library.impl("memopt::attention_bwd", ("cpu", "cuda"), _without_grad(attention_bwd))
+torch.library.impl("memopt::attention_bwd_packed", ("cpu", "cuda"), _without_grad(attention_bwd_packed))
 
 
 @torch.library.register_fake("memopt::attention_flash_cpu")
@@ -759,6 +805,12 @@ def _attention_bwd_fake(grad_out, q, k, v, out, lse, causal, dropout_p, scale, r
         batch, heads, seq, head_dim = t.shape
         grads.append(t.new_empty((batch, seq, heads, head_dim)).transpose(1, 2))
     return tuple(grads)
+
+
+@torch.library.register_fake("memopt::attention_bwd_packed")
+def _attention_bwd_packed_fake(grad_out, q, k, v, out, lse, causal, dropout_p, scale, rng_key, backend="auto"):
+    batch, heads, seq, head_dim = q.shape
+    return q.new_empty((batch, seq, heads + 2 * k.shape[1], head_dim))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -505,18 +505,27 @@ def attention_fwd_triton(q, k, v, causal: bool, dropout_p: float, scale: float, 
     return out, lse
 
 
-def attention_bwd_triton(grad_out, q, k, v, out, lse, causal: bool, dropout_p: float, scale: float, rng_key):
+def attention_bwd_triton(
+    grad_out, q, k, v, out, lse, causal: bool, dropout_p: float, scale: float, rng_key, packed: bool = False
+):
     """Launch the three backward kernels. Returns ``dq`` (B, H, Sq, D) and ``dk``, ``dv``
-    (B, Hkv, Sk, D), each a view of a (B, S, H, D) buffer."""
+    (B, Hkv, Sk, D), each a view of a (B, S, H, D) buffer; with ``packed`` (``Sq == Sk``), the one
+    (B, S, H + 2 Hkv, D) buffer they are views of, q's heads first (a fused qkv projection's
+    layout). Inputs are validated by the caller."""
     batch, heads, seq_q, head_dim = q.shape
     kv_heads, seq_k = k.shape[1], k.shape[2]
     group = heads // kv_heads
     delta = torch.empty((batch, heads, seq_q), device=q.device, dtype=torch.float32)
     # Gradients as (B, H, S, D) views of (B, S, H, D) buffers, the layout of out (and of q, k, v
-    # when they are views of a fused qkv projection).
-    dq = torch.empty((batch, seq_q, heads, head_dim), device=q.device, dtype=q.dtype).transpose(1, 2)
-    dk = torch.empty((batch, seq_k, kv_heads, head_dim), device=q.device, dtype=k.dtype).transpose(1, 2)
-    dv = torch.empty((batch, seq_k, kv_heads, head_dim), device=q.device, dtype=v.dtype).transpose(1, 2)
+    # when they are views of a fused qkv projection). The kernels take strides, so dk and dv share
+    # one set: equal in both layouts.
+    if packed:
+        grad_qkv = torch.empty((batch, seq_q, heads + 2 * kv_heads, head_dim), device=q.device, dtype=q.dtype)
+        dq, dk, dv = (g.transpose(1, 2) for g in grad_qkv.split((heads, kv_heads, kv_heads), dim=2))
+    else:
+        dq = torch.empty((batch, seq_q, heads, head_dim), device=q.device, dtype=q.dtype).transpose(1, 2)
+        dk = torch.empty((batch, seq_k, kv_heads, head_dim), device=q.device, dtype=k.dtype).transpose(1, 2)
+        dv = torch.empty((batch, seq_k, kv_heads, head_dim), device=q.device, dtype=v.dtype).transpose(1, 2)
     seed, offset, threshold, keep_scale = _dropout_args(dropout_p, rng_key)
     dropout = dropout_p > 0.0
 
@@ -556,4 +565,4 @@ def attention_bwd_triton(grad_out, q, k, v, out, lse, causal: bool, dropout_p: f
         CAUSAL=causal, DROPOUT=dropout, GROUPED_RNG=seq_k % 4 == 0, UPCAST_DOT=INTERPRETED,
         num_warps=num_warps, num_stages=num_stages,
     )
-    return dq, dk, dv
+    return grad_qkv if packed else (dq, dk, dv)

@@ -794,8 +794,7 @@ def _cpu_flash_attention_bwd_fake(grad_out, q, k, v, out, lse, causal, scale, dr
 
 @torch.library.register_fake("memopt::cpu_flash_attention_bwd_packed")
 def _cpu_flash_attention_bwd_packed_fake(grad_out, q, k, v, out, lse, causal, scale, dropout_p=0.0, rng_key=None):
-    batch, heads, seq, head_dim = q.shape
-    return q.new_empty((batch, seq, heads + 2 * k.shape[1], head_dim))
+    return _attention_bwd_packed_fake(grad_out, q, k, v, out, lse, causal, dropout_p, scale, rng_key)
 
 
 @torch.library.register_fake("memopt::attention_bwd")

@@ -204,10 +204,14 @@ struct NormFunction : public torch::autograd::Function<NormFunction<kRms>> {
 
 // ---------------------------------------------------------------------------------------------
 // norm_linear: F.linear(norm(x [+ residual]), linear_weight, linear_bias) keeping no norm output.
-// Saves what the norm's node saves plus linear_weight; the backward gets grad_y = grad_out @ W,
-// one in-place norm-backward kernel writes grad_x over it and rebuilds y, and
-// grad_W = grad_out^T @ y. A C++ node, as the norms': a Python autograd.Function around the same
-// work cost 0.25-0.5 ms more per step once a GEMM had swept the caches.
+// Saves what the norm's node saves plus linear_weight. The backward allocates one buffer of x's
+// size: the norm's forward kernel rebuilds y in it, grad_W = grad_out^T @ y, then
+// grad_y = grad_out @ W is written over y and the in-place norm-backward kernel writes grad_x over
+// grad_y. (Eager norm + linear peaks at two: y and grad_y, then grad_y and grad_x; so did
+// rebuilding y inside the backward kernel, beside grad_y. On CPU each fresh buffer of that size
+// can cost more in page faults than the norm's whole kernel.) Under autocast, where the matmuls run in another dtype, y is rebuilt by
+// the backward kernel and cast. A C++ node, as the norms': a Python autograd.Function around the
+// same work cost 0.25-0.5 ms more per step once a GEMM had swept the caches.
 
 // What F.linear after the norm accepts, with memopt.norm_linear's words (memopt/ops/_common.py's
 // check_linear): weight (m, n) and bias (m,) on x's device; outside torch.autocast in x's dtype,
@@ -314,18 +318,34 @@ struct NormLinearFunction : public torch::autograd::Function<NormLinearFunction>
         if (grad_residual_out.defined()) grad_x = grad_x + grad_residual_out;
       } else {
         at::AutoDispatchBelowADInplaceOrView guard;
-        // A new buffer (the matmul's, or its cast's): grad_x is written over it.
-        at::Tensor grad_y = at::mm(grad_out_2d, weight_c).to(x.scalar_type()).view_symint(x.sym_sizes());
         // needs_input_grad counts the tensor arguments that were given (an absent optional has no
         // edge): x, then residual, norm_weight and norm_bias where present, then linear_weight.
         const size_t linear_weight_edge = 1 + size_t(has_residual) + size_t(norm_weight.defined()) +
                                           size_t(norm_bias.defined());
         const bool need_linear_weight_grad = ctx->needs_input_grad(linear_weight_edge);
+        at::Tensor grad_y;
+        bool rebuild_y_in_backward = need_linear_weight_grad;
+        if (need_linear_weight_grad && compute == x.scalar_type()) {
+          // One buffer of x's size for the whole backward: y is rebuilt by the forward kernel (the
+          // forward's bits), grad_W taken from it, then grad_y is written over it and grad_x over
+          // grad_y. Rebuilding y in the backward kernel instead would need grad_y and y at once.
+          const double eps = ctx->saved_data["eps"].toDouble();
+          const at::Tensor y =
+              std::get<0>(norm_forward(rms, x, std::nullopt, optional(norm_weight), optional(norm_bias), eps));
+          at::Tensor y_2d = y.view_symint({rows, n});
+          grad_linear_weight = at::mm(grad_out_2d.t(), y_2d).to(linear_weight.scalar_type());
+          at::mm_out(y_2d, grad_out_2d, weight_c);
+          grad_y = y;
+          rebuild_y_in_backward = false;
+        } else {
+          // A new buffer (the matmul's, or its cast's): grad_x is written over it.
+          grad_y = at::mm(grad_out_2d, weight_c).to(x.scalar_type()).view_symint(x.sym_sizes());
+        }
         at::Tensor y;
         std::tie(grad_norm_weight, grad_norm_bias, y) = norm_backward_inplace(
-            rms, grad_y, x, norm_weight, norm_bias, saved[4], saved[5], grad_residual_out, need_linear_weight_grad);
+            rms, grad_y, x, norm_weight, norm_bias, saved[4], saved[5], grad_residual_out, rebuild_y_in_backward);
         grad_x = grad_y;
-        if (need_linear_weight_grad) {
+        if (rebuild_y_in_backward) {  // under autocast: y is cast to the matmul's dtype anyway
           grad_linear_weight =
               at::mm(grad_out_2d.t(), y.view_symint({rows, n}).to(compute)).to(linear_weight.scalar_type());
         }

@@ -321,6 +321,38 @@ def _norm_backward(call: BlockCall, grad_y, x, weight, bias, stats: NormStats, g
     )  # fmt: skip
 
 
+def _norm_linear_backward(call: BlockCall, grad_out: Tensor, x: Tensor, norm_weight, norm_bias, stats: NormStats,
+                          grad_extra, kept: Tensor | None, linear_weight: Tensor, weight_param: Tensor, need_weight: bool):
+    """``(grad_x, grad_norm_weight, grad_norm_bias, grad_linear_weight or None)``: the backward of
+    ``linear(norm(x))`` from the linear's output gradient, ``grad_extra`` (the residual's gradient)
+    added to grad_x. ``kept``: the forward's norm output, or None when it was not kept.
+
+    Note:
+        Not kept, it is rebuilt with the norm's forward kernel (the forward's bits) into the one
+        buffer of x's size this backward allocates: the weight gradient is taken from it, then
+        ``grad_out @ linear_weight`` is written over it and grad_x over that, as
+        ``memopt.norm_linear``'s backward does. Rebuilding it in the norm's backward kernel held
+        two such buffers at once. Where the matmul runs in another dtype (CPU autocast), the
+        backward kernel rebuilds it.
+    """
+    if kept is None and need_weight and grad_out.dtype == x.dtype:
+        rebuilt, _ = _norm(call, x, norm_weight, norm_bias)
+        grad_weight = _weight_grad(grad_out, rebuilt, weight_param)
+        grad_normed = torch.mm(grad_out, linear_weight, out=rebuilt)
+        grad_x, grad_norm_weight, grad_norm_bias, _ = _norm_backward(
+            call, grad_normed, x, norm_weight, norm_bias, stats, grad_extra, False, grad_y_is_scratch=True
+        )
+        return grad_x, grad_norm_weight, grad_norm_bias, grad_weight
+    grad_normed = grad_out @ linear_weight
+    grad_x, grad_norm_weight, grad_norm_bias, rebuilt = _norm_backward(
+        call, grad_normed, x, norm_weight, norm_bias, stats, grad_extra, kept is None and need_weight,
+        grad_y_is_scratch=True,
+    )
+    del grad_normed
+    grad_weight = _weight_grad(grad_out, rebuilt if kept is None else kept, weight_param) if need_weight else None
+    return grad_x, grad_norm_weight, grad_norm_bias, grad_weight
+
+
 def _upcast(call: BlockCall, t: Tensor | None) -> Tensor | None:
     return t.float() if call.upcast and t is not None else t
 
@@ -498,17 +530,29 @@ def _ffn_out_backward(call: BlockCall, grad_s2: Tensor, ffn: FFNHalf, need: Bloc
     ffn.u = ffn.g = None
     grad_f = _cast(_dropout_backward(spec.residual_dropout, grad_s2, call.keys.ffn_residual), spec.compute_dtype)
     grad_fc2_bias = _bias_grad(call, grad_f, params.fc2_bias)
-    grad_g = grad_f @ w.fc2_weight
-    # grad_g is this frame's own (a new matmul output, or its upcast copy): the activation's
-    # gradient is written over it, so no second d_ff-wide gradient buffer exists.
+    grad_fc2_weight = None
+    if g is None and need.fc2_weight and not call.upcast:
+        # One d_ff-wide buffer, as in _norm_linear_backward: g rebuilt by the activation's forward
+        # kernel, fc2's weight gradient taken from it, then grad_g written over it.
+        rebuilt = _act(call, u, w.fc1_bias)
+        grad_fc2_weight = _weight_grad(grad_f, rebuilt, params.fc2_weight)
+        grad_g = torch.mm(grad_f, w.fc2_weight, out=rebuilt)
+        del rebuilt
+    else:
+        grad_g = grad_f @ w.fc2_weight
+    # grad_g is this frame's own (a new matmul output, the rebuilt g's buffer, or its upcast
+    # copy): the activation's gradient is written over it (but for swiglu's, twice as wide), so
+    # no second d_ff-wide gradient buffer exists.
+    rebuild_in_kernel = g is None and need.fc2_weight and grad_fc2_weight is None
     grad_u, grad_fc1_bias, rebuilt_g = _activation_ops._act_backward(
-        _upcast(call, grad_g), _upcast(call, u), _upcast(call, w.fc1_bias), spec.activation, g is None,
+        _upcast(call, grad_g), _upcast(call, u), _upcast(call, w.fc1_bias), spec.activation, rebuild_in_kernel,
         grad_y_is_scratch=True,
     )
     del grad_g, u
     grad_u = _cast(grad_u, spec.compute_dtype)
     grad_fc1_bias = _cast(grad_fc1_bias, params.fc1_bias.dtype) if params.fc1_bias is not None else None
-    grad_fc2_weight = _weight_grad(grad_f, rebuilt_g if g is None else g, params.fc2_weight) if need.fc2_weight else None
+    if need.fc2_weight and grad_fc2_weight is None:
+        grad_fc2_weight = _weight_grad(grad_f, rebuilt_g if g is None else g, params.fc2_weight)
     return grad_u, grad_fc1_bias, grad_fc2_weight, grad_fc2_bias
 
 
@@ -537,14 +581,10 @@ def _ffn_in_backward(call: BlockCall, grad_u: Tensor, grad_s2: Tensor, ffn: FFNH
     if not spec.norm_first:
         grad_fc1_weight = _weight_grad(grad_u, ffn.h, params.fc1_weight) if need.fc1_weight else None
         return _input_grad(grad_u, w.fc1_weight, grad_s2), None, None, grad_fc1_weight
-    grad_n2 = grad_u @ w.fc1_weight
-    grad_h, grad_norm2_weight, grad_norm2_bias, rebuilt_n2 = _norm_backward(
-        call, grad_n2, ffn.h, w.norm2_weight, w.norm2_bias, ffn.norm2, grad_s2, ffn.n2 is None, grad_y_is_scratch=True
+    return _norm_linear_backward(
+        call, grad_u, ffn.h, w.norm2_weight, w.norm2_bias, ffn.norm2, grad_s2, ffn.n2, w.fc1_weight,
+        params.fc1_weight, need.fc1_weight,
     )
-    del grad_n2
-    n2 = rebuilt_n2 if ffn.n2 is None else ffn.n2
-    grad_fc1_weight = _weight_grad(grad_u, n2, params.fc1_weight) if need.fc1_weight else None
-    return grad_h, grad_norm2_weight, grad_norm2_bias, grad_fc1_weight
 
 
 def _ffn_backward(call: BlockCall, grad_y: Tensor, saved: FFNHalf | None, h: Tensor, need: BlockParams):
@@ -650,14 +690,10 @@ def _attention_backward(call: BlockCall, grad_h: Tensor, half: AttentionHalf, ne
     grad_qkv = _cast(grad_qkv.view(call.batch * call.seq, -1), half.qkv.dtype)
     grad_qkv_bias = _bias_grad(call, grad_qkv, params.qkv_bias)
     if spec.norm_first:
-        grad_n1 = grad_qkv @ w.qkv_weight
-        grad_x, grad_norm1_weight, grad_norm1_bias, rebuilt_n1 = _norm_backward(
-            call, grad_n1, half.x, w.norm1_weight, w.norm1_bias, half.norm1, grad_s1, half.n1 is None,
-            grad_y_is_scratch=True,
+        grad_x, grad_norm1_weight, grad_norm1_bias, grad_qkv_weight = _norm_linear_backward(
+            call, grad_qkv, half.x, w.norm1_weight, w.norm1_bias, half.norm1, grad_s1, half.n1, w.qkv_weight,
+            params.qkv_weight, need.qkv_weight,
         )
-        del grad_n1
-        n1 = rebuilt_n1 if half.n1 is None else half.n1
-        grad_qkv_weight = _weight_grad(grad_qkv, n1, params.qkv_weight) if need.qkv_weight else None
     else:
         grad_qkv_weight = _weight_grad(grad_qkv, half.x, params.qkv_weight) if need.qkv_weight else None
         grad_x = _input_grad(grad_qkv, w.qkv_weight, grad_s1) if need_x else None

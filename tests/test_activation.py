@@ -269,26 +269,29 @@ def test_bias_act_bwd_inplace_writes_grad_x_over_grad_y(device, dtype, with_bias
             assert y.numel() == 0
 
 
-def test_act_linear_backward_allocates_one_activation_sized_gradient():
-    """act_linear's backward writes grad_x over its own grad_act (a new matmul output): of x's
-    size it allocates grad_act and the rebuilt activation only, where out-of-place it would
-    allocate grad_x as well."""
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_act_linear_backward_allocates_one_activation_sized_buffer(activation):
+    """act_linear's backward rebuilds the activation in one buffer, takes the weight gradient from
+    it and writes grad_act over it (and, but for swiglu, grad_x over grad_act): of x's size it
+    holds that buffer and swiglu's grad_x, where eager peaks at three (x + bias, y, grad_act)."""
     from bench.memory import LiveTensorTracker
 
     x = torch.randn(64, 512, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(512, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(8, 512, dtype=torch.float64, requires_grad=True)
-    out = memopt.act_linear(x, bias, weight, activation="gelu")
+    act_width = 256 if activation == "swiglu" else 512
+    weight = torch.randn(8, act_width, dtype=torch.float64, requires_grad=True)
+    out = memopt.act_linear(x, bias, weight, activation=activation)
     grad_out = torch.randn_like(out)
     x_bytes = x.numel() * x.element_size()
     with LiveTensorTracker(exclude=[x, bias, weight, out, grad_out]) as tracker:
         out.backward(grad_out)
-    # grad_act (becoming grad_x) + the rebuilt gelu(x + bias), then grad_weight, grad_bias: no third.
-    assert 2 * x_bytes <= tracker.peak_bytes("cpu") < 3 * x_bytes
+    # gelu: y, then grad_act and grad_x in it; swiglu: y (half x's width), then grad_act in it, and grad_x.
+    floor = 1.5 * x_bytes if activation == "swiglu" else x_bytes
+    assert floor <= tracker.peak_bytes("cpu") < floor + 0.25 * x_bytes
     ref_x = x.detach().clone().requires_grad_()
     ref_b = bias.detach().clone().requires_grad_()
     ref_w = weight.detach().clone().requires_grad_()
-    act_linear_ref(ref_x, ref_b, ref_w, None, activation="gelu").backward(grad_out)
+    act_linear_ref(ref_x, ref_b, ref_w, None, activation=activation).backward(grad_out)
     for got, want in ((x, ref_x), (bias, ref_b), (weight, ref_w)):
         torch.testing.assert_close(got.grad, want.grad, rtol=1e-12, atol=1e-12)
 
@@ -514,3 +517,22 @@ def test_cuda_matches_cpu_float32():
         cuda = torch.ops.memopt.bias_act_bwd(grad.cuda(), x.cuda(), bias.cuda(), activation, True)
         for a, b in zip(cpu, cuda):
             torch.testing.assert_close(b.cpu(), a, **tolerances(torch.float32))
+
+
+@pytest.mark.parametrize("activation", ["gelu", "swiglu"])
+def test_act_linear_with_a_frozen_linear_weight(activation):
+    """A frozen linear weight (a LoRA base, say) takes the backward that rebuilds no activation:
+    x's and the bias's gradients are still the float64 reference's, and the weight gets none."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 16, 64, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(64, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(24, 32 if activation == "swiglu" else 64, dtype=torch.float64)
+    linear_bias = torch.randn(24, dtype=torch.float64, requires_grad=True)
+    out = memopt.act_linear(x, bias, weight, linear_bias, activation=activation)
+    grad_out = torch.randn_like(out)
+    out.backward(grad_out)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, bias, linear_bias)]
+    act_linear_ref(leaves[0], leaves[1], weight, leaves[2], activation=activation).backward(grad_out)
+    assert weight.grad is None
+    for got, want in zip((x, bias, linear_bias), leaves):
+        torch.testing.assert_close(got.grad, want.grad, rtol=1e-12, atol=1e-12)

@@ -180,9 +180,19 @@ def _act_backward(grad_y, x, bias, activation, return_y: bool = True, grad_y_is_
 class ActLinearFunction(torch.autograd.Function):
     """``F.linear(act(x + bias), weight, linear_bias)`` without saving ``act(x + bias)``.
 
-    Saves ``x`` (the previous matmul's output) and the parameters. The backward computes
-    ``grad_act = grad_out @ weight``, then one kernel pass gives ``grad_x``, ``grad_bias`` and the
-    rebuilt activation ``y``, and ``grad_weight = grad_out^T @ y``.
+    Saves ``x`` (the previous matmul's output) and the parameters. The backward rebuilds the
+    activation ``y`` with the forward kernel, takes ``grad_weight = grad_out^T @ y``, writes
+    ``grad_act = grad_out @ weight`` over ``y`` and (but for swiglu, whose ``grad_x`` is twice as
+    wide) ``grad_x`` over ``grad_act``.
+
+    Note:
+        One activation-sized buffer lives through the backward (swiglu: also its ``grad_x``),
+        where eager ``act(x + bias)`` + ``F.linear`` peaks at three (``x + bias`` and ``y``, kept
+        from the forward, and ``grad_act``) and rebuilding ``y`` inside the activation's backward
+        kernel held two: on CPU each fresh buffer of that size can cost more in page
+        faults than the activation's whole kernel. Where the matmuls run in another dtype
+        (autocast, or a weight of another dtype) ``y`` is cast anyway, so the backward kernel
+        rebuilds it beside a new ``grad_act``.
 
     Autocast: like ``torch.amp.custom_fwd``/``custom_bwd``, the backward runs under the autocast
     state of the forward, recorded for x's device type (the decorators fix one device type at
@@ -210,9 +220,19 @@ class ActLinearFunction(torch.autograd.Function):
                 with torch.enable_grad():
                     out = F.linear(_act_differentiable(x, bias, ctx.activation), weight)
                 grad_x, grad_bias, grad_weight = grads_with_graph(out, [x, bias, weight], grad_out)
+            elif ctx.needs_input_grad[2] and not ctx.autocast_state[1] and grad_out.dtype == weight.dtype == x.dtype:
+                # One activation-sized buffer: y rebuilt by the forward kernel (the forward's bits),
+                # grad_weight taken from it, grad_act written over it (see the class's Note).
+                y = _act_forward(x, bias, ctx.activation)
+                y_2d = y.view(rows, y.shape[-1])
+                grad_weight = torch.mm(grad_out_2d.t(), y_2d)
+                grad_act = torch.mm(grad_out_2d, weight, out=y_2d).view(y.shape)
+                grad_x, grad_bias, _ = _act_backward(grad_act, x, bias, ctx.activation, False, grad_y_is_scratch=True)
             else:
                 grad_act = torch.matmul(grad_out, weight).to(x.dtype).contiguous()  # a new tensor
-                grad_x, grad_bias, y = _act_backward(grad_act, x, bias, ctx.activation, grad_y_is_scratch=True)
+                grad_x, grad_bias, y = _act_backward(
+                    grad_act, x, bias, ctx.activation, ctx.needs_input_grad[2], grad_y_is_scratch=True
+                )
                 grad_weight = None
                 if ctx.needs_input_grad[2]:
                     grad_weight = torch.matmul(grad_out_2d.t(), y.reshape(rows, y.shape[-1])).to(weight.dtype)

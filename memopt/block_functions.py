@@ -503,12 +503,14 @@ def _ffn_forward(call: BlockCall, h: Tensor, need_output: bool = True) -> tuple[
     """The FFN half on ``h``: its record and the block output.
 
     With ``need_output=False`` (the "full" recompute) it stops once the backward has what it
-    needs: pre-norm skips the activation (its backward kernel rebuilds it) and fc2, whose output
-    only feeds the block output; post-norm needs fc2 again, for norm2's input s2.
+    needs: pre-norm skips the activation and fc2, whose output only feeds the block output, and
+    keeps no n2 (the backward rebuilds both); post-norm needs fc2 again, for norm2's input s2.
     """
     n2, stats, u = _ffn_in_forward(call, h)
     if call.spec.norm_first and not need_output:
-        return FFNHalf(h, u, stats, n2=n2), None
+        # n2 is not kept either: fc1's backward rebuilds it in the one buffer it allocates
+        # (_norm_linear_backward), one d_model-wide buffer fewer at its peak.
+        return FFNHalf(h, u, stats, n2=None), None
     ffn, y = _ffn_out_half_forward(call, u, h)
     ffn.h, ffn.n2 = h, n2
     if call.spec.norm_first:
@@ -752,6 +754,9 @@ class TransformerBlockFunction(torch.autograd.Function):
         with torch.no_grad(), autocast_off(x.device.type):
             if attention is None:  # "full": recompute the attention half, the FFN half's input
                 attention, h = _attention_forward(call, x)
+                # Not kept: the qkv backward rebuilds n1 in the one buffer it allocates
+                # (_norm_linear_backward), where this backward peaks.
+                attention.n1 = None
             elif h is None:  # post-norm "selective": rebuild norm1's output
                 h, _ = _norm(call, attention.s1, params.norm1_weight, params.norm1_bias)
             grad_h, ffn_grads = _ffn_half_backward(call, grad_y, ffn, h, need)

@@ -209,9 +209,10 @@ struct NormFunction : public torch::autograd::Function<NormFunction<kRms>> {
 // grad_y = grad_out @ W is written over y and the in-place norm-backward kernel writes grad_x over
 // grad_y. (Eager norm + linear peaks at two: y and grad_y, then grad_y and grad_x; so did
 // rebuilding y inside the backward kernel, beside grad_y. On CPU each fresh buffer of that size
-// can cost more in page faults than the norm's whole kernel.) Under autocast, where the matmuls run in another dtype, y is rebuilt by
-// the backward kernel and cast. A C++ node, as the norms': a Python autograd.Function around the
-// same work cost 0.25-0.5 ms more per step once a GEMM had swept the caches.
+// can cost more in page faults than the norm's whole kernel.) Under autocast, where the matmuls
+// run in another dtype, y is rebuilt by the backward kernel and cast. A C++ node, as the norms':
+// a Python autograd.Function around the same work cost 0.25-0.5 ms more per step once a GEMM had
+// swept the caches.
 
 // What F.linear after the norm accepts, with memopt.norm_linear's words (memopt/ops/_common.py's
 // check_linear): weight (m, n) and bias (m,) on x's device; outside torch.autocast in x's dtype,

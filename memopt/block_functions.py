@@ -321,8 +321,10 @@ def _norm_backward(call: BlockCall, grad_y, x, weight, bias, stats: NormStats, g
     )  # fmt: skip
 
 
-def _norm_linear_backward(call: BlockCall, grad_out: Tensor, x: Tensor, norm_weight, norm_bias, stats: NormStats,
-                          grad_extra, kept: Tensor | None, linear_weight: Tensor, weight_param: Tensor, need_weight: bool):
+def _norm_linear_backward(
+    call: BlockCall, grad_out: Tensor, x: Tensor, norm_weight, norm_bias, stats: NormStats, grad_extra,
+    kept: Tensor | None, linear_weight: Tensor, weight_param: Tensor, need_weight: bool,
+):
     """``(grad_x, grad_norm_weight, grad_norm_bias, grad_linear_weight or None)``: the backward of
     ``linear(norm(x))`` from the linear's output gradient, ``grad_extra`` (the residual's gradient)
     added to grad_x. ``kept``: the forward's norm output, or None when it was not kept.

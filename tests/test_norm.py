@@ -740,7 +740,9 @@ def test_norm_linear_with_a_frozen_linear_weight(norm, with_residual):
     norm_bias = torch.randn(64, dtype=torch.float64, requires_grad=True) if norm == "layernorm" else None
     linear_weight = torch.randn(24, 64, dtype=torch.float64)
     leaves = [t for t in (x, residual, norm_weight, norm_bias) if t is not None]
-    outs = as_tuple(memopt.norm_linear(x, norm_weight, norm_bias, linear_weight, norm=norm, eps=1e-5, residual=residual))
+    outs = as_tuple(
+        memopt.norm_linear(x, norm_weight, norm_bias, linear_weight, norm=norm, eps=1e-5, residual=residual)
+    )
     grads_out = [torch.randn_like(o) for o in outs]
     torch.autograd.backward(outs, grads_out)
     ref = {id(t): t.detach().clone().requires_grad_() for t in leaves}

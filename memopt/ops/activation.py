@@ -296,7 +296,7 @@ def act_linear(
     """``F.linear(act(x + bias), linear_weight, linear_bias)`` without saving the activation.
 
     The FFN's second half: eager PyTorch keeps ``act(x + bias)`` for the weight gradient; this
-    keeps ``x`` (the first matmul's output) and rebuilds the activation in the backward kernel.
+    keeps ``x`` (the first matmul's output) and rebuilds the activation in the backward.
 
     Args:
         x: ``(*, n)`` pre-activation; for ``"swiglu"`` ``(*, 2 * d)`` holding ``[gate | up]``.

@@ -99,4 +99,8 @@ if [ "${BENCH_SWEEPS:-0}" = 1 ]; then
       --configs "$sweep_configs" --no-compile --repeats 5 --out "$OUT" --no-progress
   done
 fi
+# The device tool returns only so many files (the first by name) and empties $OUT for its next
+# call: everything this run wrote also goes into one archive, named to come first
+# (`tar xzf 00-device-check.tgz` on the development machine, then `python -m bench.collect`).
+[ "$DRY_RUN" = 1 ] || tar czf "$OUT/00-device-check.tgz" -C "$OUT" --exclude 00-device-check.tgz . 2>/dev/null
 exit $status

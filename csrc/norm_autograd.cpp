@@ -324,9 +324,12 @@ struct NormLinearFunction : public torch::autograd::Function<NormLinearFunction>
         const size_t linear_weight_edge = 1 + size_t(has_residual) + size_t(norm_weight.defined()) +
                                           size_t(norm_bias.defined());
         const bool need_linear_weight_grad = ctx->needs_input_grad(linear_weight_edge);
+        // Under autocast the matmuls run in another dtype: y is cast for grad_W anyway, so the
+        // backward kernel rebuilds it beside grad_y.
+        const bool rebuild_y_first = need_linear_weight_grad && compute == x.scalar_type();
+        const bool rebuild_y_in_backward = need_linear_weight_grad && !rebuild_y_first;
         at::Tensor grad_y;
-        bool rebuild_y_in_backward = need_linear_weight_grad;
-        if (need_linear_weight_grad && compute == x.scalar_type()) {
+        if (rebuild_y_first) {
           // One buffer of x's size for the whole backward: y is rebuilt by the forward kernel (the
           // forward's bits), grad_W taken from it, then grad_y is written over it and grad_x over
           // grad_y. Rebuilding y in the backward kernel instead would need grad_y and y at once.
@@ -337,7 +340,6 @@ struct NormLinearFunction : public torch::autograd::Function<NormLinearFunction>
           grad_linear_weight = at::mm(grad_out_2d.t(), y_2d).to(linear_weight.scalar_type());
           at::mm_out(y_2d, grad_out_2d, weight_c);
           grad_y = y;
-          rebuild_y_in_backward = false;
         } else {
           // A new buffer (the matmul's, or its cast's): grad_x is written over it.
           grad_y = at::mm(grad_out_2d, weight_c).to(x.scalar_type()).view_symint(x.sym_sizes());
@@ -346,7 +348,7 @@ struct NormLinearFunction : public torch::autograd::Function<NormLinearFunction>
         std::tie(grad_norm_weight, grad_norm_bias, y) = norm_backward_inplace(
             rms, grad_y, x, norm_weight, norm_bias, saved[4], saved[5], grad_residual_out, rebuild_y_in_backward);
         grad_x = grad_y;
-        if (rebuild_y_in_backward) {  // under autocast: y is cast to the matmul's dtype anyway
+        if (rebuild_y_in_backward) {
           grad_linear_weight =
               at::mm(grad_out_2d.t(), y.view_symint({rows, n}).to(compute)).to(linear_weight.scalar_type());
         }

@@ -534,8 +534,11 @@ def _ffn_out_backward(call: BlockCall, grad_s2: Tensor, ffn: FFNHalf, need: Bloc
     ffn.u = ffn.g = None
     grad_f = _cast(_dropout_backward(spec.residual_dropout, grad_s2, call.keys.ffn_residual), spec.compute_dtype)
     grad_fc2_bias = _bias_grad(call, grad_f, params.fc2_bias)
+    # Under CPU autocast's upcast the activation runs in float32 and fc2 in the half type: g is
+    # cast for fc2's weight gradient anyway, so the backward kernel rebuilds it beside grad_g.
+    rebuild_g_first = g is None and need.fc2_weight and not call.upcast
     grad_fc2_weight = None
-    if g is None and need.fc2_weight and not call.upcast:
+    if rebuild_g_first:
         # One d_ff-wide buffer, as in _norm_linear_backward: g rebuilt by the activation's forward
         # kernel, fc2's weight gradient taken from it, then grad_g written over it.
         rebuilt = _act(call, u, w.fc1_bias)
@@ -547,15 +550,14 @@ def _ffn_out_backward(call: BlockCall, grad_s2: Tensor, ffn: FFNHalf, need: Bloc
     # grad_g is this frame's own (a new matmul output, the rebuilt g's buffer, or its upcast
     # copy): the activation's gradient is written over it (but for swiglu's, twice as wide), so
     # no second d_ff-wide gradient buffer exists.
-    rebuild_in_kernel = g is None and need.fc2_weight and grad_fc2_weight is None
     grad_u, grad_fc1_bias, rebuilt_g = _activation_ops._act_backward(
-        _upcast(call, grad_g), _upcast(call, u), _upcast(call, w.fc1_bias), spec.activation, rebuild_in_kernel,
-        grad_y_is_scratch=True,
+        _upcast(call, grad_g), _upcast(call, u), _upcast(call, w.fc1_bias), spec.activation,
+        g is None and need.fc2_weight and not rebuild_g_first, grad_y_is_scratch=True,
     )
     del grad_g, u
     grad_u = _cast(grad_u, spec.compute_dtype)
     grad_fc1_bias = _cast(grad_fc1_bias, params.fc1_bias.dtype) if params.fc1_bias is not None else None
-    if need.fc2_weight and grad_fc2_weight is None:
+    if need.fc2_weight and not rebuild_g_first:
         grad_fc2_weight = _weight_grad(grad_f, rebuilt_g if g is None else g, params.fc2_weight)
     return grad_u, grad_fc1_bias, grad_fc2_weight, grad_fc2_bias
 

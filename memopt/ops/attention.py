@@ -1,8 +1,7 @@
 """attention: scaled dot-product attention that stores no probability matrix.
 
 Layers: the ops ``torch.ops.memopt.attention_fwd`` / ``attention_bwd`` / ``attention_bwd_packed``
-(``torch.library.define``
-with CPU and CUDA kernels and fake impls so ``torch.compile`` traces them); ``AttentionFunction``
+(``torch.library.define`` with CPU and CUDA kernels and fake impls so ``torch.compile`` traces them); ``AttentionFunction``
 saves q, k, v, the output, one log-sum-exp per row (float32, float64 for float64 inputs) and the 16-byte RNG key, O(seq) bytes
 where eager attention keeps the (B, H, Sq, Sk) probabilities and dropout mask; the backward
 recomputes the probabilities block by block. On CPU, when "auto" resolves to a flash backend,

@@ -13,6 +13,7 @@ JSON under ``bench/results/``; a markdown table is printed, each time also as a 
 
     python -m bench.attention --preset cpu     # the block's head shape on the CPU, dropout 0 and 0.1
     python -m bench.attention --preset h200    # bfloat16, seq 1k..16k, head_dim 64 and 128
+    python -m bench.attention --preset h200 --seqs 4096 --dropouts 0.1 --head-dims 128   # one slice
 """
 
 from __future__ import annotations
@@ -256,10 +257,20 @@ def main(argv=None) -> None:
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
     parser.add_argument("--out", default=None, help="JSON path (default bench/results/attention_<preset>.json)")
     parser.add_argument("--seqs", default=None, help="comma-separated sequence lengths replacing the preset's")
+    parser.add_argument("--dropouts", default=None, help="comma-separated dropout rates: only the preset's cases with these")
+    parser.add_argument("--head-dims", default=None, help="comma-separated head dims: only the preset's cases with these")
     args = parser.parse_args(argv)
+    cases = PRESETS[args.preset]["cases"]
     if args.seqs:
         seqs = tuple(int(s) for s in args.seqs.split(","))
-        PRESETS[args.preset]["cases"] = [replace(case, seqs=seqs) for case in PRESETS[args.preset]["cases"]]
+        cases = [replace(case, seqs=seqs) for case in cases]
+    if args.dropouts:
+        cases = [case for case in cases if case.dropout in {float(p) for p in args.dropouts.split(",")}]
+    if args.head_dims:
+        cases = [case for case in cases if case.head_dim in {int(d) for d in args.head_dims.split(",")}]
+    if not cases:
+        parser.error(f"no case of preset {args.preset!r} has these dropout rates and head dims")
+    PRESETS[args.preset]["cases"] = cases
     rows = run(args.preset)
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"attention_{args.preset}.json")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -453,7 +453,7 @@ def _t(*shape, dtype=torch.float32):
         (lambda: memopt.attention(*(_t(1, 2, 8, 32) for _ in range(3)), backend="cudnn"), "does not run on CPU"),
         (
             lambda: memopt.attention(*(_t(1, 2, 8, 32) for _ in range(3)), dropout_p=0.1, backend="aten_flash"),
-            "cannot replay memopt's dropout mask",
+            "on CPU cannot replay a dropout mask",
         ),
         (
             lambda: torch.ops.memopt.attention_bwd(*(_t(1, 2, 8, 32, dtype=torch.float64) for _ in range(5)),
@@ -523,7 +523,7 @@ def test_gpu_dropout_mask_and_replay(dtype, seq_k):
     k = torch.randn(batch, heads, seq_k, head_dim, dtype=dtype, device="cuda")
     v = torch.eye(seq_k, head_dim, dtype=dtype, device="cuda").expand(batch, heads, seq_k, head_dim).contiguous()
     key = rng_key(123, 77)
-    out = memopt.attention(q, k, v, dropout_p=0.2, rng_key=key)
+    out = memopt.attention(q, k, v, dropout_p=0.2, rng_key=key, backend="triton")
     expected = dropout_keep_mask((batch, heads, seq_q, seq_k), 0.2, 123, 77).cuda()
     assert torch.equal(out[..., :seq_k].float() > 0.5 / (seq_k * 0.8), expected)
 
@@ -531,7 +531,7 @@ def test_gpu_dropout_mask_and_replay(dtype, seq_k):
     grad = torch.randn(1, 4, 700, 64, dtype=dtype, device="cuda")
 
     def run():
-        o = memopt.attention(qr, kr, vr, causal=True, dropout_p=0.1, rng_key=rng_key(5))
+        o = memopt.attention(qr, kr, vr, causal=True, dropout_p=0.1, rng_key=rng_key(5), backend="triton")
         return (o, *torch.autograd.grad(o, (qr, kr, vr), grad))
 
     first, second = run(), run()
@@ -564,7 +564,7 @@ def test_auto_rule_on_cpu():
     # causal: memopt's kernels (they skip the keys a tile cannot see); without a mask ATen's
     assert resolve_backend("auto", q, q, q, True, 0.0) == ("cpu_flash" if cpu_flash_available() else "aten_flash")
     assert resolve_backend("auto", q, q, q, False, 0.0) == "aten_flash"
-    # with dropout memopt's kernels either way (ATen's cannot replay memopt's mask)
+    # with dropout memopt's kernels either way (ATen's CPU kernel draws no mask a key can set)
     for causal in (False, True):
         assert resolve_backend("auto", q, q, q, causal, 0.1) == ("cpu_flash" if cpu_flash_available() else "native")
     with cpu_backend("native"):
@@ -633,7 +633,10 @@ class _CudaStandIn:
         ((1, 8, 512, 64), (1, 8, 512, 64), False, 0.0, (9, 0), {"aten_flash", "efficient"}, "aten_flash"),
         ((1, 8, 512, 64), (1, 8, 512, 64), False, 0.0, (9, 0), {"efficient"}, "efficient"),
         ((1, 8, 512, 64), (1, 8, 512, 64), False, 0.0, (9, 0), set(), "triton"),
-        ((1, 8, 512, 64), (1, 8, 512, 64), True, 0.1, (9, 0), {"cudnn", "aten_flash", "efficient"}, "triton"),
+        # with dropout too: ATen's kernels replay their mask from the key (the CUDA generator set to it)
+        ((1, 8, 512, 64), (1, 8, 512, 64), True, 0.1, (9, 0), {"cudnn", "aten_flash", "efficient"}, "cudnn"),
+        ((1, 8, 512, 64), (1, 8, 512, 64), True, 0.1, (9, 0), {"cudnn-nodrop", "aten_flash", "efficient"}, "aten_flash"),
+        ((1, 8, 512, 64), (1, 8, 512, 64), True, 0.1, (9, 0), {"cudnn-nodrop"}, "triton"),
         ((1, 8, 512, 64), (1, 2, 512, 64), True, 0.0, (9, 0), {"cudnn", "aten_flash", "efficient"}, "triton"),
         ((1, 8, 100, 64), (1, 8, 512, 64), True, 0.0, (9, 0), {"cudnn", "aten_flash", "efficient"}, "triton"),
         ((1, 8, 100, 64), (1, 8, 512, 64), False, 0.0, (9, 0), {"cudnn", "aten_flash", "efficient"}, "cudnn"),
@@ -641,7 +644,11 @@ class _CudaStandIn:
 )
 def test_auto_rule_on_cuda(monkeypatch, q_shape, kv_shape, causal, dropout_p, capability, accepts, expected):
     monkeypatch.setattr(attention_ops, "_compute_capability", lambda index: capability)
-    monkeypatch.setattr(attention_ops, "_aten_cuda_accepts", lambda backend, *args: backend in accepts)
+    # "name-nodrop": torch accepts that backend without dropout only
+    def accepts_fn(backend, q, k, v, causal, dropout_p=0.0):
+        return backend in accepts or (dropout_p == 0.0 and f"{backend}-nodrop" in accepts)
+
+    monkeypatch.setattr(attention_ops, "_aten_cuda_accepts", accepts_fn)
     q, kv = _CudaStandIn(*q_shape), _CudaStandIn(*kv_shape)
     assert resolve_backend("auto", q, kv, kv, causal, dropout_p) == expected
 
@@ -649,8 +656,7 @@ def test_auto_rule_on_cuda(monkeypatch, q_shape, kv_shape, causal, dropout_p, ca
 def test_named_cuda_backends_refuse_what_breaks_the_contract(monkeypatch):
     monkeypatch.setattr(attention_ops, "_aten_cuda_accepts", lambda backend, *args: backend != "efficient")
     q, short = _CudaStandIn(1, 8, 512, 64), _CudaStandIn(1, 8, 100, 64)
-    with pytest.raises(ValueError, match="cannot replay"):
-        resolve_backend("cudnn", q, q, q, False, 0.1)
+    assert resolve_backend("cudnn", q, q, q, False, 0.1) == "cudnn"
     with pytest.raises(ValueError, match="does not align a causal mask"):
         resolve_backend("aten_flash", short, q, q, True, 0.0)
     with pytest.raises(ValueError, match="torch cannot run backend 'efficient'"):
@@ -735,9 +741,10 @@ def test_gpu_every_backend_matches_reference(backend, dtype, causal, shape):
 
 
 @gpu
-def test_gpu_backends_share_one_lse_and_dropout_goes_to_triton():
+def test_gpu_backends_share_one_lse_and_dropout_goes_to_aten():
     q, k, v = _inputs((1, 8, 8, 512, 512, 64), dtype=torch.bfloat16, device="cuda")
-    assert resolve_backend("auto", q, k, v, True, 0.1) == "triton"
+    assert resolve_backend("auto", q, k, v, True, 0.1) in attention_ops.ATEN_CUDA_BACKENDS
+    assert resolve_backend("auto", q, k[:, :2], v[:, :2], True, 0.1) == "triton"  # grouped-query heads
     lses = {}
     for backend in ("triton", "aten_flash", "cudnn", "efficient"):
         try:
@@ -747,6 +754,95 @@ def test_gpu_backends_share_one_lse_and_dropout_goes_to_triton():
         lses[backend] = torch.ops.memopt.attention_fwd(q, k, v, True, 0.0, 0.125, rng_key(0), backend)[1]
     for backend, lse in lses.items():
         torch.testing.assert_close(lse, lses["triton"], atol=1e-2, rtol=0, msg=lambda m, n=backend: f"{n}: {m}")
+
+
+def _kept_entries(q, k, causal, dropout_p, key, backend):
+    """The dropout mask a backend applied, read from its forward: with v the columns [n0, n0 + D)
+    of the identity, out[..., i, d] is probability (i, n0 + d) times its dropout factor."""
+    batch, heads, seq_q, head_dim = q.shape
+    seq_k = k.shape[2]
+    keep = torch.zeros(batch, heads, seq_q, seq_k, dtype=torch.bool, device=q.device)
+    for n0 in range(0, seq_k, head_dim):
+        n1 = min(seq_k, n0 + head_dim)
+        v = torch.zeros(batch, heads, seq_k, head_dim, dtype=q.dtype, device=q.device)
+        for d in range(n1 - n0):
+            v[:, :, n0 + d, d] = 1
+        with torch.no_grad():
+            out = memopt.attention(q, k, v, causal=causal, dropout_p=dropout_p, rng_key=key, backend=backend)
+        keep[..., n0:n1] = out[..., : n1 - n0] != 0
+    return keep
+
+
+def _reference_with_mask(q, k, v, causal, dropout_p, keep):
+    """float64 attention with the given dropout mask."""
+    scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        scores = scores.masked_fill(attention_ops._causal_hidden(0, k.shape[2], 0, q.shape[2], q.device), -math.inf)
+    probs = torch.softmax(scores, -1)
+    return torch.where(keep, probs / (1 - dropout_p), torch.zeros_like(probs)) @ v
+
+
+@gpu
+@pytest.mark.parametrize("backend", ["aten_flash", "cudnn", "efficient"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", [(2, 4, 4, 256, 256, 64), (1, 2, 2, 333, 333, 128)], ids=_shape_id)
+def test_gpu_aten_dropout_replays_its_mask_from_the_key(backend, dtype, causal, shape):
+    # ATen's fused kernels with dropout under memopt's contract: the mask is a function of the key
+    # (the same mask in every forward and in the backward), the user's CUDA generator does not
+    # move, and output and gradients match float64 attention with the mask the forward applied.
+    q, k, v = _inputs(shape, dtype=dtype, device="cuda")
+    p, key = 0.2, rng_key(1234, 56)
+    try:
+        resolve_backend(backend, q, k, v, causal, p)
+    except ValueError as err:
+        pytest.skip(str(err))
+    generator_state = torch.cuda.get_rng_state()
+    keep = _kept_entries(q.detach(), k.detach(), causal, p, key, backend)
+    seen = ~attention_ops._causal_hidden(0, shape[4], 0, shape[3], "cuda") if causal else torch.ones_like(keep[0, 0])
+    kept_fraction = keep.sum().item() / (seen.sum().item() * shape[0] * shape[1])
+    assert abs(kept_fraction - (1 - p)) < 0.01, kept_fraction
+    assert not torch.equal(keep[0, 0], keep[0, 1])  # each head draws its own
+    assert torch.equal(keep, _kept_entries(q.detach(), k.detach(), causal, p, key, backend))
+    assert not torch.equal(keep, _kept_entries(q.detach(), k.detach(), causal, p, rng_key(1234, 57), backend))
+    assert torch.equal(
+        attention_ops.aten_dropout_keep_mask(backend, q.detach(), k.detach(), causal, p, 1 / math.sqrt(shape[-1]), key), keep
+    )
+
+    out = memopt.attention(q, k, v, causal=causal, dropout_p=p, rng_key=key, backend=backend)
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    assert torch.equal(torch.cuda.get_rng_state(), generator_state)
+    assert torch.equal(out, memopt.attention(q, k, v, causal=causal, dropout_p=p, rng_key=key, backend=backend))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = _reference_with_mask(q64, k64, v64, causal, p, keep)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), grad.double())
+    tol = 2e-2 if dtype == torch.bfloat16 else 4e-3
+    for name, a, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref, *ref_grads)):
+        assert _max_error(a, r) <= tol * max(1.0, r.abs().max().item()), f"{name}: {_max_error(a, r):.3e}"
+
+
+@gpu
+@pytest.mark.parametrize("backend", ["aten_flash", "cudnn", "efficient"])
+def test_gpu_aten_dropout_second_derivatives_use_the_kernels_mask(backend):
+    q, k, v = _inputs((1, 2, 2, 96, 96, 64), dtype=torch.bfloat16, device="cuda")
+    p, key = 0.3, rng_key(7)
+    try:
+        resolve_backend(backend, q, k, v, True, p)
+    except ValueError as err:
+        pytest.skip(str(err))
+    keep = _kept_entries(q.detach(), k.detach(), True, p, key, backend)
+
+    def penalty(fn, tensors):
+        out = fn(*tensors)
+        grad_q, grad_k, grad_v = torch.autograd.grad(out.float().square().sum(), tensors, create_graph=True)
+        return torch.autograd.grad(grad_q.float().square().sum() + grad_v.float().sum(), tensors)
+
+    got = penalty(lambda *t: memopt.attention(*t, causal=True, dropout_p=p, rng_key=key, backend=backend), (q, k, v))
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    expected = penalty(lambda *t: _reference_with_mask(*t, True, p, keep), (q64, k64, v64))
+    for name, a, e in zip(("q", "k", "v"), got, expected):
+        assert _max_error(a, e) <= 3e-2 * max(1.0, e.abs().max().item()), f"{name}: {_max_error(a, e):.3e}"
 
 
 def test_direct_op_calls_give_values_and_torch_warns_when_they_are_backpropagated():

@@ -25,7 +25,7 @@ def test_cpu_preset_writes_rows(tmp_path):
     for r in rows:
         by_dropout.setdefault(r["name"].endswith("p0"), set()).add(r["provider"])
     # Without dropout every CPU backend runs; with dropout all but ATen's flash kernels, which
-    # cannot replay memopt's mask.
+    # draws no mask a key can set.
     assert by_dropout[True] == {"memopt:auto", "memopt:native", "memopt:cpu_flash", "memopt:aten_flash", "sdpa", "eager"}
     assert by_dropout[False] == {"memopt:auto", "memopt:native", "memopt:cpu_flash", "sdpa", "eager"}
     assert {r["mode"] for r in rows} == {"fwd", "fwd_bwd"}

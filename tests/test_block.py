@@ -518,6 +518,30 @@ def test_gpu_same_seed_bit_identical_across_policies_with_dropout():
 
 
 @gpu
+def test_gpu_same_seed_same_result_across_policies_with_atens_dropout_attention():
+    # Without grouped-query heads "auto" runs ATen's fused dropout attention, its mask replayed from
+    # the key: the outputs are bit-identical across policies. ATen's flash backward accumulates dq
+    # with atomics, so the gradients are compared to the rounding of one policy run twice.
+    from memopt.ops import attention as attention_ops
+
+    block = memopt.FusedCheckpointBlock(128, 4, dropout=0.2, causal=True, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(2, 256, 128, device="cuda", dtype=torch.bfloat16)
+    heads = torch.empty(2, 4, 256, 32, device="cuda", dtype=torch.bfloat16)
+    assert attention_ops.resolve_backend("auto", heads, heads, heads, True, 0.2) in attention_ops.ATEN_CUDA_BACKENDS
+    grad = torch.randn_like(x)
+    runs = {}
+    for policy in POLICIES:
+        block.policy = policy
+        torch.manual_seed(11)
+        runs[policy] = _run(block, x, grad)
+    for policy in POLICIES[1:]:
+        assert torch.equal(runs[policy][0], runs["none"][0]), policy
+        _assert_runs_close(runs[policy], runs["none"], atol=2e-2, rtol=2e-2)
+    torch.manual_seed(12)
+    assert not torch.equal(_run(block, x, grad)[0], runs["none"][0])
+
+
+@gpu
 def test_gpu_autocast_bf16_matches_eager_under_autocast():
     block = memopt.FusedCheckpointBlock(128, 4, 256, norm="rmsnorm", activation="swiglu", device="cuda")
     x = torch.randn(2, 96, 128, device="cuda")

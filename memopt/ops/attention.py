@@ -21,8 +21,11 @@ kernel writes q's layout) and else a view of a (B, Sq, H, D) buffer (q, k, v as 
 qkv projection, the block's case, whose reshape to (tokens, H * D) is then free)
 (``_common.attention_out_empty``); ``lse`` (B, H, Sq) is contiguous in the accumulation dtype and is the natural-log log-sum-exp of each row of scaled scores (the same
 number whichever kernel computed it, so any backward can consume any forward's lse), the gradients
-are (B, H, S, D) views of (B, S, H, D) buffers, and a dropout mask is the Philox mask of
-``attention_triton``'s docstring, regenerated from the RNG key in every backward and recompute.
+are (B, H, S, D) views of (B, S, H, D) buffers, and a dropout mask is a function of the RNG key,
+replayed from it in every backward and recompute: memopt's kernels regenerate the Philox mask of
+``attention_triton``'s docstring, ATen's CUDA kernels draw their own from the CUDA generator set to
+the key (:func:`_cuda_generator_at`). One key gives one mask per backend, so every policy of the
+block, which resolves the backend the same way each time, gives the same result.
 
 Backends (``backend=`` of :func:`attention` and of both ops):
   * ``"triton"``: memopt's Triton kernels (``attention_triton``): CUDA float16/bfloat16; on CPU in
@@ -38,16 +41,18 @@ Backends (``backend=`` of :func:`attention` and of both ops):
     probabilities regenerated from its Philox counters (eight calls at a time with AVX2). ATen's
     CPU kernel splits keys in blocks of 512 and so computes a causal score matrix whole below that
     length.
-  * ``"aten_flash"``: ATen's fused flash kernels through their ops, no dropout: on CPU
+  * ``"aten_flash"``: ATen's fused flash kernels through their ops: on CPU
     ``aten._scaled_dot_product_flash_attention_for_cpu`` (float32, float64; grouped-query heads
-    natively), on CUDA ``aten._scaled_dot_product_flash_attention``.
-  * ``"cudnn"``, ``"efficient"`` (CUDA, no dropout): ``aten._scaled_dot_product_cudnn_attention`` and
-    ``aten._scaled_dot_product_efficient_attention``.
-  ATen's kernels draw their dropout masks from torch's own generator, which memopt cannot replay
-  under its key, so they are used with ``dropout_p == 0`` only; on CUDA also only where the causal
-  mask is square (ATen's CUDA kernels refuse or bottom-right-align a non-square causal mask, memopt
-  aligns it top-left like ``F.scaled_dot_product_attention``), and ``torch.backends.cuda.can_use_*``
-  must accept the inputs. Grouped-query heads are expanded (a copy) for ATen's CUDA kernels.
+    natively; no dropout: it draws no mask a key can be given for), on CUDA
+    ``aten._scaled_dot_product_flash_attention`` (any dropout).
+  * ``"cudnn"``, ``"efficient"`` (CUDA, any dropout): ``aten._scaled_dot_product_cudnn_attention``
+    and ``aten._scaled_dot_product_efficient_attention``.
+  On CUDA ATen's kernels run only where the causal mask is square (they refuse or
+  bottom-right-align a non-square causal mask, memopt aligns it top-left like
+  ``F.scaled_dot_product_attention``) and ``torch.backends.cuda.can_use_*`` accepts the inputs
+  with their dropout; with dropout they run under :func:`_cuda_generator_at` (not while a CUDA
+  graph is captured) and their backward is given the Philox seed and offset of the key.
+  Grouped-query heads are expanded (a copy) for ATen's CUDA kernels.
 
 ``"auto"`` (the default) picks, by :func:`resolve_backend`:
   * CPU: with dropout ``"cpu_flash"`` (``"native"`` where torch exports no BLAS for it); without,
@@ -67,9 +72,12 @@ Backends (``backend=`` of :func:`attention` and of both ops):
     native 94 / 187, SDPA 50 / 198; with dropout 0.1 native 106 / 316 against SDPA's math path
     96 / 388 (the native path before this layout: 131 / 496 and 162 / 793).
     ``python -m bench.attention --preset cpu`` times every backend side by side.
-  * CUDA: with dropout, grouped-query heads or a non-square causal mask, ``"triton"``; otherwise
-    the first of ``"cudnn"`` (compute capability 9.0 and above only), ``"aten_flash"``,
-    ``"efficient"`` that ``torch.backends.cuda.can_use_*`` accepts, else ``"triton"``. The H200 run
+  * CUDA: with grouped-query heads or a non-square causal mask, ``"triton"``; otherwise the first
+    of ``"cudnn"`` (compute capability 9.0 and above only), ``"aten_flash"``, ``"efficient"`` that
+    ``torch.backends.cuda.can_use_*`` accepts for the inputs and dropout, else ``"triton"``. With
+    dropout, the H200 run of ``bench/results/h200-20261204`` measured memopt's Triton kernels at
+    2.1-2.2x SDPA cuDNN's time at head_dim 64 and 3.8-4.3x at head_dim 128, so dropout goes to
+    ATen's kernels too. The H200 run
     of ``bench/results/h200-20261130`` measured SDPA's flash backend ahead of memopt's Triton
     kernels in 14 of 16 cases (218-318 against 205-303 TFLOP/s forward+backward, bf16, seq 4k-16k);
     cuDNN ahead of flash on Hopper is the issue's figure (about 580-630 TFLOP/s at head_dim 128),
@@ -229,11 +237,11 @@ def _compute_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def _aten_cuda_accepts(backend: str, q, k, v, causal: bool) -> bool:
+def _aten_cuda_accepts(backend: str, q, k, v, causal: bool, dropout_p: float = 0.0) -> bool:
     """Whether torch's own checks (``torch.backends.cuda.can_use_*``) let ``backend`` run these
-    inputs, planned for backward (requires_grad) whatever the grad mode."""
+    inputs with this dropout, planned for backward (requires_grad) whatever the grad mode."""
     params = torch.backends.cuda.SDPAParams(
-        *(t.detach().requires_grad_() for t in (q, k, v)), None, 0.0, causal, False
+        *(t.detach().requires_grad_() for t in (q, k, v)), None, float(dropout_p), causal, False
     )
     check = {
         "cudnn": torch.backends.cuda.can_use_cudnn_attention,
@@ -250,21 +258,21 @@ def resolve_backend(backend: str, q, k, v, causal: bool, dropout_p: float) -> st
     device = q.device.type
     if device == "cuda":
         if backend == "auto":
-            if dropout_p > 0.0 or k.shape[1] != q.shape[1] or not _causal_square(q, k, causal):
+            if k.shape[1] != q.shape[1] or not _causal_square(q, k, causal):
                 return "triton"
             candidates = ATEN_CUDA_BACKENDS if _compute_capability(q.device.index or 0) >= (9, 0) else ATEN_CUDA_BACKENDS[1:]
             for name in candidates:
-                if _aten_cuda_accepts(name, q, k, v, causal):
+                if _aten_cuda_accepts(name, q, k, v, causal, dropout_p):
                     return name
             return "triton"
         if backend not in CUDA_BACKENDS:
             raise ValueError(f"memopt.attention: backend {backend!r} does not run on CUDA; CUDA backends are {CUDA_BACKENDS}")
         if backend in ATEN_CUDA_BACKENDS:
             _check_aten_keeps_contract(backend, q, k, causal, dropout_p)
-            if not _aten_cuda_accepts(backend, q, k, v, causal):
+            if not _aten_cuda_accepts(backend, q, k, v, causal, dropout_p):
                 raise ValueError(
                     f"memopt.attention: torch cannot run backend {backend!r} on these inputs (shapes {tuple(q.shape)}, "
-                    f"{tuple(k.shape)}, dtype {q.dtype}); torch.backends.cuda.can_use_"
+                    f"{tuple(k.shape)}, dtype {q.dtype}, dropout_p {dropout_p}); torch.backends.cuda.can_use_"
                     f"{'flash' if backend == 'aten_flash' else backend}_attention(..., debug=True) says why"
                 )
         return backend
@@ -286,10 +294,10 @@ def resolve_backend(backend: str, q, k, v, causal: bool, dropout_p: float) -> st
 
 
 def _check_aten_keeps_contract(backend: str, q, k, causal: bool, dropout_p: float) -> None:
-    if dropout_p > 0.0:
+    if dropout_p > 0.0 and q.device.type != "cuda":
         raise ValueError(
-            f"memopt.attention: backend {backend!r} cannot replay memopt's dropout mask (ATen draws its own); "
-            "use backend='auto', 'cpu_flash', 'native' or 'triton' with dropout_p > 0"
+            f"memopt.attention: backend {backend!r} on CPU cannot replay a dropout mask (ATen's CPU kernel draws "
+            "none it can be given a key for); use backend='auto', 'cpu_flash', 'native' or 'triton' with dropout_p > 0"
         )
     if q.device.type == "cuda" and not _causal_square(q, k, causal):
         raise ValueError(
@@ -532,33 +540,84 @@ def _aten_lse_layout(backend: str) -> tuple[int, int]:
     return lse.dim(), lse.shape[2]
 
 
-def _aten_cuda_fwd_call(backend, q, k, v, causal, scale):
-    """(out, lse) of ATen's CUDA op for ``backend``, as the op returns them."""
+def _aten_cuda_fwd_call(backend, q, k, v, causal, scale, dropout_p=0.0):
+    """The result tuple of ATen's CUDA op for ``backend``, as the op returns it: (out, lse, ...)
+    with the Philox seed and offset tensors at :data:`_ATEN_PHILOX_FIELDS`."""
     if backend == "aten_flash":
-        result = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, k, v, dropout_p=0.0, is_causal=causal, return_debug_mask=False, scale=scale
+        return torch.ops.aten._scaled_dot_product_flash_attention(
+            q, k, v, dropout_p=dropout_p, is_causal=causal, return_debug_mask=False, scale=scale
         )
-    elif backend == "cudnn":
-        result = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, k, v, attn_bias=None, compute_log_sumexp=True, dropout_p=0.0, is_causal=causal,
+    if backend == "cudnn":
+        return torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, attn_bias=None, compute_log_sumexp=True, dropout_p=dropout_p, is_causal=causal,
             return_debug_mask=False, scale=scale,
         )  # fmt: skip
-    else:
-        result = torch.ops.aten._scaled_dot_product_efficient_attention(
-            q, k, v, attn_bias=None, compute_log_sumexp=True, dropout_p=0.0, is_causal=causal, scale=scale
+    return torch.ops.aten._scaled_dot_product_efficient_attention(
+        q, k, v, attn_bias=None, compute_log_sumexp=True, dropout_p=dropout_p, is_causal=causal, scale=scale
+    )
+
+
+# Where each op's result holds the Philox seed and offset tensors its backward takes.
+_ATEN_PHILOX_FIELDS = {"aten_flash": (6, 7), "cudnn": (6, 7), "efficient": (2, 3)}
+
+
+@contextlib.contextmanager
+def _cuda_generator_at(device: torch.device, rng_key: torch.Tensor):
+    """Run the block with torch's default CUDA generator of ``device`` at the state ``rng_key``
+    names, then put back the state it had: the masks ATen's dropout kernels draw inside are a
+    function of the key alone, and the user's random stream does not move.
+
+    Note:
+        This is what lets memopt run ATen's fused dropout attention under its contract. ATen's
+        kernels draw the mask from the generator's (seed, offset) at the call; memopt sets that
+        state from its own key (seed, 4 * offset: CUDA's Philox offsets come in steps of 4), so
+        every recompute, and the backward (given the seed and offset tensors the same state makes
+        the forward return), replays the forward's mask exactly. The mask is ATen's, not the one
+        of ``attention_triton``'s docstring: a key gives the same mask on one backend, device and
+        shape, as torch's own seeds do.
+    """
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "memopt.attention: ATen's dropout attention replays its mask by setting the CUDA generator's state, "
+            "which cannot be done while a CUDA graph is captured; pass backend='triton' (memopt's kernels "
+            "replay the mask from the key on the device)"
         )
-    return result[0], result[1]
+    generator = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    saved = generator.get_state()
+    seed, offset = (int(x) for x in rng_key.tolist())
+    try:
+        generator.manual_seed(seed % 2**64)
+        generator.set_offset((4 * offset) % 2**64)
+        yield
+    finally:
+        generator.set_state(saved)
 
 
-def _attention_fwd_aten_cuda(backend, q, k, v, causal, scale):
+def _aten_philox_tensors(backend, q, k, v, causal, scale, dropout_p, rng_key):
+    """The seed and offset tensors ATen's forward returned for ``rng_key``, in the form this torch
+    gives them (it differs across versions and under CUDA graphs): a forward on one query row of
+    the inputs, at the generator state of the key, returns them as the real forward did."""
+    rows = min(q.shape[2], k.shape[2], 16)
+    with _cuda_generator_at(q.device, rng_key):
+        result = _aten_cuda_fwd_call(backend, q[:1, :1, :rows], k[:1, :1, :rows], v[:1, :1, :rows], causal, scale, dropout_p)
+    seed_field, offset_field = _ATEN_PHILOX_FIELDS[backend]
+    return result[seed_field], result[offset_field]
+
+
+def _attention_fwd_aten_cuda(backend, q, k, v, causal, scale, dropout_p=0.0, rng_key=None):
     batch, heads, seq_q, _ = q.shape
     group = heads // k.shape[1]
-    out, lse = _aten_cuda_fwd_call(backend, q, _expand_kv(k, group), _expand_kv(v, group), causal, scale)
-    lse = lse.reshape(batch, heads, -1)[:, :, :seq_q].contiguous()
-    return _as_out_layout(out, q), lse
+    k_full, v_full = _expand_kv(k, group), _expand_kv(v, group)
+    if dropout_p > 0.0:
+        with _cuda_generator_at(q.device, rng_key):
+            result = _aten_cuda_fwd_call(backend, q, k_full, v_full, causal, scale, dropout_p)
+    else:
+        result = _aten_cuda_fwd_call(backend, q, k_full, v_full, causal, scale)
+    lse = result[1].reshape(batch, heads, -1)[:, :, :seq_q].contiguous()
+    return _as_out_layout(result[0], q), lse
 
 
-def _attention_bwd_aten_cuda(backend, grad_out, q, k, v, out, lse, causal, scale):
+def _attention_bwd_aten_cuda(backend, grad_out, q, k, v, out, lse, causal, scale, dropout_p=0.0, rng_key=None):
     batch, heads, seq_q, _ = q.shape
     seq_k = k.shape[2]
     group = heads // k.shape[1]
@@ -570,24 +629,53 @@ def _attention_bwd_aten_cuda(backend, grad_out, q, k, v, out, lse, causal, scale
         lse = torch.nn.functional.pad(lse, (0, padded - seq_q))
     if rank == 4:
         lse = lse.unsqueeze(-1)
-    # Without dropout the Philox seed and offset are not read: empty placeholders.
-    unused = torch.empty(0, dtype=torch.int64, device=q.device)
+    if dropout_p > 0.0:
+        seed, offset = _aten_philox_tensors(backend, q, k_full, v_full, causal, scale, dropout_p, rng_key)
+    else:  # without dropout the Philox seed and offset are not read: empty placeholders
+        seed = offset = torch.empty(0, dtype=torch.int64, device=q.device)
     if backend == "aten_flash":
         grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
-            grad_out, q, k_full, v_full, out, lse, None, None, seq_q, seq_k, 0.0, causal, unused, unused, scale=scale
+            grad_out, q, k_full, v_full, out, lse, None, None, seq_q, seq_k, dropout_p, causal, seed, offset, scale=scale
         )
     elif backend == "cudnn":
         grads = torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            grad_out, q, k_full, v_full, out, lse, unused, unused, None, None, None, seq_q, seq_k, 0.0, causal,
+            grad_out, q, k_full, v_full, out, lse, seed, offset, None, None, None, seq_q, seq_k, dropout_p, causal,
             scale=scale,
         )  # fmt: skip
     else:
+        # The memory-efficient backward (xformers' kernel) takes out's row stride as H * D, the
+        # (B, S, H, D) buffer its forward wrote, whatever out's own strides say: a contiguous
+        # (B, H, S, D) out gave dq off by 2.3 on an H200 (bench/results/h200-20261204b), so out
+        # goes back into that layout (a copy when q was contiguous).
         grads = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
-            grad_out, q, k_full, v_full, None, out, lse, unused, unused, 0.0, [True, True, True, False], causal,
-            scale=scale,
+            grad_out, q, k_full, v_full, None, _as_bshd(out), lse, seed, offset, dropout_p, [True, True, True, False],
+            causal, scale=scale,
         )  # fmt: skip
     grad_q, grad_k, grad_v = grads[:3]
     return _as_bshd(grad_q), _sum_groups(grad_k, group), _sum_groups(grad_v, group)
+
+
+def aten_dropout_keep_mask(backend, q, k, causal, dropout_p, scale, rng_key) -> torch.Tensor:
+    """(B, H, Sq, Sk) bool: the entries ATen's CUDA ``backend`` keeps under ``rng_key``, read from
+    its own forward (the mask is not exposed otherwise): with v the columns ``[n0, n0 + D)`` of the
+    identity, out[..., i, d] is probability (i, n0 + d) times its dropout factor, non-zero exactly
+    where the entry is kept (a probability rounds to zero only below the smallest normal half
+    number, where a dropped or kept entry adds nothing anyway). ``ceil(Sk / D)`` forward calls: for
+    the exact second derivatives of :func:`_attention_backward_with_graph` and for tests."""
+    batch, heads, seq_q, head_dim = q.shape
+    seq_k = k.shape[2]
+    k_full = _expand_kv(k, heads // k.shape[1])
+    keep = torch.empty(batch, heads, seq_q, seq_k, dtype=torch.bool, device=q.device)
+    with torch.no_grad():
+        for n0 in range(0, seq_k, head_dim):
+            n1 = min(seq_k, n0 + head_dim)
+            eye = torch.zeros(batch, heads, seq_k, head_dim, dtype=q.dtype, device=q.device)
+            eye[:, :, n0:n1].copy_(torch.eye(n1 - n0, head_dim, dtype=q.dtype, device=q.device))
+            out = _attention_fwd_aten_cuda(backend, q, k_full, eye, causal, scale, dropout_p, rng_key)[0]
+            keep[..., n0:n1] = out[..., : n1 - n0] != 0
+    if causal:
+        keep.masked_fill_(_causal_hidden(0, seq_k, 0, seq_q, q.device), False)
+    return keep
 
 
 # ---------------------------------------------------------------------------------------------
@@ -644,7 +732,7 @@ def run_attention_fwd(backend: str, q, k, v, causal: bool, dropout_p: float, sca
     if backend == "aten_flash" and q.device.type == "cpu":
         return _attention_fwd_aten_cpu(q, k, v, causal, scale)
     if backend in ATEN_CUDA_BACKENDS:
-        return _attention_fwd_aten_cuda(backend, q, k, v, causal, scale)
+        return _attention_fwd_aten_cuda(backend, q, k, v, causal, scale, dropout_p, rng_key)
     return attention_triton.attention_fwd_triton(q, k, v, causal, dropout_p, scale, rng_key)
 
 
@@ -756,7 +844,7 @@ def run_attention_bwd(backend: str, grad_out, q, k, v, out, lse, causal: bool, d
     if backend == "aten_flash" and q.device.type == "cpu":
         return _attention_bwd_aten_cpu(grad_out, q, k, v, out, lse, causal, scale)
     if backend in ATEN_CUDA_BACKENDS:
-        return _attention_bwd_aten_cuda(backend, grad_out, q, k, v, out, lse, causal, scale)
+        return _attention_bwd_aten_cuda(backend, grad_out, q, k, v, out, lse, causal, scale, dropout_p, rng_key)
     return _attention_bwd_triton(grad_out, q, k, v, out, lse, causal, dropout_p, scale, rng_key)
 
 
@@ -818,14 +906,18 @@ def _attention_bwd_packed_fake(grad_out, q, k, v, out, lse, causal, dropout_p, s
 
 def _attention_backward_with_graph(ctx, grad_out):
     """The backward as differentiable ops, for ``create_graph=True`` (second derivatives): the
-    attention is run again as :func:`attention_ref` (the same dropout mask, from the same key;
-    half types in float32) and differentiated, so second derivatives are exact. It materialises
-    the (B, H, Sq, Sk) probabilities, as any double backward through attention must keep them."""
+    attention is run again as :func:`attention_ref` (the same dropout mask: regenerated from the
+    key, or read back from ATen's kernel for its CUDA backends; half types in float32) and
+    differentiated, so second derivatives are exact. It materialises the (B, H, Sq, Sk)
+    probabilities, as any double backward through attention must keep them."""
     q, k, v, _, _, rng_key = ctx.saved_tensors
+    keep = None
+    if ctx.dropout_p > 0.0 and ctx.backend in ATEN_CUDA_BACKENDS:
+        keep = aten_dropout_keep_mask(ctx.backend, q.detach(), k.detach(), ctx.causal, ctx.dropout_p, ctx.scale, rng_key)
     half = q.dtype in (torch.float16, torch.bfloat16)
     with torch.enable_grad():
-        out = attention_ref(
-            *((t.float() if half else t) for t in (q, k, v)), ctx.causal, ctx.dropout_p, ctx.scale, rng_key, upcast=False
+        out = _attention_ref_with_keep(
+            *((t.float() if half else t) for t in (q, k, v)), ctx.causal, ctx.dropout_p, ctx.scale, rng_key, keep
         ).to(q.dtype)
     return grads_with_graph(out, [q, k, v], grad_out)
 
@@ -955,6 +1047,12 @@ def attention_ref(
     Differentiable, so its gradients are the reference gradients."""
     if upcast:
         q, k, v = q.double(), k.double(), v.double()
+    return _attention_ref_with_keep(q, k, v, causal, dropout_p, scale, rng_key, None)
+
+
+def _attention_ref_with_keep(q, k, v, causal, dropout_p, scale, rng_key, keep):
+    """:func:`attention_ref` in the inputs' dtype; ``keep`` (B, H, Sq, Sk) bool, when given, is the
+    dropout mask (ATen's), else it is built from ``rng_key``."""
     batch, heads, seq_q, head_dim = q.shape
     seq_k = k.shape[2]
     group = heads // k.shape[1]
@@ -966,7 +1064,8 @@ def attention_ref(
         scores = scores.masked_fill(_causal_hidden(0, seq_k, 0, seq_q, q.device), -math.inf)
     probs = torch.softmax(scores, dim=-1)
     if dropout_p > 0.0:
-        seed, offset = (int(x) for x in rng_key.tolist())
-        keep = dropout_keep_mask((batch, heads, seq_q, seq_k), dropout_p, seed, offset).to(q.device)
+        if keep is None:
+            seed, offset = (int(x) for x in rng_key.tolist())
+            keep = dropout_keep_mask((batch, heads, seq_q, seq_k), dropout_p, seed, offset).to(q.device)
         probs = torch.where(keep, probs / (1.0 - dropout_p), torch.zeros_like(probs))
     return torch.matmul(probs, v)

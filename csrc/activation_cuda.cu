@@ -4,7 +4,7 @@
 // * Forward, and backward without a bias: one grid-stride elementwise pass.
 // * Backward with a bias: a 2-D grid of CTAs, each over a tile of columns and a chunk of rows. A
 //   CTA writes grad_x (and the rebuilt y) for its tile and the float32 sum of its rows' bias
-//   gradient to partials[chunk, column]; a second kernel adds the partials in chunk order. No
+//   gradient to partials[chunk, column]; column_sum.cuh adds the partials in a fixed order. No
 //   atomics, so the bias gradient is the same on every run.
 // * Each kernel moves packs of W elements: W = 16 bytes' worth (4 floats, 8 halves) when the row
 //   (swiglu: the half row d) is a multiple of that and the tensors are 16-byte aligned, as ATen's
@@ -23,6 +23,7 @@
 #include <initializer_list>
 
 #include "activation.h"
+#include "column_sum.cuh"
 #include "common.h"
 #include "vector_pack.cuh"
 
@@ -294,24 +295,9 @@ __global__ void swiglu_bwd_bias_cuda_kernel(const scalar_t* __restrict__ grad_y,
   }
 }
 
-// grad_bias[c] = sum over chunks of partials[chunk, c], added in chunk order.
-template <typename acc_t, typename bias_t>
-__global__ void reduce_partials_cuda_kernel(const acc_t* __restrict__ partials, int64_t chunks, int64_t width,
-                                            bias_t* __restrict__ grad_bias) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < width; c += stride) {
-    acc_t sum = 0;
-    for (int64_t k = 0; k < chunks; ++k) sum += partials[k * width + c];
-    grad_bias[c] = static_cast<bias_t>(sum);
-  }
-}
-
 template <typename acc_t, typename bias_t>
 void launch_reduce_partials(const at::Tensor& partials, int64_t chunks, int64_t width, const at::Tensor& grad_bias) {
-  reduce_partials_cuda_kernel<acc_t, bias_t>
-      <<<elementwise_blocks(width), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-          partials.const_data_ptr<acc_t>(), chunks, width, grad_bias.mutable_data_ptr<bias_t>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_column_sum(partials.const_data_ptr<acc_t>(), chunks, width, grad_bias.mutable_data_ptr<bias_t>());
 }
 
 at::Tensor bias_act_fwd_cuda(const at::Tensor& x, const std::optional<at::Tensor>& bias,

@@ -13,6 +13,7 @@
 #include <initializer_list>
 #include <tuple>
 
+#include "column_sum.cuh"
 #include "common.h"
 #include "vector_pack.cuh"
 #include "norm.h"
@@ -162,17 +163,6 @@ __global__ void norm_bwd_cuda_kernel(const scalar_t* grad_y, const scalar_t* __r
       grad_x[offset + j] = static_cast<scalar_t>(dx);
     }
   }
-}
-
-// out[j] = sum over b of partials[b, j], b in increasing order.
-template <typename param_t>
-__global__ void reduce_partials_cuda_kernel(const float* __restrict__ partials, param_t* __restrict__ out,
-                                            int64_t blocks, int64_t n) {
-  const int64_t j = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (j >= n) return;
-  float total = 0.f;
-  for (int64_t b = 0; b < blocks; ++b) total += partials[b * n + j];
-  out[j] = static_cast<param_t>(total);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -395,11 +385,17 @@ int threads_for_row(int64_t n) {
   return static_cast<int>(std::min<int64_t>(warps, kMaxWarps) * kWarpSize);
 }
 
-// As many CTAs as fit on the device at once (rows beyond that are strided over them).
-int64_t grid_for_rows(int64_t rows, int threads) {
+// As many CTAs of `kernel` as are resident on the device at once, by its occupancy (registers,
+// not only threads: the vectorized backward holds about 128 registers a thread, so 4 CTAs of 128
+// threads fit on an SM where the thread count alone would allow 16); rows beyond them are strided
+// over them. The backward writes one partial row of each parameter gradient per CTA, so CTAs that
+// would only wait for a slot cost partial rows to write and sum, not parallelism.
+template <typename Kernel>
+int64_t grid_for_rows(Kernel kernel, int64_t rows, int threads) {
   const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
-  const int64_t per_sm = std::max(1, std::min(32, props->maxThreadsPerMultiProcessor / threads));
-  return std::max<int64_t>(1, std::min<int64_t>(rows, per_sm * props->multiProcessorCount));
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
+  return std::max<int64_t>(1, std::min<int64_t>(rows, static_cast<int64_t>(std::max(1, per_sm)) * props->multiProcessorCount));
 }
 
 NormFwdResult norm_fwd_cuda(const char* op, bool rms, const at::Tensor& x, const std::optional<at::Tensor>& residual,
@@ -424,8 +420,8 @@ NormFwdResult norm_fwd_cuda(const char* op, bool rms, const at::Tensor& x, const
       const int vec = vec_threads<scalar_t, param_t>(problem.n, {x_data, residual_data, y_data, residual_out_data},
                                                      {weight_data, bias_data});
       const int threads = vec > 0 ? vec : threads_for_row(problem.n);
-      const int64_t blocks = grid_for_rows(problem.rows, threads);
       const auto kernel = vec > 0 ? norm_fwd_vec_cuda_kernel<scalar_t, param_t> : norm_fwd_cuda_kernel<scalar_t, param_t>;
+      const int64_t blocks = grid_for_rows(kernel, problem.rows, threads);
       kernel<<<blocks, threads, 0, stream>>>(x_data, residual_data, weight_data, bias_data, y_data, residual_out_data,
                                              mean_data, rstd_data, problem.rows, problem.n, static_cast<float>(eps));
       C10_CUDA_KERNEL_LAUNCH_CHECK();
@@ -463,7 +459,8 @@ NormBwdResult norm_bwd_cuda(const char* op, const at::Tensor& grad_y, const at::
       const int vec = vec_threads<scalar_t, param_t>(problem.n, {grad_y_data, x_data, extra_data, grad_x_data, y_data},
                                                      {weight_data, bias_data});
       const int threads = vec > 0 ? vec : threads_for_row(problem.n);
-      const int64_t blocks = grid_for_rows(problem.rows, threads);
+      const auto kernel = vec > 0 ? norm_bwd_vec_cuda_kernel<scalar_t, param_t> : norm_bwd_cuda_kernel<scalar_t, param_t>;
+      const int64_t blocks = grid_for_rows(kernel, problem.rows, threads);
       // The vectorized kernel writes every entry of its partial rows; the other one adds into them.
       const auto make_partials = [&] {
         return vec > 0 ? at::empty({blocks, problem.n}, partial_options) : at::zeros({blocks, problem.n}, partial_options);
@@ -472,23 +469,16 @@ NormBwdResult norm_bwd_cuda(const char* op, const at::Tensor& grad_y, const at::
       at::Tensor bias_partials = bias.has_value() ? make_partials() : at::Tensor();
       float* weight_partial_data = weight.has_value() ? weight_partials.mutable_data_ptr<float>() : nullptr;
       float* bias_partial_data = bias.has_value() ? bias_partials.mutable_data_ptr<float>() : nullptr;
-      const auto kernel = vec > 0 ? norm_bwd_vec_cuda_kernel<scalar_t, param_t> : norm_bwd_cuda_kernel<scalar_t, param_t>;
       kernel<<<blocks, threads, 0, stream>>>(grad_y_data, x_data, weight_data, bias_data,
                                              mean ? mean->const_data_ptr<float>() : nullptr,
                                              rstd.const_data_ptr<float>(), extra_data, grad_x_data, y_data,
                                              weight_partial_data, bias_partial_data, problem.rows, problem.n);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      constexpr int reduce_threads = 256;
-      const int64_t reduce_blocks = (problem.n + reduce_threads - 1) / reduce_threads;
       if (weight_partial_data) {
-        reduce_partials_cuda_kernel<param_t><<<reduce_blocks, reduce_threads, 0, stream>>>(
-            weight_partial_data, grad_weight.mutable_data_ptr<param_t>(), blocks, problem.n);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        launch_column_sum(weight_partial_data, blocks, problem.n, grad_weight.mutable_data_ptr<param_t>());
       }
       if (bias_partial_data) {
-        reduce_partials_cuda_kernel<param_t><<<reduce_blocks, reduce_threads, 0, stream>>>(
-            bias_partial_data, grad_bias.mutable_data_ptr<param_t>(), blocks, problem.n);
-        C10_CUDA_KERNEL_LAUNCH_CHECK();
+        launch_column_sum(bias_partial_data, blocks, problem.n, grad_bias.mutable_data_ptr<param_t>());
       }
     });
   });

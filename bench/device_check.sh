@@ -63,8 +63,9 @@ step() {  # step NAME SECONDS CMD...: run with a time limit, log to $OUT/NAME.lo
 step build 240 bash -c "pip install --no-build-isolation --no-deps -e . || python setup.py build_ext --inplace" \
   || { echo "build failed"; exit 1; }
 step build_info 60 python -c "import memopt; print(memopt.build_info())"
-# Files whose GPU tests have never run come first, so a step cut by its time limit still reports them.
-first_tests=(tests/test_offload.py tests/test_wrap.py tests/test_wrap_swap.py tests/test_block.py)
+# Files whose GPU tests have never run (or cover code changed since the last run) come first, so a
+# step cut by its time limit still reports them.
+first_tests=(tests/test_attention.py tests/test_block.py tests/test_norm.py tests/test_activation.py tests/test_offload.py tests/test_wrap.py tests/test_wrap_swap.py)
 gpu_test_files=("${first_tests[@]}")
 for f in tests/test_*.py; do
   case " ${first_tests[*]} " in *" $f "*) ;; *) gpu_test_files+=("$f") ;; esac
@@ -83,8 +84,9 @@ step bench_offload "${STEP_TIMEOUT_BENCH_OFFLOAD:-180}" python -m bench.offload 
 # bf16) against Hugging Face's own checkpointing; fails when a plan's measured bytes exceed its budget.
 step bench_wrap_h200 "${STEP_TIMEOUT_BENCH_WRAP:-150}" python -m bench.wrap --preset h200 --out "$OUT/wrap_h200.json"
 step kernels_h200 "${STEP_TIMEOUT_KERNELS_H200:-150}" python -m bench.kernels --preset h200 --out "$OUT" --no-progress
-step bench_attention "${STEP_TIMEOUT_BENCH_ATTENTION:-120}" python -m bench.attention --preset h200 \
-  --seqs "${ATTENTION_SEQS:-4096,8192}" --out "$OUT/attention_h200.json"
+# One sequence length: the preset's eight cases times ten providers ran past 90 s at seq 4096 alone.
+step bench_attention "${STEP_TIMEOUT_BENCH_ATTENTION:-150}" python -m bench.attention --preset h200 \
+  --seqs "${ATTENTION_SEQS:-4096}" --out "$OUT/attention_h200.json"
 # The chunked LM-head loss (memopt.linear_cross_entropy) against F.linear + F.cross_entropy: time
 # and the allocator's peak at Llama-3-sized vocabularies.
 step cross_entropy_h200 "${STEP_TIMEOUT_CROSS_ENTROPY:-90}" python -m bench.cross_entropy --preset h200 --out "$OUT"

@@ -595,8 +595,9 @@ def _cuda_generator_at(device: torch.device, rng_key: torch.Tensor):
 
 def _aten_philox_tensors(backend, q, k, v, causal, scale, dropout_p, rng_key):
     """The seed and offset tensors ATen's forward returned for ``rng_key``, in the form this torch
-    gives them (it differs across versions and under CUDA graphs): a forward on one query row of
-    the inputs, at the generator state of the key, returns them as the real forward did."""
+    gives them (it differs across versions and under CUDA graphs): a forward on the first 16 (or
+    fewer) rows of one head of the inputs, at the generator state of the key, returns them as the
+    real forward did (they hold the generator's seed and offset at the call, not the shape)."""
     rows = min(q.shape[2], k.shape[2], 16)
     with _cuda_generator_at(q.device, rng_key):
         result = _aten_cuda_fwd_call(backend, q[:1, :1, :rows], k[:1, :1, :rows], v[:1, :1, :rows], causal, scale, dropout_p)

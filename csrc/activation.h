@@ -34,6 +34,25 @@ MEMOPT_HOST_DEVICE double act_erf(double v) { return ::erf(v); }
 MEMOPT_HOST_DEVICE float act_tanh(float v) { return ::tanhf(v); }
 MEMOPT_HOST_DEVICE double act_tanh(double v) { return ::tanh(v); }
 
+// a * b + c. On the device one fused multiply-add, always: written out as a * b + c, nvcc may or
+// may not contract it depending on the code around it, and gelu's gradient came out of the packed
+// and the element-wise CUDA kernels one bit apart on an H200 (bench/results/h200-20261204). On the
+// host the compiler's contraction rule stands (the CPU kernels have one code shape per op).
+MEMOPT_HOST_DEVICE float mul_add(float a, float b, float c) {
+#ifdef __CUDA_ARCH__
+  return __fmaf_rn(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+MEMOPT_HOST_DEVICE double mul_add(double a, double b, double c) {
+#ifdef __CUDA_ARCH__
+  return __fma_rn(a, b, c);
+#else
+  return a * b + c;
+#endif
+}
+
 template <typename T>
 struct ValueAndGrad {
   T value;  // act(x)
@@ -82,7 +101,7 @@ MEMOPT_HOST_DEVICE ValueAndGrad<T> activation_value_and_grad(T x) {
   } else if constexpr (A == Activation::kGelu) {
     const T cdf = gelu_cdf(x);
     const T pdf = act_exp(T(-0.5) * x * x) * T(0.39894228040143267794);  // 1 / sqrt(2 pi)
-    return {x * cdf, cdf + x * pdf};
+    return {x * cdf, mul_add(x, pdf, cdf)};
   } else if constexpr (A == Activation::kGeluTanh) {
     constexpr T kBeta = T(0.79788456080286535588);  // sqrt(2 / pi)
     constexpr T kKappa = T(0.044715);

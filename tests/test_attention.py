@@ -756,6 +756,58 @@ def test_gpu_backends_share_one_lse_and_dropout_goes_to_aten():
         torch.testing.assert_close(lse, lses["triton"], atol=1e-2, rtol=0, msg=lambda m, n=backend: f"{n}: {m}")
 
 
+class _RecordingCudaGenerator:
+    """Stands in for torch's default CUDA generator: records what is set, hands back a state."""
+
+    def __init__(self):
+        self.state = torch.tensor([1, 2, 3], dtype=torch.uint8)
+        self.calls = []
+
+    def get_state(self):
+        self.calls.append(("get_state",))
+        return self.state.clone()
+
+    def set_state(self, state):
+        self.calls.append(("set_state", state.tolist()))
+
+    def manual_seed(self, seed):
+        self.calls.append(("manual_seed", seed))
+
+    def set_offset(self, offset):
+        self.calls.append(("set_offset", offset))
+
+
+@pytest.mark.parametrize(
+    "key,seed,offset",
+    [((5, 3), 5, 12), ((-1, 0), 2**64 - 1, 0), ((2**62, 2**62 + 1), 2**62, (4 * (2**62 + 1)) % 2**64)],
+    ids=["small", "negative-seed", "offset-wraps"],
+)
+def test_cuda_generator_is_set_to_the_key_and_put_back(monkeypatch, key, seed, offset):
+    # ATen's dropout kernels draw from the default CUDA generator: memopt sets it to the key (seed
+    # and 4 x offset, CUDA's Philox offsets come in steps of 4, both as uint64) for the call and
+    # puts the saved state back after it, also when the call raises.
+    generator = _RecordingCudaGenerator()
+    monkeypatch.setattr(torch.cuda, "default_generators", (generator,))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    device = torch.device("cuda", 0)
+    with attention_ops._cuda_generator_at(device, rng_key(*key)):
+        assert generator.calls == [("get_state",), ("manual_seed", seed), ("set_offset", offset)]
+    assert generator.calls[-1] == ("set_state", [1, 2, 3])
+    generator.calls.clear()
+    with pytest.raises(KeyError):
+        with attention_ops._cuda_generator_at(device, rng_key(*key)):
+            raise KeyError("the kernel failed")
+    assert generator.calls[-1] == ("set_state", [1, 2, 3])
+
+
+def test_cuda_generator_refuses_a_graph_capture(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "default_generators", (_RecordingCudaGenerator(),))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match="CUDA graph is captured; pass backend='triton'"):
+        with attention_ops._cuda_generator_at(torch.device("cuda", 0), rng_key(1)):
+            pass
+
+
 def _kept_entries(q, k, causal, dropout_p, key, backend):
     """The dropout mask a backend applied, read from its forward: with v the columns [n0, n0 + D)
     of the identity, out[..., i, d] is probability (i, n0 + d) times its dropout factor."""

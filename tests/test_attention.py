@@ -698,6 +698,17 @@ def test_aten_op_schemas_match_the_calls(op):
 
 
 @pytest.mark.parametrize("backend", ["aten_flash", "cudnn", "efficient"])
+def test_aten_philox_fields_are_the_seed_and_offset_the_backward_takes(backend):
+    # The forward's outputs handed to the backward as its philox_seed and philox_offset (flash
+    # calls them rng_state and unused from torch 2.14 on), by position, on every torch CI runs.
+    op = {"aten_flash": "_scaled_dot_product_flash_attention", "cudnn": "_scaled_dot_product_cudnn_attention",
+          "efficient": "_scaled_dot_product_efficient_attention"}[backend]  # fmt: skip
+    returns = [r.name for r in getattr(torch.ops.aten, op).default._schema.returns]
+    seed, offset = attention_ops._ATEN_PHILOX_FIELDS[backend]
+    assert (returns[seed], returns[offset]) in {("philox_seed", "philox_offset"), ("rng_state", "unused")}, returns
+
+
+@pytest.mark.parametrize("backend", ["aten_flash", "cudnn", "efficient"])
 def test_aten_cuda_lse_layout_is_read_from_the_meta_kernels(backend):
     rank, rows = attention_ops._aten_lse_layout(backend)
     # 33 query rows: flash returns (B, H, Sq); cuDNN (B, H, Sq, 1) from torch 2.14 on (Sq before);

@@ -38,16 +38,14 @@ MEMOPT_HOST_DEVICE double act_tanh(double v) { return ::tanh(v); }
 // may not contract it depending on the code around it, and gelu's gradient came out of the packed
 // and the element-wise CUDA kernels one bit apart on an H200 (bench/results/h200-20261204). On the
 // host the compiler's contraction rule stands (the CPU kernels have one code shape per op).
-MEMOPT_HOST_DEVICE float mul_add(float a, float b, float c) {
+template <typename T>
+MEMOPT_HOST_DEVICE T mul_add(T a, T b, T c) {
 #ifdef __CUDA_ARCH__
-  return __fmaf_rn(a, b, c);
-#else
-  return a * b + c;
-#endif
-}
-MEMOPT_HOST_DEVICE double mul_add(double a, double b, double c) {
-#ifdef __CUDA_ARCH__
-  return __fma_rn(a, b, c);
+  if constexpr (sizeof(T) == sizeof(float)) {
+    return __fmaf_rn(a, b, c);
+  } else {
+    return __fma_rn(a, b, c);
+  }
 #else
   return a * b + c;
 #endif

@@ -33,6 +33,7 @@ namespace {
 constexpr int kThreads = 256;  // elementwise kernels
 constexpr int kTileCols = 32;  // bias-gradient kernels: blockDim.x, one warp across columns
 constexpr int kTileRows = 8;   // bias-gradient kernels: blockDim.y, rows handled side by side
+constexpr int kRowUnroll = 4;  // bias_act's bias-gradient kernel: rows a thread loads at once
 constexpr int64_t kMinRowsPerChunk = 4 * kTileRows;
 constexpr int64_t kMaxGridY = 65535;
 
@@ -52,17 +53,23 @@ int elementwise_blocks(int64_t numel) {
 }
 
 // The bias-gradient grid: column tiles (kTileCols threads of cols_per_thread columns each) along
-// x, row chunks along y, sized for about 4 CTAs per SM and at least kMinRowsPerChunk rows per chunk.
+// x, row chunks along y, sized for as many CTAs as are resident at once (`kernel`'s occupancy:
+// registers decide it, 2-4 per SM) and at least kMinRowsPerChunk rows per chunk. A second wave
+// would only add partial rows and a tail.
 struct BiasGradGrid {
   dim3 grid;
   int64_t rows_per_chunk;
   int64_t chunks;
 };
 
-BiasGradGrid bias_grad_grid(int64_t rows, int64_t cols, int64_t cols_per_thread) {
+template <typename Kernel>
+BiasGradGrid bias_grad_grid(Kernel kernel, int64_t rows, int64_t cols, int64_t cols_per_thread) {
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kTileCols * kTileRows, 0));
+  const int64_t resident = static_cast<int64_t>(std::max(1, per_sm)) * multiprocessors();
   const int64_t tile_width = kTileCols * cols_per_thread;
   const int64_t col_tiles = (cols + tile_width - 1) / tile_width;
-  const int64_t wanted = std::max<int64_t>(1, (4 * static_cast<int64_t>(multiprocessors()) + col_tiles - 1) / col_tiles);
+  const int64_t wanted = std::max<int64_t>(1, (resident + col_tiles - 1) / col_tiles);
   const int64_t most = std::max<int64_t>(1, (rows + kMinRowsPerChunk - 1) / kMinRowsPerChunk);
   int64_t chunks = std::min({wanted, most, kMaxGridY});
   const int64_t rows_per_chunk = (rows + chunks - 1) / chunks;
@@ -137,21 +144,35 @@ __global__ void bias_act_bwd_bias_cuda_kernel(const scalar_t* grad_y, const scal
     acc_t b[W];
 #pragma unroll
     for (int j = 0; j < W; ++j) b[j] = static_cast<acc_t>(bias[col + j]);
-    for (int64_t r = row_begin + threadIdx.y; r < row_end; r += kTileRows) {
-      const int64_t i = r * cols + col;
-      const Pack<scalar_t, W> g = load_pack<W>(grad_y + i);
-      const Pack<scalar_t, W> in = load_pack<W>(x + i);
-      Pack<scalar_t, W> grad, value;
+    // kRowUnroll of the thread's rows at a time, every load before any store: grad_x may alias
+    // grad_y, so the compiler may not move a later row's loads above an earlier row's stores, and
+    // one row at a time would cost one memory round trip per row. The rows are still summed in
+    // order (r, r + kTileRows, ...), so the bias gradient's bits do not depend on the unroll.
+    for (int64_t r0 = row_begin + threadIdx.y; r0 < row_end; r0 += kTileRows * kRowUnroll) {
+      Pack<scalar_t, W> g[kRowUnroll], in[kRowUnroll];
 #pragma unroll
-      for (int j = 0; j < W; ++j) {
-        const ValueAndGrad<acc_t> act = activation_value_and_grad<A>(static_cast<acc_t>(in.v[j]) + b[j]);
-        const acc_t grad_h = static_cast<acc_t>(g.v[j]) * act.grad;
-        grad.v[j] = static_cast<scalar_t>(grad_h);
-        value.v[j] = static_cast<scalar_t>(act.value);
-        sum[j] += grad_h;
+      for (int u = 0; u < kRowUnroll; ++u) {
+        const int64_t r = r0 + u * kTileRows;
+        if (r >= row_end) break;
+        g[u] = load_pack<W>(grad_y + r * cols + col);
+        in[u] = load_pack<W>(x + r * cols + col);
       }
-      store_pack<W>(grad_x + i, grad);
-      if (y != nullptr) store_pack<W>(y + i, value);
+#pragma unroll
+      for (int u = 0; u < kRowUnroll; ++u) {
+        const int64_t r = r0 + u * kTileRows;
+        if (r >= row_end) break;
+        Pack<scalar_t, W> grad, value;
+#pragma unroll
+        for (int j = 0; j < W; ++j) {
+          const ValueAndGrad<acc_t> act = activation_value_and_grad<A>(static_cast<acc_t>(in[u].v[j]) + b[j]);
+          const acc_t grad_h = static_cast<acc_t>(g[u].v[j]) * act.grad;
+          grad.v[j] = static_cast<scalar_t>(grad_h);
+          value.v[j] = static_cast<scalar_t>(act.value);
+          sum[j] += grad_h;
+        }
+        store_pack<W>(grad_x + r * cols + col, grad);
+        if (y != nullptr) store_pack<W>(y + r * cols + col, value);
+      }
     }
   }
 #pragma unroll
@@ -358,21 +379,21 @@ void run_bias_act_bwd_cuda(const ActBackward& call, const at::Tensor& grad_y, co
       });
       return;
     }
-    const BiasGradGrid launch = bias_grad_grid(call.rows, call.cols, w);
-    auto partials =
-        at::empty({launch.chunks, call.cols}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
     dispatch_param_type<scalar_t>(param_dtype(bias, x), [&](auto* bias_tag) {
       using bias_t = std::remove_pointer_t<decltype(bias_tag)>;
       dispatch_activation(call.activation, [&](auto a) {
         constexpr Activation A = decltype(a)::value;
         const auto kernel = packed ? bias_act_bwd_bias_cuda_kernel<A, scalar_t, bias_t, kPack16<scalar_t>>
                                    : bias_act_bwd_bias_cuda_kernel<A, scalar_t, bias_t, 1>;
+        const BiasGradGrid launch = bias_grad_grid(kernel, call.rows, call.cols, w);
+        auto partials =
+            at::empty({launch.chunks, call.cols}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
         kernel<<<launch.grid, dim3(kTileCols, kTileRows), 0, stream>>>(
             grad_y_data, x_data, optional_data<bias_t>(bias), grad_x_data, y_ptr, partials.mutable_data_ptr<acc_t>(),
             call.rows, call.cols, launch.rows_per_chunk);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
+        launch_reduce_partials<acc_t, bias_t>(partials, launch.chunks, call.cols, grad_bias);
       });
-      launch_reduce_partials<acc_t, bias_t>(partials, launch.chunks, call.cols, grad_bias);
     });
   });
 }
@@ -445,12 +466,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_bwd_cuda(const at::Tensor&
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       return;
     }
-    const BiasGradGrid launch = bias_grad_grid(call.rows, d, w);
-    auto partials = at::empty({launch.chunks, 2 * d}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
     dispatch_param_type<scalar_t>(param_dtype(bias, x), [&](auto* bias_tag) {
       using bias_t = std::remove_pointer_t<decltype(bias_tag)>;
       const auto kernel = packed ? swiglu_bwd_bias_cuda_kernel<scalar_t, bias_t, kPack16<scalar_t>>
                                  : swiglu_bwd_bias_cuda_kernel<scalar_t, bias_t, 1>;
+      const BiasGradGrid launch = bias_grad_grid(kernel, call.rows, d, w);
+      auto partials = at::empty({launch.chunks, 2 * d}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
       kernel<<<launch.grid, dim3(kTileCols, kTileRows), 0, stream>>>(
           grad_y_data, x_data, optional_data<bias_t>(bias), grad_x_data, y_ptr, partials.mutable_data_ptr<acc_t>(),
           call.rows, d, launch.rows_per_chunk);

@@ -172,8 +172,9 @@ __global__ void norm_bwd_cuda_kernel(const scalar_t* grad_y, const scalar_t* __r
 // kChunks, kChunks * kVec = 16 elements) and holds them in registers across the passes, so x is
 // read from memory once per kernel. It runs where n is a multiple of kVec, every row pointer is
 // 16-byte aligned and n <= kMaxVecThreads * 16; other shapes take the kernels above. The
-// backward holds four 16-element arrays per thread (about 120 registers): __launch_bounds__ keeps
-// it within what 512 threads per CTA may use (128 registers each).
+// backward holds the row's x, grad_y and grad_x_extra in their own dtype and two 16-element float
+// accumulators per thread (about 100-128 registers by dtype, measured with -Xptxas -v for sm_90):
+// __launch_bounds__ keeps it within what 512 threads per CTA may use (128 registers each).
 
 constexpr int kVecElementsPerThread = 16;
 constexpr int kMaxVecThreads = 512;
@@ -299,31 +300,37 @@ __global__ void __launch_bounds__(kMaxVecThreads) norm_bwd_vec_cuda_kernel(const
     const int64_t offset = row * n;
     const float row_mean = mean ? mean[row] : 0.f;
     const float row_rstd = rstd[row];
-    float x_hat[kChunks][kVec];
-    float g[kChunks][kVec];  // grad_y * weight
-    float g_partial = 0.f;
+    // Every load of the row is issued before any of it is used (grad_x_extra too, which is only
+    // needed after the reduction), so a row costs one memory round trip, not two. The row stays
+    // in its input dtype (half the registers of float copies at 16 bits); x_hat and g are
+    // recomputed from it after the reduction, and the weight packs come again from L1.
+    Pack<scalar_t, kVec> x_packs[kChunks], dy_packs[kChunks], extra_packs[kChunks];
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int64_t chunk = threadIdx.x + static_cast<int64_t>(c) * blockDim.x;
+      if (chunk >= chunks) continue;
+      x_packs[c] = load_pack<kVec>(x + offset, chunk);
+      dy_packs[c] = load_pack<kVec>(grad_y + offset, chunk);
+      if (grad_x_extra != nullptr) extra_packs[c] = load_pack<kVec>(grad_x_extra + offset, chunk);
+    }
+    float g_partial = 0.f;  // g = grad_y * weight
     float g_xhat_partial = 0.f;
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       const int64_t chunk = threadIdx.x + static_cast<int64_t>(c) * blockDim.x;
-#pragma unroll
-      for (int k = 0; k < kVec; ++k) x_hat[c][k] = g[c][k] = 0.f;
       if (chunk >= chunks) continue;
-      const Pack<scalar_t, kVec> x_pack = load_pack<kVec>(x + offset, chunk);
-      const Pack<scalar_t, kVec> dy_pack = load_pack<kVec>(grad_y + offset, chunk);
       Pack<param_t, kVec> w, b;
       if (weight != nullptr) w = load_pack<kVec>(weight, chunk);
       if (y != nullptr && bias != nullptr) b = load_pack<kVec>(bias, chunk);
       Pack<scalar_t, kVec> y_pack;
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        const float xh = (static_cast<float>(x_pack.v[k]) - row_mean) * row_rstd;
-        const float dy = static_cast<float>(dy_pack.v[k]);
+        const float xh = (static_cast<float>(x_packs[c].v[k]) - row_mean) * row_rstd;
+        const float dy = static_cast<float>(dy_packs[c].v[k]);
         const float wk = weight != nullptr ? static_cast<float>(w.v[k]) : 1.f;
-        x_hat[c][k] = xh;
-        g[c][k] = weight != nullptr ? dy * wk : dy;
-        g_partial += g[c][k];
-        g_xhat_partial += g[c][k] * xh;
+        const float g = weight != nullptr ? dy * wk : dy;
+        g_partial += g;
+        g_xhat_partial += g * xh;
         weight_grad[c][k] += dy * xh;
         bias_grad[c][k] += dy;
         if (y != nullptr) {
@@ -341,13 +348,17 @@ __global__ void __launch_bounds__(kMaxVecThreads) norm_bwd_vec_cuda_kernel(const
     for (int c = 0; c < kChunks; ++c) {
       const int64_t chunk = threadIdx.x + static_cast<int64_t>(c) * blockDim.x;
       if (chunk >= chunks) continue;
-      Pack<scalar_t, kVec> extra;
-      if (grad_x_extra != nullptr) extra = load_pack<kVec>(grad_x_extra + offset, chunk);
+      Pack<param_t, kVec> w;
+      if (weight != nullptr) w = load_pack<kVec>(weight, chunk);
       Pack<scalar_t, kVec> dx_pack;
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        float dx = row_rstd * (g[c][k] - g_mean - x_hat[c][k] * g_xhat_mean);
-        if (grad_x_extra != nullptr) dx += static_cast<float>(extra.v[k]);
+        // the same expressions as the first pass, so x_hat and g are the same bits
+        const float xh = (static_cast<float>(x_packs[c].v[k]) - row_mean) * row_rstd;
+        const float dy = static_cast<float>(dy_packs[c].v[k]);
+        const float g = weight != nullptr ? dy * static_cast<float>(w.v[k]) : dy;
+        float dx = row_rstd * (g - g_mean - xh * g_xhat_mean);
+        if (grad_x_extra != nullptr) dx += static_cast<float>(extra_packs[c].v[k]);
         dx_pack.v[k] = static_cast<scalar_t>(dx);
       }
       store_pack<kVec>(grad_x + offset, chunk, dx_pack);

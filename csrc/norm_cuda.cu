@@ -353,7 +353,7 @@ __global__ void __launch_bounds__(kMaxVecThreads) norm_bwd_vec_cuda_kernel(const
       Pack<scalar_t, kVec> dx_pack;
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        // the same expressions as the first pass, so x_hat and g are the same bits
+        // x_hat and g by the first pass's expressions (rebuilt rather than held in float registers)
         const float xh = (static_cast<float>(x_packs[c].v[k]) - row_mean) * row_rstd;
         const float dy = static_cast<float>(dy_packs[c].v[k]);
         const float g = weight != nullptr ? dy * static_cast<float>(w.v[k]) : dy;

@@ -24,7 +24,6 @@ import json
 import math
 import os
 import statistics
-import subprocess
 import time
 from dataclasses import dataclass, replace
 
@@ -32,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 import memopt
+from bench.compare import git_commit
 from memopt.ops import attention as attention_ops
 
 
@@ -149,14 +149,6 @@ def _time_ms(fn, device: str, grad_to_none) -> tuple[float, float, float]:
     return _quantiles(samples)
 
 
-def _commit() -> str:
-    try:
-        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def run(preset: str) -> list[dict]:
     config = PRESETS[preset]
     device, dtype = config["device"], config["dtype"]
@@ -172,7 +164,7 @@ def run(preset: str) -> list[dict]:
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "torch": torch.__version__,
         "triton": triton_version,
-        "commit": _commit(),
+        "commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
     rows = []

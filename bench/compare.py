@@ -157,6 +157,16 @@ def resolve_device(name: str) -> torch.device:
 
 
 def git_commit() -> str:
+    """The commit a result was measured at: ``MEMOPT_COMMIT`` when set, else ``git rev-parse HEAD``
+    (``-dirty`` with uncommitted changes to tracked files), else ``"unknown"``.
+
+    The variable comes first: the GPU machine gets a copy of the work tree whose ``.git``, where
+    there is one, can be a stale copy from an earlier session (its results once named a commit
+    two sessions old), and ``bench/device_check.sh`` is run with ``MEMOPT_COMMIT`` set.
+    """
+    given = os.environ.get("MEMOPT_COMMIT", "").strip()
+    if given:
+        return given
     root = Path(__file__).resolve().parent.parent
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True)

@@ -24,8 +24,9 @@ export PYTHONUNBUFFERED=1
 DRY_RUN="${DEVICE_CHECK_DRY_RUN:-0}"
 [ "$DRY_RUN" = 1 ] || {
   echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-  # The device machine gets a copy of the work tree without .git: pass MEMOPT_COMMIT there.
-  echo "commit: $(git rev-parse --verify -q HEAD 2>/dev/null || echo "${MEMOPT_COMMIT:-unknown}")"
+  # The device machine gets a copy of the work tree whose .git, if any, may be stale: pass
+  # MEMOPT_COMMIT there (it wins here and in every results file, bench.compare.git_commit).
+  echo "commit: ${MEMOPT_COMMIT:-$(git rev-parse --verify -q HEAD 2>/dev/null || echo unknown)}"
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>&1
   python -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
 } | tee "$OUT/environment.txt"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import platform
 import re
+import subprocess
 from dataclasses import replace
 from pathlib import Path
 
@@ -431,3 +432,14 @@ def test_sdpa_backends_put_the_fastest_first_and_keep_math_last():
     backends = compare.sdpa_backends(torch.device("cpu"))
     assert backends[0] == torch.nn.attention.SDPBackend.FLASH_ATTENTION
     assert backends[-1] == torch.nn.attention.SDPBackend.MATH
+
+
+def test_results_name_the_commit_given_in_memopt_commit(monkeypatch):
+    # The GPU machine's copy of the tree can carry a stale .git: the commit bench/device_check.sh
+    # is told wins over it, in every results file's environment.
+    monkeypatch.setenv("MEMOPT_COMMIT", "0123456789abcdef0123456789abcdef01234567")
+    assert compare.git_commit() == "0123456789abcdef0123456789abcdef01234567"
+    assert compare.environment(torch.device("cpu"))["commit"] == "0123456789abcdef0123456789abcdef01234567"
+    monkeypatch.setenv("MEMOPT_COMMIT", "")  # empty: not given, git's answer (or "unknown")
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(compare.__file__).parent, capture_output=True, text=True)
+    assert compare.git_commit().removesuffix("-dirty") == (head.stdout.strip() if head.returncode == 0 else "unknown")

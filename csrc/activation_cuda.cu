@@ -53,9 +53,8 @@ int elementwise_blocks(int64_t numel) {
 }
 
 // The bias-gradient grid: column tiles (kTileCols threads of cols_per_thread columns each) along
-// x, row chunks along y, sized for as many CTAs as are resident at once (`kernel`'s occupancy:
-// registers decide it, 2-4 per SM) and at least kMinRowsPerChunk rows per chunk. A second wave
-// would only add partial rows and a tail.
+// x, row chunks along y, sized for as many CTAs as are resident at once (resident_ctas: 2-4 per
+// SM, by registers) and at least kMinRowsPerChunk rows per chunk.
 struct BiasGradGrid {
   dim3 grid;
   int64_t rows_per_chunk;
@@ -64,9 +63,7 @@ struct BiasGradGrid {
 
 template <typename Kernel>
 BiasGradGrid bias_grad_grid(Kernel kernel, int64_t rows, int64_t cols, int64_t cols_per_thread) {
-  int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kTileCols * kTileRows, 0));
-  const int64_t resident = static_cast<int64_t>(std::max(1, per_sm)) * multiprocessors();
+  const int64_t resident = resident_ctas(kernel, kTileCols * kTileRows);
   const int64_t tile_width = kTileCols * cols_per_thread;
   const int64_t col_tiles = (cols + tile_width - 1) / tile_width;
   const int64_t wanted = std::max<int64_t>(1, (resident + col_tiles - 1) / col_tiles);

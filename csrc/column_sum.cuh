@@ -40,6 +40,17 @@ __global__ void __launch_bounds__(kColumnSumCols * kColumnSumGroups)
   }
 }
 
+// How many CTAs of `kernel` (launched with `threads` threads, no dynamic shared memory) are
+// resident on the current device at once, by its occupancy: registers decide it as much as
+// threads. The kernels that write partial rows size their grids by it, since a CTA that would only
+// wait for a slot adds a partial row to write and sum but no parallelism.
+template <typename Kernel>
+int64_t resident_ctas(Kernel kernel, int threads) {
+  int per_sm = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
+  return static_cast<int64_t>(per_sm > 1 ? per_sm : 1) * at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+}
+
 // out[j] = sum over r of partials[r * n + j], on the current stream.
 template <typename acc_t, typename out_t>
 void launch_column_sum(const acc_t* partials, int64_t rows, int64_t n, out_t* out) {

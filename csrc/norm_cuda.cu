@@ -396,17 +396,12 @@ int threads_for_row(int64_t n) {
   return static_cast<int>(std::min<int64_t>(warps, kMaxWarps) * kWarpSize);
 }
 
-// As many CTAs of `kernel` as are resident on the device at once, by its occupancy (registers,
-// not only threads: the vectorized backward holds about 128 registers a thread, so 4 CTAs of 128
-// threads fit on an SM where the thread count alone would allow 16); rows beyond them are strided
-// over them. The backward writes one partial row of each parameter gradient per CTA, so CTAs that
-// would only wait for a slot cost partial rows to write and sum, not parallelism.
+// As many CTAs of `kernel` as are resident on the device at once (resident_ctas: the vectorized
+// backward holds about 128 registers a thread, so 4 CTAs of 128 threads fit on an SM where the
+// thread count alone would allow 16), at most one per row; rows beyond them are strided over them.
 template <typename Kernel>
 int64_t grid_for_rows(Kernel kernel, int64_t rows, int threads) {
-  const cudaDeviceProp* props = at::cuda::getCurrentDeviceProperties();
-  int per_sm = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
-  return std::max<int64_t>(1, std::min<int64_t>(rows, static_cast<int64_t>(std::max(1, per_sm)) * props->multiProcessorCount));
+  return std::max<int64_t>(1, std::min<int64_t>(rows, resident_ctas(kernel, threads)));
 }
 
 NormFwdResult norm_fwd_cuda(const char* op, bool rms, const at::Tensor& x, const std::optional<at::Tensor>& residual,

@@ -61,7 +61,7 @@ def steps(tmp_path_factory):
 
 
 def test_dry_run_lists_the_gpu_steps(steps):
-    # The steps the GPU-evidence work depends on (device_check.sh's order: never-measured first).
+    # The steps the GPU-evidence work depends on (device_check.sh runs the harness and profile first).
     for name in ("build", "gpu_tests", "bench_h200", "kernels_h200", "bench_attention", "sweep_layers", "sweep_seq"):
         assert name in steps, sorted(steps)
 

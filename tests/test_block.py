@@ -76,13 +76,18 @@ def _assert_runs_equal(got, expected):
     assert got[2].keys() == expected[2].keys()
 
 
+# "auto" is what a user's block runs on CPU: the C++ flash kernels ("cpu_flash") under a causal
+# mask or dropout, ATen's flash kernels otherwise.
+@pytest.mark.parametrize("attention_backend", ["native", "auto"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
-def test_matches_eager_block_float64(config, policy):
+def test_matches_eager_block_float64(config, policy, attention_backend):
     block = _make(config, policy)
     x = torch.randn(2, 11, D_MODEL, dtype=torch.float64)
     grad = torch.randn_like(x)
-    _assert_runs_close(_run(block, x, grad), _run(block.to_eager(), x, grad), **F64_TOL)
+    with cpu_backend(attention_backend):
+        got = _run(block, x, grad)
+    _assert_runs_close(got, _run(block.to_eager(), x, grad), **F64_TOL)
 
 
 @needs_triton_interpreter
@@ -200,14 +205,14 @@ def test_causal_masks_match_causal_flag(mask_kind):
 # Determinism and policy switching.
 
 
-@pytest.mark.parametrize("attention_backend", [pytest.param("triton", marks=needs_triton_interpreter), "native"])
+@pytest.mark.parametrize("attention_backend", [pytest.param("triton", marks=needs_triton_interpreter), "native", "auto"])
 @pytest.mark.parametrize("config", [CONFIGS["pre-ln-gelu"], CONFIGS["post-rms-gelu_tanh-gqa"]], ids=["pre", "post"])
 def test_same_seed_bit_identical_across_policies_with_dropout(config, attention_backend):
     block = _make(config, dtype=torch.float32, dropout=0.2, causal=True)
     x = torch.randn(2, 9, D_MODEL)
     grad = torch.randn_like(x)
     runs = {}
-    # "triton": the kernels' own dropout masks, in the interpreter.
+    # "triton": the kernels' own dropout masks, in the interpreter; "auto": the C++ flash kernels'.
     with cpu_backend(attention_backend):
         for policy in POLICIES:
             block.policy = policy

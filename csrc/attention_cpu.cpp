@@ -1,9 +1,9 @@
 // memopt.attention on CPU: memopt's flash kernels (the "cpu_flash" backend,
-// attention_cpu_kernels_impl.h) and ATen's, each where it is the faster (use_cpu_flash; memopt's
-// whenever there is dropout, which ATen's cannot replay), under an autograd node in C++ (the op
-// attention_flash_cpu).
+// attention_cpu_kernels_impl.h: faster than ATen's CPU flash kernels at every shape measured,
+// causal or not, and the only ones that replay a dropout mask) under an autograd node in C++ (the
+// op attention_flash_cpu).
 //
-// Both keep memopt's attention contract (save q, k, v, the output, one log-sum-exp per row and the
+// They keep memopt's attention contract (save q, k, v, the output, one log-sum-exp per row and the
 // RNG key; the backward recomputes the probabilities tile by tile and regenerates the dropout mask
 // from the key), so the only thing memopt's Python path (AttentionFunction over attention_fwd /
 // attention_bwd) would add is its cost: two dispatcher round trips into Python kernels and a Python
@@ -34,7 +34,6 @@
 #include <utility>
 
 #include "common.h"
-#include "cpu_blas.h"
 #include "cpu_kernels.h"
 
 namespace memopt {
@@ -100,25 +99,10 @@ double resolved_scale(const at::Tensor& q, std::optional<double> scale) {
   return scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(q.size(3)));
 }
 
-// t (B, H, S, D) as a view of a (B, S, H, D) buffer: itself when it is one, else a copy.
-at::Tensor as_bshd(const at::Tensor& t) {
-  if (t.transpose(1, 2).is_contiguous()) {
-    return t;
-  }
-  return t.transpose(1, 2).contiguous().transpose(1, 2);
-}
-
-at::Tensor in_output_layout(const at::Tensor& out, const at::Tensor& q) {
-  if (!q.is_contiguous()) {
-    return as_bshd(out);
-  }
-  return out.is_contiguous() ? out : out.contiguous();
-}
-
 // ---------------------------------------------------------------------------------------------
 // memopt's own kernels (attention_cpu_kernels_impl.h: causal tiles skip the keys they cannot see),
 // the "cpu_flash" backend: registered as cpu_flash_attention_fwd / _bwd, and what the C++ node
-// below runs whenever the BLAS they need is there (cpu_blas_available), else ATen's.
+// below runs.
 
 at::Tensor unit_last_stride(const at::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
 
@@ -145,15 +129,8 @@ AttentionDropout attention_dropout(double p, const std::optional<at::Tensor>& rn
   return {p, seed, offset};
 }
 
-void require_cpu_blas() {
-  TORCH_CHECK(cpu_blas_available(),
-              "memopt.attention: backend 'cpu_flash' multiplies through the BLAS that torch links (sgemm_ / dgemm_), "
-              "which this torch build does not export; use backend='auto', 'native' or 'aten_flash'");
-}
-
 std::tuple<at::Tensor, at::Tensor> cpu_flash_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                      bool causal, double scale, const AttentionDropout& dropout) {
-  require_cpu_blas();
   const at::Tensor q_ = unit_last_stride(q), k_ = unit_last_stride(k), v_ = unit_last_stride(v);
   at::Tensor out = q.is_contiguous() ? at::empty(q.sizes(), q.options()) : bshd_empty(q);
   at::Tensor lse = at::empty({q.size(0), q.size(1), q.size(2)}, q.options());
@@ -167,7 +144,6 @@ void cpu_flash_backward_into(const at::Tensor& grad_out, const at::Tensor& q, co
                              const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, bool causal,
                              double scale, const AttentionDropout& dropout, const at::Tensor& grad_q,
                              const at::Tensor& grad_k, const at::Tensor& grad_v) {
-  require_cpu_blas();
   const at::Tensor q_ = unit_last_stride(q), k_ = unit_last_stride(k), v_ = unit_last_stride(v);
   const at::Tensor grad_out_ = unit_last_stride(grad_out.to(q.scalar_type()));
   const at::Tensor out_ = unit_last_stride(out.to(q.scalar_type()));
@@ -233,12 +209,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> cpu_flash_attention_bwd(const at:
                             attention_dropout(dropout_p, rng_key, "cpu_flash_attention_bwd"));
 }
 
-// What memopt.attention's "auto" runs on CPU without dropout (memopt.ops.attention.resolve_backend
-// says the same): memopt's kernels for a causal mask (0.6-0.75x ATen's time forward + backward at
-// seq 256-1024, one thread), ATen's without one (where memopt's only tie them).
-bool use_cpu_flash(bool causal) { return causal && cpu_blas_available(); }
-
-// The node calls memopt's kernels through their registered ops, as it calls ATen's, so that under
+// The node calls memopt's kernels through their registered ops, so that under
 // torch.compile's fake tensors the ops' fake impls answer instead of a kernel reading no data.
 std::tuple<at::Tensor, at::Tensor> cpu_flash_fwd_op(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                     bool causal, double scale, double dropout_p = 0.0,
@@ -274,34 +245,13 @@ at::Tensor cpu_flash_attention_bwd_packed(const at::Tensor& grad_out, const at::
                                    attention_dropout(dropout_p, rng_key, "cpu_flash_attention_bwd_packed"));
 }
 
-// With dropout (dropout_p > 0, rng_key given) always memopt's kernels: ATen's cannot replay a mask.
 at::Tensor flash_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal, double scale,
                          double dropout_p, const std::optional<at::Tensor>& rng_key, at::Tensor* lse) {
-  if (dropout_p > 0.0 || use_cpu_flash(causal)) {
-    auto [out, row_lse] = cpu_flash_fwd_op(q, k, v, causal, scale, dropout_p, rng_key);
-    if (lse != nullptr) {
-      *lse = row_lse;
-    }
-    return out;
-  }
-  auto [out, row_lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, std::nullopt, scale);
+  auto [out, row_lse] = cpu_flash_fwd_op(q, k, v, causal, scale, dropout_p, rng_key);
   if (lse != nullptr) {
     *lse = row_lse;
   }
-  return in_output_layout(out, q);
-}
-
-std::tuple<at::Tensor, at::Tensor, at::Tensor> flash_backward(const at::Tensor& grad_out, const at::Tensor& q,
-                                                              const at::Tensor& k, const at::Tensor& v,
-                                                              const at::Tensor& out, const at::Tensor& lse,
-                                                              bool causal, double scale, double dropout_p,
-                                                              const std::optional<at::Tensor>& rng_key) {
-  if (dropout_p > 0.0 || use_cpu_flash(causal)) {
-    return cpu_flash_bwd_op(grad_out, q, k, v, out, lse, causal, scale, dropout_p, rng_key);
-  }
-  auto [grad_q, grad_k, grad_v] = at::_scaled_dot_product_flash_attention_for_cpu_backward(
-      grad_out, q, k, v, out, lse, 0.0, causal, std::nullopt, scale);
-  return {as_bshd(grad_q), as_bshd(grad_k), as_bshd(grad_v)};
+  return out;
 }
 
 // The dropout factors keep / (1 - p) of the whole (B, H, Sq, Sk) probabilities (element
@@ -391,7 +341,7 @@ struct FlashAttentionCpuFunction : public torch::autograd::Function<FlashAttenti
       return result;
     }
     auto [grad_q, grad_k, grad_v] =
-        flash_backward(grad_out, q, k, v, saved[3], saved[4], causal, scale, dropout_p, optional_key(rng_key));
+        cpu_flash_bwd_op(grad_out, q, k, v, saved[3], saved[4], causal, scale, dropout_p, optional_key(rng_key));
     return {grad_q, grad_k, grad_v, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -419,16 +369,12 @@ at::Tensor attention_flash_cpu_autograd(const at::Tensor& q, const at::Tensor& k
 
 }  // namespace
 
-bool cpu_flash_available() { return cpu_blas_available(); }
-
 TORCH_LIBRARY_IMPL(memopt, CPU, m) {
   m.impl("attention_flash_cpu", &attention_flash_cpu);
   m.impl("cpu_flash_attention_fwd", &cpu_flash_attention_fwd);
   m.impl("cpu_flash_attention_bwd", &cpu_flash_attention_bwd);
   m.impl("cpu_flash_attention_bwd_packed", &cpu_flash_attention_bwd_packed);
 }
-
-TORCH_LIBRARY_FRAGMENT(memopt, m) { m.def("cpu_flash_available() -> bool", &cpu_flash_available); }
 
 TORCH_LIBRARY_IMPL(memopt, AutogradCPU, m) { m.impl("attention_flash_cpu", &attention_flash_cpu_autograd); }
 

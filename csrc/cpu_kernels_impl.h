@@ -712,7 +712,8 @@ T* mutable_data_or_null(const at::Tensor& t) {
 // call would be mapped fresh by glibc's malloc each time and page-fault its way in: the norm
 // backward's partials at 512 x 2048 (16 x 2048 floats each) took 20 page faults a call and made it
 // 9% slower than ATen's with cold caches. Slots 0-3 are the attention kernels' tiles, 4 and 5
-// the backward partials below, 6 the attention kernels' row of dropout factors.
+// the backward partials below, 6 the attention kernels' row of dropout factors, 7 and 8 their
+// k^T and v^T.
 template <typename T, int Slot>
 T* scratch(int64_t elements) {
   thread_local std::vector<T> buffer;

@@ -18,7 +18,6 @@ from memopt.ops.attention import (
     attention_ref,
     attention_triton,
     cpu_backend,
-    cpu_flash_available,
     resolve_backend,
 )
 
@@ -350,7 +349,6 @@ def test_gpu_launch_table_covers_exactly_the_supported_head_dims():
         assert sorted({head_dim for head_dim, _ in table}) == list(SUPPORTED_HEAD_DIMS), kernel
 
 
-@pytest.mark.skipif(not cpu_flash_available(), reason="the cpu_flash kernels need the BLAS torch links")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_cpu_attention_with_dropout_runs_the_cpp_node_and_matches_the_reference(causal):
     # "auto" with dropout on CPU: the C++ node over memopt's kernels, which keeps the key and
@@ -375,7 +373,6 @@ def test_cpu_attention_with_dropout_runs_the_cpp_node_and_matches_the_reference(
         assert torch.equal(a, p)
 
 
-@pytest.mark.skipif(not cpu_flash_available(), reason="the cpu_flash kernels need the BLAS torch links")
 def test_cpu_attention_with_dropout_and_no_key_draws_it_from_the_default_generator():
     # The fast path (no key given) draws the key as the checked path does: same seed, same mask.
     q, k, v = (t.detach() for t in _inputs((1, 2, 2, 16, 16, 32)))
@@ -387,7 +384,6 @@ def test_cpu_attention_with_dropout_and_no_key_draws_it_from_the_default_generat
     assert torch.equal(drawn, memopt.attention(q, k, v, causal=True, dropout_p=0.25, rng_key=key, backend="cpu_flash"))
 
 
-@pytest.mark.skipif(not cpu_flash_available(), reason="the cpu_flash kernels need the BLAS torch links")
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_flash_cpu_op_with_dropout_opcheck_gradcheck_and_gradgradcheck(causal):
     q = torch.randn(1, 4, 9, 16, dtype=torch.float64, requires_grad=True)
@@ -561,12 +557,11 @@ def test_gpu_saved_bytes_are_linear_in_seq():
 
 def test_auto_rule_on_cpu():
     q = _t(1, 2, 8, 32)
-    # causal: memopt's kernels (they skip the keys a tile cannot see); without a mask ATen's
-    assert resolve_backend("auto", q, q, q, True, 0.0) == ("cpu_flash" if cpu_flash_available() else "aten_flash")
-    assert resolve_backend("auto", q, q, q, False, 0.0) == "aten_flash"
-    # with dropout memopt's kernels either way (ATen's CPU kernel draws no mask a key can set)
+    # memopt's kernels with or without a mask (faster than ATen's at every shape measured) and
+    # with dropout (ATen's CPU kernel draws no mask a key can set)
     for causal in (False, True):
-        assert resolve_backend("auto", q, q, q, causal, 0.1) == ("cpu_flash" if cpu_flash_available() else "native")
+        for dropout_p in (0.0, 0.1):
+            assert resolve_backend("auto", q, q, q, causal, dropout_p) == "cpu_flash"
     with cpu_backend("native"):
         assert resolve_backend("auto", q, q, q, False, 0.0) == "native"
     assert resolve_backend("native", q, q, q, False, 0.0) == "native"
@@ -944,7 +939,7 @@ def test_second_derivatives_match_the_reference(causal, backend, dropout_p):
         assert a.abs().max() > 0
 
 
-# -- attention_flash_cpu: ATen's CPU kernels under a C++ autograd node (csrc/attention_cpu.cpp) --
+# -- attention_flash_cpu: memopt's CPU kernels under a C++ autograd node (csrc/attention_cpu.cpp) --
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])

@@ -35,12 +35,13 @@ Backends (``backend=`` of :func:`attention` and of both ops):
     key chunks forward, chunk-by-chunk recomputation backward, dropout factors from the C++ Philox
     kernel ``memopt::philox_dropout_scale``. Also the CPU path when triton is not installed.
   * ``"cpu_flash"``: memopt's C++ flash kernels for CPU (``csrc/attention_cpu_kernels_impl.h``,
-    float32, float64, grouped-query heads natively, any dropout): tiles of 64 query rows, each
-    multiplying only the keys it can see (one BLAS GEMM per tile product, on the strided rows of
-    q, k, v), an online softmax over blocks of 512 keys, the dropout factors of each row of
-    probabilities regenerated from its Philox counters (eight calls at a time with AVX2). ATen's
-    CPU kernel splits keys in blocks of 512 and so computes a causal score matrix whole below that
-    length.
+    float32, float64, grouped-query heads natively, any dropout): tiles of 64 query rows whose
+    products run on vectors (blocks of 4 rows held in registers, on the strided rows of q, k, v and
+    on k^T, v^T transposed once per head; no BLAS), each block of 4 query rows multiplying only the
+    keys its last row sees, an online softmax over blocks of 512 keys, the dropout factors of each
+    row of probabilities regenerated from its Philox counters (eight calls at a time with AVX2).
+    ATen's CPU kernel splits keys in blocks of 512 and so computes a causal score matrix whole
+    below that length.
   * ``"aten_flash"``: ATen's fused flash kernels through their ops: on CPU
     ``aten._scaled_dot_product_flash_attention_for_cpu`` (float32, float64; grouped-query heads
     natively; no dropout: it draws no mask a key can be given for), on CUDA
@@ -55,23 +56,17 @@ Backends (``backend=`` of :func:`attention` and of both ops):
   Grouped-query heads are expanded (a copy) for ATen's CUDA kernels.
 
 ``"auto"`` (the default) picks, by :func:`resolve_backend`:
-  * CPU: with dropout ``"cpu_flash"`` (``"native"`` where torch exports no BLAS for it); without,
-    ``"cpu_flash"`` for a causal mask and ``"aten_flash"`` otherwise (``cpu_backend`` can force
-    ``"native"``, ``"triton"`` or ``"cpu_flash"``).
-    With dropout 0.1, forward + backward, float32, one thread, q/k/v views of one fused projection,
-    median of 10 (2026-12-03): ``"cpu_flash"`` / ``"native"`` causal 0.42x at (2, 8, 256, 64), 0.66x
-    at (2, 6, 512, 64), 0.59x at (1, 4, 1024, 64); without a mask 0.47x, 0.45x, 0.61x; at
-    (2, 2, 16, 16) 0.04-0.07x (the native path's Python per chunk). The dropout factors cost 1.2-1.7x
-    the same kernels' time without dropout (Philox, twice).
-    Without dropout, measured forward + backward, float32, one thread, q/k/v views of one fused projection, min of 15 (2026-12-02): causal
-    ``"cpu_flash"`` / ``"aten_flash"`` 0.67x at (2, 8, 256, 64), 0.67x at (1, 4, 256, 64), 0.73x at
-    (2, 6, 512, 64), 0.66x at (1, 8, 1024, 64); without a mask 1.02-1.12x at seq 256 and
-    0.92-0.94x at 512-1024, so "auto" keeps ATen's there. Before, on this shared 2-core machine (float32,
-    q/k/v views of one fused projection, b2 h8 d64 causal, seq 256 / 512, one thread, min of 7
-    under heavy load from other jobs, so ratios only): without dropout aten_flash 56 / 169 ms,
-    native 94 / 187, SDPA 50 / 198; with dropout 0.1 native 106 / 316 against SDPA's math path
-    96 / 388 (the native path before this layout: 131 / 496 and 162 / 793).
-    ``python -m bench.attention --preset cpu`` times every backend side by side.
+  * CPU: ``"cpu_flash"``, with or without a mask or dropout (``cpu_backend`` can force
+    ``"native"``, ``"triton"`` or ``"cpu_flash"``). Forward + backward, float32, one thread, q/k/v
+    views of one fused projection, min of 15 (2026-12-05, AMD EPYC with AVX-512): without dropout
+    ``"cpu_flash"`` / ``"aten_flash"`` causal 0.52x at (2, 8, 256, 64), 0.53x at (1, 4, 256, 64),
+    0.47x at (2, 6, 512, 64), 0.68x at (1, 8, 1024, 64); without a mask 0.87x, 0.86x, 0.83x, 0.96x.
+    With dropout 0.1 ``"cpu_flash"`` / ``"native"`` causal 0.42x at (2, 8, 256, 64), 0.48x at
+    (2, 6, 512, 64), 0.57x at (1, 4, 1024, 64), 0.33x at (2, 2, 16, 16); without a mask 0.56x,
+    0.57x, 0.67x, 0.37x. Before the tile products ran on vectors (MKL's sgemm per tile, 2026-12-02)
+    causal ``"cpu_flash"`` was 0.66-0.73x ``"aten_flash"`` and 1.02-1.12x without a mask at seq
+    256, so "auto" kept ATen's kernels there. ``python -m bench.attention --preset cpu`` times
+    every backend side by side.
   * CUDA: with grouped-query heads or a non-square causal mask, ``"triton"``; otherwise the first
     of ``"cudnn"`` (compute capability 9.0 and above only), ``"aten_flash"``, ``"efficient"`` that
     ``torch.backends.cuda.can_use_*`` accepts for the inputs and dropout, else ``"triton"``. With
@@ -148,8 +143,6 @@ def cpu_backend(name: str):
         raise ValueError(f"memopt.attention: cpu backend must be 'auto', 'triton', 'native' or 'cpu_flash', got {name!r}")
     if name == "triton":
         _require_interpreter()
-    if name == "cpu_flash":
-        _require_cpu_flash()
     previous, _cpu_backend = _cpu_backend, (None if name == "auto" else name)
     try:
         yield
@@ -202,25 +195,6 @@ def supported_dtypes(device: torch.device | str) -> tuple[torch.dtype, ...]:
 def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype of the saved log-sum-exp: the accumulation dtype (float64 for float64 inputs)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-# Whether the "cpu_flash" kernels can run: they multiply through the BLAS torch links
-# (csrc/cpu_blas.h), which torch's x86-64 wheels export. Read once, so that torch.compile traces a
-# constant.
-_CPU_FLASH_AVAILABLE = bool(torch.ops.memopt.cpu_flash_available())
-
-
-def cpu_flash_available() -> bool:
-    """Whether the ``"cpu_flash"`` backend can run in this torch build."""
-    return _CPU_FLASH_AVAILABLE
-
-
-def _require_cpu_flash() -> None:
-    if not cpu_flash_available():
-        raise ValueError(
-            "memopt.attention: backend 'cpu_flash' multiplies through the BLAS that torch links (sgemm_ / dgemm_), "
-            "which this torch build does not export; use backend='auto', 'native' or 'aten_flash'"
-        )
 
 
 def _check_backend_name(backend) -> None:
@@ -279,17 +253,13 @@ def resolve_backend(backend: str, q, k, v, causal: bool, dropout_p: float) -> st
     if backend == "auto":
         if _cpu_backend is not None:
             return _cpu_backend
-        if dropout_p > 0.0:
-            return "cpu_flash" if cpu_flash_available() else "native"
-        return "cpu_flash" if causal and cpu_flash_available() else "aten_flash"
+        return "cpu_flash"
     if backend not in CPU_BACKENDS:
         raise ValueError(f"memopt.attention: backend {backend!r} does not run on CPU; CPU backends are {CPU_BACKENDS}")
     if backend == "triton":
         _require_interpreter()
     if backend == "aten_flash":
         _check_aten_keeps_contract(backend, q, k, causal, dropout_p)
-    if backend == "cpu_flash":
-        _require_cpu_flash()
     return backend
 
 
@@ -1000,7 +970,7 @@ def attention(
         # messages; the checks below would cost more than the node.
         if type(dropout_p) in (float, int) and dropout_p == 0:
             return torch.ops.memopt.attention_flash_cpu(q, k, v, causal, scale)
-        if type(dropout_p) is float and 0.0 < dropout_p < 1.0 and _CPU_FLASH_AVAILABLE:
+        if type(dropout_p) is float and 0.0 < dropout_p < 1.0:
             return torch.ops.memopt.attention_flash_cpu(q, k, v, causal, scale, dropout_p, new_rng_key())
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):

@@ -76,8 +76,8 @@ def _assert_runs_equal(got, expected):
     assert got[2].keys() == expected[2].keys()
 
 
-# "auto" is what a user's block runs on CPU: the C++ flash kernels ("cpu_flash") under a causal
-# mask or dropout, ATen's flash kernels otherwise.
+# "auto" is what a user's block runs on CPU: the C++ flash kernels ("cpu_flash"), with or without a
+# mask or dropout.
 @pytest.mark.parametrize("attention_backend", ["native", "auto"])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())

@@ -52,7 +52,9 @@ from bench.model import make_reference_blocks
 
 DEFAULT_CONFIGS = ("eager-sdpa", "torch-checkpoint", "torch-selective", "memopt-none", "memopt-selective", "memopt-full")
 
-MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm")
+# mkldnn::_linear_pointwise: oneDNN's linear, which memopt's own CPU linears take on some hosts
+# (memopt/ops/cpu_linear.py).
+MATMUL_OPS = ("mm", "addmm", "bmm", "baddbmm", "_linear_pointwise")
 
 # Ops that run no kernel: views and aliases, allocations without a fill, metadata.
 FREE_OPS = frozenset((
@@ -68,7 +70,7 @@ OVERWRITE_OPS = frozenset(("copy_", "fill_", "zero_", "normal_", "uniform_", "be
 
 # First match wins. Op names are ``namespace::name`` (``aten::addmm``, ``memopt::layer_norm_fwd``).
 FAMILIES = (
-    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm")),
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "mkldnn::_linear_pointwise")),
     ("attention", ("scaled_dot_product", "memopt::attention", "flash_attention")),
     ("norm", ("layer_norm", "rms_norm", "norm_backward")),
     ("activation", ("gelu", "silu", "relu", "swiglu", "bias_act", "tanh")),
@@ -99,6 +101,9 @@ def tensor_bytes(t: torch.Tensor) -> int:
 
 def matmul_flops(op: str, args) -> int:
     """``2 m n k`` (times the batch) of a matmul op's call, from its operands' shapes."""
+    if op == "mkldnn::_linear_pointwise":  # X @ W^T (+ bias), X of any leading dims
+        x, w = args[0], args[1]
+        return 2 * (x.numel() // x.shape[-1]) * x.shape[-1] * w.shape[0]
     if op in ("aten::mm", "aten::addmm"):
         a, b = (args[0], args[1]) if op == "aten::mm" else (args[1], args[2])
         return 2 * a.shape[0] * a.shape[1] * b.shape[1]
@@ -171,7 +176,7 @@ class TrafficCensus(TorchDispatchMode):
         if short in MATMUL_OPS:
             flops = matmul_flops(op, args)
             self.matmul_flops += flops
-            if short in ("mm", "addmm"):
+            if short in ("mm", "addmm", "_linear_pointwise"):
                 self.linear_flops += flops
 
 

@@ -41,7 +41,7 @@ DEFAULT_CONFIGS = ("eager-sdpa", "torch-checkpoint", "memopt-none", "memopt-sele
 # before elementwise (fused kernels are named after what they compute).
 CATEGORIES = (
     ("attention", r"flash|attn|attention|sdpa|scaled_dot_product|fmha"),
-    ("matmul", r"gemm|cutlass|nvjet|xmma|cublas|matmul|aten::(add|b)?mm\b|aten::linear"),
+    ("matmul", r"gemm|cutlass|nvjet|xmma|cublas|matmul|aten::(add|b)?mm\b|aten::linear|_linear_pointwise"),
     ("norm", r"norm"),
     ("activation", r"gelu|silu|relu|swiglu|bias_act|act_linear|tanh"),
     ("dropout", r"dropout|philox|bernoulli"),

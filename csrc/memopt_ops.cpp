@@ -11,6 +11,7 @@
 #include <torch/library.h>
 
 #include "common.h"
+#include "cpu_linear.h"
 
 TORCH_LIBRARY(memopt, m) {
   // out = residual + dropout(x, p) (residual optional). The mask is a function of rng_key and the
@@ -108,8 +109,26 @@ PyObject* build_info(PyObject*, PyObject*) {
                        MEMOPT_STRINGIFY(MEMOPT_TORCH_VERSION));
 }
 
+PyObject* cpu_linear_backend(PyObject*, PyObject*) { return PyUnicode_FromString(memopt::cpu_linear_backend()); }
+
+PyObject* set_cpu_linear_backend(PyObject*, PyObject* name) {
+  const char* text = PyUnicode_AsUTF8(name);
+  if (text == nullptr) return nullptr;
+  try {
+    memopt::set_cpu_linear_backend(text);
+  } catch (const std::exception& err) {
+    PyErr_SetString(PyExc_ValueError, err.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
     {"build_info", build_info, METH_NOARGS, "What this build of memopt._C contains."},
+    {"cpu_linear_backend", cpu_linear_backend, METH_NOARGS,
+     "'onednn' or 'aten': the GEMM memopt's own float32 CPU linears run on (cpu_linear.cpp)."},
+    {"_set_cpu_linear_backend", set_cpu_linear_backend, METH_O,
+     "Override the CPU linear rule for this process: 'auto', 'onednn' or 'aten'."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "common.h"
+#include "cpu_linear.h"
 
 namespace memopt {
 namespace {
@@ -254,7 +255,7 @@ void check_norm_linear(const at::Tensor& x, const at::Tensor& weight, const Opti
 at::Tensor linear_as_autocast(const at::Tensor& y, const at::Tensor& weight, const OptionalTensor& bias) {
   const c10::DeviceType device = y.device().type();
   if (!at::autocast::is_autocast_available(device) || !at::autocast::is_autocast_enabled(device)) {
-    return at::linear(y, weight, bias);
+    return cpu_linear(y, weight, bias);
   }
   const at::ScalarType dtype = at::autocast::get_autocast_dtype(device);
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
@@ -331,18 +332,16 @@ struct NormLinearFunction : public torch::autograd::Function<NormLinearFunction>
         at::Tensor grad_y;
         if (rebuild_y_first) {
           // One buffer of x's size for the whole backward: y is rebuilt by the forward kernel (the
-          // forward's bits), grad_W taken from it, then grad_y is written over it and grad_x over
-          // grad_y. Rebuilding y in the backward kernel instead would need grad_y and y at once.
+          // forward's bits), grad_W taken from it, then grad_y is written over it (or into the
+          // memory it frees: cpu_mm_over) and grad_x over grad_y. Rebuilding y in the backward kernel instead would need grad_y and y at once.
           const double eps = ctx->saved_data["eps"].toDouble();
-          const at::Tensor y =
+          at::Tensor y =
               std::get<0>(norm_forward(rms, x, std::nullopt, optional(norm_weight), optional(norm_bias), eps));
-          at::Tensor y_2d = y.view_symint({rows, n});
-          grad_linear_weight = at::mm(grad_out_2d.t(), y_2d).to(linear_weight.scalar_type());
-          at::mm_out(y_2d, grad_out_2d, weight_c);
-          grad_y = y;
+          grad_linear_weight = at::mm(grad_out_2d.t(), y.view_symint({rows, n})).to(linear_weight.scalar_type());
+          grad_y = cpu_mm_over(std::move(y), grad_out_2d, weight_c).view_symint(x.sym_sizes());
         } else {
           // A new buffer (the matmul's, or its cast's): grad_x is written over it.
-          grad_y = at::mm(grad_out_2d, weight_c).to(x.scalar_type()).view_symint(x.sym_sizes());
+          grad_y = cpu_mm(grad_out_2d, weight_c).to(x.scalar_type()).view_symint(x.sym_sizes());
         }
         at::Tensor y;
         std::tie(grad_norm_weight, grad_norm_bias, y) = norm_backward_inplace(

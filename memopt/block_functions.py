@@ -56,6 +56,7 @@ import torch
 from torch import Tensor
 
 from memopt.ops import activation as _activation_ops
+from memopt.ops import cpu_linear
 from memopt.ops import attention as _attention_ops
 from memopt.ops import dropout as _dropout_ops
 from memopt.ops import norm as _norm_ops
@@ -340,12 +341,16 @@ def _norm_linear_backward(
     if kept is None and need_weight and grad_out.dtype == x.dtype:
         rebuilt, _ = _norm(call, x, norm_weight, norm_bias)
         grad_weight = _weight_grad(grad_out, rebuilt, weight_param)
-        grad_normed = torch.mm(grad_out, linear_weight, out=rebuilt)
+        if cpu_linear.mm_in_new_buffer(grad_out, linear_weight, rebuilt):
+            del rebuilt  # the heap hands this memory to the product (memopt/ops/cpu_linear.py)
+            grad_normed = cpu_linear.mm(grad_out, linear_weight)
+        else:
+            grad_normed = torch.mm(grad_out, linear_weight, out=rebuilt)
         grad_x, grad_norm_weight, grad_norm_bias, _ = _norm_backward(
             call, grad_normed, x, norm_weight, norm_bias, stats, grad_extra, False, grad_y_is_scratch=True
         )
         return grad_x, grad_norm_weight, grad_norm_bias, grad_weight
-    grad_normed = grad_out @ linear_weight
+    grad_normed = cpu_linear.mm(grad_out, linear_weight)
     grad_x, grad_norm_weight, grad_norm_bias, rebuilt = _norm_backward(
         call, grad_normed, x, norm_weight, norm_bias, stats, grad_extra, kept is None and need_weight,
         grad_y_is_scratch=True,
@@ -360,10 +365,7 @@ def _upcast(call: BlockCall, t: Tensor | None) -> Tensor | None:
 
 
 def _linear(call: BlockCall, inp: Tensor, weight: Tensor, bias) -> Tensor:
-    inp = _cast(inp, call.spec.compute_dtype)
-    if bias is None:
-        return inp @ weight.t()
-    return torch.addmm(bias, inp, weight.t())
+    return cpu_linear.linear(_cast(inp, call.spec.compute_dtype), weight, bias)
 
 
 def _weight_grad(grad_out: Tensor, inp: Tensor, weight: Tensor) -> Tensor:
@@ -380,8 +382,8 @@ def _bias_grad(call: BlockCall, grad_out: Tensor, bias) -> Tensor | None:
 def _input_grad(grad_out: Tensor, weight: Tensor, residual_grad) -> Tensor:
     """``grad_out @ weight`` plus ``residual_grad`` (in its dtype), fused when the dtypes match."""
     if residual_grad.dtype == grad_out.dtype:
-        return torch.addmm(residual_grad, grad_out, weight)
-    return residual_grad + grad_out @ weight
+        return cpu_linear.addmm(residual_grad, grad_out, weight)
+    return residual_grad + cpu_linear.mm(grad_out, weight)
 
 
 def _dropout_add(p: float, branch: Tensor, residual: Tensor, key: Tensor, graph: bool = False) -> Tensor:
@@ -543,10 +545,14 @@ def _ffn_out_backward(call: BlockCall, grad_s2: Tensor, ffn: FFNHalf, need: Bloc
         # kernel, fc2's weight gradient taken from it, then grad_g written over it.
         rebuilt = _act(call, u, w.fc1_bias)
         grad_fc2_weight = _weight_grad(grad_f, rebuilt, params.fc2_weight)
-        grad_g = torch.mm(grad_f, w.fc2_weight, out=rebuilt)
-        del rebuilt
+        if cpu_linear.mm_in_new_buffer(grad_f, w.fc2_weight, rebuilt):
+            del rebuilt  # the heap hands this memory to the product (memopt/ops/cpu_linear.py)
+            grad_g = cpu_linear.mm(grad_f, w.fc2_weight)
+        else:
+            grad_g = torch.mm(grad_f, w.fc2_weight, out=rebuilt)
+            del rebuilt
     else:
-        grad_g = grad_f @ w.fc2_weight
+        grad_g = cpu_linear.mm(grad_f, w.fc2_weight)
     # grad_g is this frame's own (a new matmul output, the rebuilt g's buffer, or its upcast
     # copy): the activation's gradient is written over it (but for swiglu's, twice as wide), so
     # no second d_ff-wide gradient buffer exists.
@@ -687,7 +693,7 @@ def _attention_backward(call: BlockCall, grad_h: Tensor, half: AttentionHalf, ne
     grad_o = _cast(_dropout_backward(spec.residual_dropout, grad_s1, call.keys.attention_residual), spec.compute_dtype)
     grad_out_proj_weight = _weight_grad(grad_o, _flat(call, half.attn_out), params.out_proj_weight) if need.out_proj_weight else None
     grad_out_proj_bias = _bias_grad(call, grad_o, params.out_proj_bias)
-    grad_attn = (grad_o @ w.out_proj_weight).view(call.batch, call.seq, spec.n_heads, spec.head_dim).transpose(1, 2)
+    grad_attn = cpu_linear.mm(grad_o, w.out_proj_weight).view(call.batch, call.seq, spec.n_heads, spec.head_dim).transpose(1, 2)
     del grad_o
     grad_qkv = _attention_kernel_bwd(
         call, _upcast(call, grad_attn), *_heads(call, half.qkv), _upcast(call, half.attn_out), half.lse

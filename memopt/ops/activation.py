@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from memopt import _extension
+from memopt.ops import cpu_linear
 from memopt.ops._common import (
     autocast_as, autocast_state, building_graph, check_linear, check_tensor, grads_with_graph,
 )
@@ -208,7 +209,7 @@ class ActLinearFunction(torch.autograd.Function):
         ctx.linear_bias_dtype = None if linear_bias is None else linear_bias.dtype
         ctx.save_for_backward(x, bias, weight)
         y = _act_forward(x, bias, activation)
-        return F.linear(y, weight, linear_bias)
+        return cpu_linear.linear(y, weight, linear_bias)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -226,7 +227,12 @@ class ActLinearFunction(torch.autograd.Function):
                 y = _act_forward(x, bias, ctx.activation)
                 y_2d = y.view(rows, y.shape[-1])
                 grad_weight = torch.mm(grad_out_2d.t(), y_2d)
-                grad_act = torch.mm(grad_out_2d, weight, out=y_2d).view(y.shape)
+                shape = y.shape
+                if cpu_linear.mm_in_new_buffer(grad_out_2d, weight, y_2d):
+                    del y, y_2d  # the heap hands this memory to the product (cpu_linear's Note)
+                    grad_act = cpu_linear.mm(grad_out_2d, weight).view(shape)
+                else:
+                    grad_act = torch.mm(grad_out_2d, weight, out=y_2d).view(shape)
                 grad_x, grad_bias, _ = _act_backward(grad_act, x, bias, ctx.activation, False, grad_y_is_scratch=True)
             else:
                 grad_act = torch.matmul(grad_out, weight).to(x.dtype).contiguous()  # a new tensor

@@ -1,0 +1,82 @@
+"""The GEMM under the float32 CPU linears memopt runs itself: ATen's (MKL) or oneDNN's.
+
+Note:
+    memopt never runs a kernel slower than the fastest one PyTorch offers for the same job. For
+    a float32 linear on CPU PyTorch offers two: ``F.linear`` / ``torch.mm`` (MKL's sgemm) and
+    oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``, what torch.compile's CPU
+    backend fuses linears into). Which is faster depends on the host; the rule, its measurements
+    and the ``MEMOPT_CPU_LINEAR`` override live in ``csrc/cpu_linear.cpp``, which also serves
+    ``memopt.norm_linear``. This module applies the same answer (``backend()``) to the linears
+    memopt runs from Python: ``act_linear``'s and the block's. The rule depends on the host only,
+    never on timing, so a process computes the same bits in every step and under every policy
+    (a forward and its recompute take the same kernel). Under ``torch.compile``, for other
+    dtypes and devices, and for tensor subclasses, these are the plain ATen calls.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from memopt import _extension
+
+try:
+    _ONEDNN_LINEAR = torch.ops.mkldnn._linear_pointwise.default
+    _ONEDNN_LINEAR_ADD = torch.ops.mkldnn._linear_pointwise.binary
+except (AttributeError, RuntimeError):  # a torch build without oneDNN
+    _ONEDNN_LINEAR = _ONEDNN_LINEAR_ADD = None
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+# glibc's largest dynamic mmap threshold on 64-bit hosts: a freed buffer below it comes straight
+# back from the heap; above it a fresh one is mapped anew and page-faulted (csrc/cpu_linear.cpp).
+_HEAP_BYTES = 32 << 20
+
+
+def backend() -> str:
+    """``"onednn"`` or ``"aten"``: what memopt's own float32 CPU linears run on in this process."""
+    return _extension._C.cpu_linear_backend()
+
+
+def _onednn(*tensors: torch.Tensor) -> bool:
+    if _ONEDNN_LINEAR is None or torch.compiler.is_compiling() or backend() != "onednn":
+        return False
+    if torch.is_autocast_enabled("cpu"):  # F.linear casts under autocast; the oneDNN op would not
+        return False
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return False  # the oneDNN op has no derivative: a graph being built takes ATen's
+    if not torch.backends.mkldnn.is_available() or not torch._C._get_mkldnn_enabled():
+        return False
+    return all(
+        type(t) in _PLAIN and t.device.type == "cpu" and t.dtype == torch.float32 and t.numel() > 0 for t in tensors
+    )
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``: a new tensor."""
+    if _onednn(x, weight, *(() if bias is None else (bias,))) and (bias is None or bias.is_contiguous()):
+        return _ONEDNN_LINEAR(x, weight, bias, "none", [], None)
+    return F.linear(x, weight, bias)
+
+
+def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` for 2-D ``a`` (m, k) and ``b`` (k, n): a new tensor (oneDNN reads ``b.t()``'s
+    strides, no copy)."""
+    if a.dim() == 2 and b.dim() == 2 and _onednn(a, b):
+        return _ONEDNN_LINEAR(a, b.t(), None, "none", [], None)
+    return a @ b
+
+
+def addmm(c: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``c + a @ b`` (``torch.addmm(c, a, b)``) for 2-D ``a``, ``b`` and ``c`` of the product's
+    shape: a new tensor (oneDNN adds ``c`` as the product is written)."""
+    if (a.dim() == 2 and b.dim() == 2 and c.shape == (a.shape[0], b.shape[1]) and c.is_contiguous()
+            and _onednn(a, b, c)):
+        return _ONEDNN_LINEAR_ADD(a, c, b.t(), None, "add")
+    return torch.addmm(c, a, b)
+
+
+def mm_in_new_buffer(a: torch.Tensor, b: torch.Tensor, scratch: torch.Tensor) -> bool:
+    """Whether ``a @ b`` should go to ``mm``'s new tensor rather than ``torch.mm(.., out=scratch)``,
+    for a caller that owns ``scratch`` (of the product's size) and needs it no more: it then drops
+    every reference to ``scratch`` first, so one such buffer lives at a time either way."""
+    return a.dim() == 2 and b.dim() == 2 and _onednn(a, b) and scratch.nbytes < _HEAP_BYTES

@@ -50,6 +50,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import memopt
+from memopt.ops import cpu_linear
 from bench.configs import EAGER_REFERENCE, GRAD_REFERENCE, RATIO_REFERENCE, BenchConfig, BuildContext, default_configs, eager_stack
 from bench.memory import LiveTensorTracker
 from bench.model import make_reference_blocks
@@ -226,6 +227,7 @@ def environment(device: torch.device, threads: int | None = None) -> dict:
     }
     if device.type == "cpu":
         env.update(cpu_details())
+        env["cpu_linear"] = cpu_linear.backend()  # the GEMM memopt's own linears run on (MEMOPT_CPU_LINEAR)
     return env
 
 
@@ -812,7 +814,8 @@ def main(argv: list[str] | None = None) -> int:
     result = run(settings, configs, progress=not args.no_progress)
     result["wall_s"] = time.perf_counter() - t0
     env = result["environment"]
-    print(f"memopt {env['memopt']} | torch {env['torch']} | triton {env['triton']} | {env['device_name']} | commit {env['commit'][:12]}")
+    print(f"memopt {env['memopt']} | torch {env['torch']} | triton {env['triton']} | {env['device_name']} | commit {env['commit'][:12]}"
+          + (f" | CPU linears on {env['cpu_linear']}" if "cpu_linear" in env else ""))
     print(
         f"GPT stack: {settings.layers} layers, d_model {settings.d_model}, {settings.n_heads} heads, d_ff {settings.d_ff}, "
         f"batch {settings.batch} x seq {settings.seq}, {settings.dtype}, dropout {settings.dropout}; "

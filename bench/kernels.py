@@ -534,7 +534,8 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"bench.kernels: --ops has unknown names {unknown}; known: {known}")
     result = run_kernels(settings, ops, progress=not args.no_progress)
     env = result["environment"]
-    print(f"memopt {env['memopt']} | torch {env['torch']} | triton {env['triton']} | {env['device_name']} | commit {env['commit'][:12]}")
+    print(f"memopt {env['memopt']} | torch {env['torch']} | triton {env['triton']} | {env['device_name']} | commit {env['commit'][:12]}"
+          + (f" | CPU linears on {env['cpu_linear']}" if "cpu_linear" in env else ""))
     shapes = ", ".join(f"{r} x {w}" for r, w in settings.shapes)
     print(f"rows x width {shapes}; linear out_features {settings.linear_out}; attention "
           f"{settings.batch}x{settings.heads}x{settings.seq}x{settings.head_dim} causal (x = seq, width = head_dim); "

@@ -59,6 +59,7 @@ def test_tiny_run_has_every_column_for_every_configuration(tiny_run):
     env = result["environment"]
     assert isinstance(env["cpu_model"], str) and env["cpu_model"]
     assert env["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert env["cpu_linear"] in ("onednn", "aten")  # and which GEMM memopt's linears ran on
     if platform.system() == "Linux" and Path("/sys/devices/system/cpu/cpu0/cache").is_dir():
         assert env["cpu_caches"] and all(re.fullmatch(r"\d+[KMG]", size) for size in env["cpu_caches"].values())
     assert result["arguments"]["preset"] == "tiny"

@@ -6,6 +6,7 @@
 
 #include "activation.h"
 #include "common.h"
+#include "new_output.h"
 
 namespace memopt {
 namespace {
@@ -72,9 +73,9 @@ ActBackward allocate_backward(Activation activation, int64_t rows, const at::Ten
   return {activation,
           rows,
           x.size(-1),
-          grad_x_in_grad_y ? grad_y : at::empty_like(x, at::MemoryFormat::Contiguous),
+          grad_x_in_grad_y ? grad_y : new_output_like(x),
           bias.has_value() ? at::empty_like(*bias, at::MemoryFormat::Contiguous) : absent_like(x),
-          return_y ? at::empty(out_sizes, x.options()) : absent_like(x)};
+          return_y ? new_output(out_sizes, x.options()) : absent_like(x)};
 }
 
 }  // namespace
@@ -83,7 +84,7 @@ ActForward prepare_bias_act_fwd(const at::Tensor& x, const std::optional<at::Ten
                                 const std::string& activation) {
   const Activation act = parse_activation(activation, kBiasAct);
   const int64_t rows = check_act_inputs(x, bias, x.dim() >= 1 ? x.size(-1) : 0, kBiasAct);
-  return {act, rows, x.size(-1), at::empty_like(x, at::MemoryFormat::Contiguous)};
+  return {act, rows, x.size(-1), new_output_like(x)};
 }
 
 ActBackward prepare_bias_act_bwd(const at::Tensor& grad_y, const at::Tensor& x, const std::optional<at::Tensor>& bias,
@@ -101,7 +102,7 @@ ActBackward prepare_bias_act_bwd(const at::Tensor& grad_y, const at::Tensor& x, 
 ActForward prepare_swiglu_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias) {
   const int64_t d = swiglu_half_width(x);
   const int64_t rows = check_act_inputs(x, bias, 2 * d, kSwiglu);
-  return {Activation::kSilu, rows, 2 * d, at::empty(swiglu_out_sizes(x), x.options())};
+  return {Activation::kSilu, rows, 2 * d, new_output(swiglu_out_sizes(x), x.options())};
 }
 
 ActBackward prepare_swiglu_bwd(const at::Tensor& grad_y, const at::Tensor& x, const std::optional<at::Tensor>& bias,

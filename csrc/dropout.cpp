@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "common.h"
+#include "new_output.h"
 #include "cpu_kernels.h"
 #include "dropout.h"
 
@@ -28,7 +29,7 @@ at::Tensor dropout_add_fwd_cpu(const at::Tensor& x, const std::optional<at::Tens
                                const at::Tensor& rng_key) {
   check_dropout_add_inputs(x, residual, p);
   const auto [seed, offset] = read_rng_key(rng_key, "dropout_add");
-  auto out = at::empty_like(x, at::MemoryFormat::Contiguous);
+  auto out = new_output_like(x);
   MEMOPT_CPU_KERNEL(dropout_add_kernel)(x, residual.value_or(at::Tensor()), out, p, seed, offset);
   return out;
 }
@@ -37,7 +38,7 @@ at::Tensor dropout_add_fwd_cpu(const at::Tensor& x, const std::optional<at::Tens
 at::Tensor dropout_add_bwd_cpu(const at::Tensor& grad_out, double p, const at::Tensor& rng_key) {
   check_dropout_add_inputs(grad_out, std::nullopt, p);
   const auto [seed, offset] = read_rng_key(rng_key, "dropout_add");
-  auto grad_x = at::empty_like(grad_out, at::MemoryFormat::Contiguous);
+  auto grad_x = new_output_like(grad_out);
   MEMOPT_CPU_KERNEL(dropout_add_kernel)(grad_out, at::Tensor(), grad_x, p, seed, offset);
   return grad_x;
 }

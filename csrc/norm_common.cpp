@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "common.h"
+#include "new_output.h"
 #include "norm.h"
 
 namespace memopt {
@@ -102,8 +103,8 @@ NormForward prepare_norm_fwd(const char* op, bool rms, const at::Tensor& x, cons
   return {shape.rows,
           shape.n,
           shape.param_dtype,
-          at::empty_like(x, at::MemoryFormat::Contiguous),
-          residual.has_value() ? at::empty_like(x, at::MemoryFormat::Contiguous) : absent_like(x),
+          new_output_like(x),
+          residual.has_value() ? new_output_like(x) : absent_like(x),
           rms ? at::Tensor() : at::empty(norm_stat_shape(x), stat_options),
           at::empty(norm_stat_shape(x), stat_options)};
 }
@@ -122,10 +123,10 @@ NormBackward prepare_norm_bwd(const char* op, const at::Tensor& grad_y, const at
   return {shape.rows,
           shape.n,
           shape.param_dtype,
-          grad_x_in_grad_y ? grad_y : at::empty_like(x, at::MemoryFormat::Contiguous),
+          grad_x_in_grad_y ? grad_y : new_output_like(x),
           weight.has_value() ? at::empty({shape.n}, param_options) : absent_like(x),
           bias.has_value() ? at::empty({shape.n}, param_options) : absent_like(x),
-          return_y ? at::empty_like(x, at::MemoryFormat::Contiguous) : absent_like(x)};
+          return_y ? new_output_like(x) : absent_like(x)};
 }
 
 }  // namespace memopt

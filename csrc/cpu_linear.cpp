@@ -6,9 +6,9 @@
 // oneDNN's inner product (mkldnn::_linear_pointwise, what torch.compile's CPU backend fuses
 // linears into). Measured on this project's development host (AMD EPYC, Zen 4, AVX-512), one
 // thread, the (rows, in) x (in, out) products of the kernels bench: oneDNN 106-111 GFLOP/s against
-// MKL's 95-103 for x @ W^T and 92-112 against 82-103 for grad @ W. MKL reads the vendor before
-// it picks its code, oneDNN reads the instruction set, so the rule ("auto") is: oneDNN on AMD CPUs
-// with AVX-512, ATen (MKL) elsewhere (unmeasured there, so no change). The rule depends on the
+// MKL's 95-103 for x @ W^T and 92-112 against 82-103 for grad @ W (MKL is known to pick its code
+// by CPU vendor, oneDNN by instruction set). So the rule ("auto") is: oneDNN on AMD CPUs with
+// AVX-512, ATen (MKL) elsewhere (unmeasured there, so no change). The rule depends on the
 // host only, never on timing, so one process gives the same bits every step, under every policy
 // (the forward and its recompute take the same kernel). MEMOPT_CPU_LINEAR=aten|onednn|auto
 // overrides it. oneDNN writes a new output; where a product would go into a buffer the caller
@@ -20,7 +20,6 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cstdlib>
-#include <mutex>
 #include <string>
 
 #include "common.h"

@@ -333,7 +333,8 @@ struct NormLinearFunction : public torch::autograd::Function<NormLinearFunction>
         if (rebuild_y_first) {
           // One buffer of x's size for the whole backward: y is rebuilt by the forward kernel (the
           // forward's bits), grad_W taken from it, then grad_y is written over it (or into the
-          // memory it frees: cpu_mm_over) and grad_x over grad_y. Rebuilding y in the backward kernel instead would need grad_y and y at once.
+          // memory it frees: cpu_mm_over) and grad_x over grad_y. Rebuilding y in the backward
+          // kernel instead would need grad_y and y at once.
           const double eps = ctx->saved_data["eps"].toDouble();
           at::Tensor y =
               std::get<0>(norm_forward(rms, x, std::nullopt, optional(norm_weight), optional(norm_bias), eps));

@@ -15,7 +15,10 @@ import torch.nn.functional as F
 import memopt
 from helpers import tolerances
 
-pytestmark = pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
+pytestmark = pytest.mark.skipif(
+    not os.path.exists("/proc/self/smaps") or not os.path.exists("/sys/kernel/mm/transparent_hugepage"),
+    reason="reads Linux's /proc/self/smaps; needs a kernel with transparent huge pages",
+)
 
 # 32 MiB of float32: the smallest output the advice covers (glibc maps such a buffer on its own).
 ROWS, WIDTH = 2048, 4096

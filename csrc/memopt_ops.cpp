@@ -109,15 +109,24 @@ PyObject* build_info(PyObject*, PyObject*) {
                        MEMOPT_STRINGIFY(MEMOPT_TORCH_VERSION));
 }
 
-PyObject* cpu_linear_backend(PyObject*, PyObject*) { return PyUnicode_FromString(memopt::cpu_linear_backend()); }
+// A bad MEMOPT_CPU_LINEAR (read on first use) or name raises ValueError, not a C++ exception
+// through the Python C API.
+PyObject* cpu_linear_backend(PyObject*, PyObject*) {
+  try {
+    return PyUnicode_FromString(memopt::cpu_linear_backend());
+  } catch (const c10::Error& err) {
+    PyErr_SetString(PyExc_ValueError, err.what_without_backtrace());
+    return nullptr;
+  }
+}
 
 PyObject* set_cpu_linear_backend(PyObject*, PyObject* name) {
   const char* text = PyUnicode_AsUTF8(name);
   if (text == nullptr) return nullptr;
   try {
     memopt::set_cpu_linear_backend(text);
-  } catch (const std::exception& err) {
-    PyErr_SetString(PyExc_ValueError, err.what());
+  } catch (const c10::Error& err) {
+    PyErr_SetString(PyExc_ValueError, err.what_without_backtrace());
     return nullptr;
   }
   Py_RETURN_NONE;

@@ -102,8 +102,7 @@ def tensor_bytes(t: torch.Tensor) -> int:
 def matmul_flops(op: str, args) -> int:
     """``2 m n k`` (times the batch) of a matmul op's call, from its operands' shapes."""
     if op == "mkldnn::_linear_pointwise":  # X @ W^T (+ bias), X of any leading dims
-        x, w = args[0], args[1]
-        return 2 * (x.numel() // x.shape[-1]) * x.shape[-1] * w.shape[0]
+        return 2 * args[0].numel() * args[1].shape[0]
     if op in ("aten::mm", "aten::addmm"):
         a, b = (args[0], args[1]) if op == "aten::mm" else (args[1], args[2])
         return 2 * a.shape[0] * a.shape[1] * b.shape[1]

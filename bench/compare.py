@@ -199,6 +199,12 @@ def cpu_details() -> dict:
     return {"cpu_model": model, "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_caches": caches}
 
 
+def run_header(env: dict) -> str:
+    """The first line a bench run prints: versions, device, commit (and on CPU the linears' GEMM)."""
+    line = f"memopt {env['memopt']} | torch {env['torch']} | triton {env['triton']} | {env['device_name']} | commit {env['commit'][:12]}"
+    return line + (f" | CPU linears on {env['cpu_linear']}" if "cpu_linear" in env else "")
+
+
 def environment(device: torch.device, threads: int | None = None) -> dict:
     """Versions, device, commit and date: the header of every results file (on CPU also the CPU's
     model, instruction set and caches, :func:`cpu_details`)."""
@@ -814,8 +820,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(settings, configs, progress=not args.no_progress)
     result["wall_s"] = time.perf_counter() - t0
     env = result["environment"]
-    print(f"memopt {env['memopt']} | torch {env['torch']} | triton {env['triton']} | {env['device_name']} | commit {env['commit'][:12]}"
-          + (f" | CPU linears on {env['cpu_linear']}" if "cpu_linear" in env else ""))
+    print(run_header(env))
     print(
         f"GPT stack: {settings.layers} layers, d_model {settings.d_model}, {settings.n_heads} heads, d_ff {settings.d_ff}, "
         f"batch {settings.batch} x seq {settings.seq}, {settings.dtype}, dropout {settings.dropout}; "

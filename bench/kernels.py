@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 import memopt
-from bench.compare import DTYPES, RESULTS_DIR, cpu_threads, environment, quantile, resolve_device, save_run
+from bench.compare import DTYPES, RESULTS_DIR, cpu_threads, environment, quantile, resolve_device, run_header, save_run
 
 PROVIDERS = ("memopt", "eager", "compile")
 
@@ -534,8 +534,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"bench.kernels: --ops has unknown names {unknown}; known: {known}")
     result = run_kernels(settings, ops, progress=not args.no_progress)
     env = result["environment"]
-    print(f"memopt {env['memopt']} | torch {env['torch']} | triton {env['triton']} | {env['device_name']} | commit {env['commit'][:12]}"
-          + (f" | CPU linears on {env['cpu_linear']}" if "cpu_linear" in env else ""))
+    print(run_header(env))
     shapes = ", ".join(f"{r} x {w}" for r, w in settings.shapes)
     print(f"rows x width {shapes}; linear out_features {settings.linear_out}; attention "
           f"{settings.batch}x{settings.heads}x{settings.seq}x{settings.head_dim} causal (x = seq, width = head_dim); "

@@ -23,6 +23,7 @@
 #include <string>
 
 #include "common.h"
+#include "new_output.h"
 
 namespace memopt {
 namespace {
@@ -81,6 +82,15 @@ bool use_onednn(const at::Tensor& x, const at::Tensor& weight, const std::option
   return at::globalContext().userEnabledMkldnn() && onednn_linear_op().has_value();
 }
 
+// x @ weight^T + bias on oneDNN, for arguments use_onednn accepted.
+at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  std::vector<c10::IValue> stack{x, weight, bias.has_value() ? c10::IValue(*bias) : c10::IValue(),
+                                 c10::IValue(std::string("none")),
+                                 c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue()};
+  onednn_linear_op()->callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
 }  // namespace
 
 const char* cpu_linear_backend() {
@@ -90,25 +100,18 @@ const char* cpu_linear_backend() {
 void set_cpu_linear_backend(const std::string& name) { chosen() = parse(name, "the CPU linear backend"); }
 
 at::Tensor cpu_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  if (!use_onednn(x, weight, bias)) return at::linear(x, weight, bias);
-  std::vector<c10::IValue> stack{x, weight, bias.has_value() ? c10::IValue(*bias) : c10::IValue(),
-                                 c10::IValue(std::string("none")),
-                                 c10::IValue(c10::List<std::optional<at::Scalar>>()), c10::IValue()};
-  onednn_linear_op()->callBoxed(&stack);
-  return stack[0].toTensor();
+  return use_onednn(x, weight, bias) ? onednn_linear(x, weight, bias) : at::linear(x, weight, bias);
 }
 
 at::Tensor cpu_mm(const at::Tensor& a, const at::Tensor& b) {
-  if (!use_onednn(a, b, std::nullopt) || a.dim() != 2) return at::mm(a, b);
-  return cpu_linear(a, b.t(), std::nullopt);
+  return a.dim() == 2 && use_onednn(a, b, std::nullopt) ? onednn_linear(a, b.t(), std::nullopt) : at::mm(a, b);
 }
 
 at::Tensor cpu_mm_over(at::Tensor&& scratch, const at::Tensor& a, const at::Tensor& b) {
-  // glibc's largest dynamic mmap threshold on 64-bit hosts (DEFAULT_MMAP_THRESHOLD_MAX).
-  constexpr int64_t kHeapBytes = int64_t(32) << 20;
-  if (use_onednn(a, b, std::nullopt) && a.dim() == 2 && scratch.nbytes() < kHeapBytes) {
+  // use_onednn first: it refuses fake tensors, whose sizes (and nbytes) may be symbolic.
+  if (a.dim() == 2 && use_onednn(a, b, std::nullopt) && static_cast<int64_t>(scratch.nbytes()) < kFreshMappingBytes) {
     scratch.reset();
-    return cpu_mm(a, b);
+    return onednn_linear(a, b.t(), std::nullopt);
   }
   at::Tensor out = scratch.view_symint({a.sym_size(0), b.sym_size(1)});
   at::mm_out(out, a, b);

@@ -27,7 +27,6 @@
 namespace memopt {
 namespace {
 
-constexpr int64_t kMappedBytes = int64_t(32) << 20;
 constexpr uintptr_t kHugePage = uintptr_t(2) << 20;
 
 bool advice_on() {
@@ -40,7 +39,7 @@ bool advice_on() {
 
 at::Tensor advised(at::Tensor t) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
-  if (t.is_cpu() && static_cast<int64_t>(t.nbytes()) >= kMappedBytes && advice_on()) {
+  if (t.is_cpu() && static_cast<int64_t>(t.nbytes()) >= kFreshMappingBytes && advice_on()) {
     const auto begin = reinterpret_cast<uintptr_t>(t.data_ptr());
     const uintptr_t first = (begin + kHugePage - 1) & ~(kHugePage - 1);
     const uintptr_t last = (begin + t.nbytes()) & ~(kHugePage - 1);

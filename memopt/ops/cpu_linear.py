@@ -28,7 +28,8 @@ except (AttributeError, RuntimeError):  # a torch build without oneDNN
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 # glibc's largest dynamic mmap threshold on 64-bit hosts: a freed buffer below it comes straight
-# back from the heap; above it a fresh one is mapped anew and page-faulted (csrc/cpu_linear.cpp).
+# back from the heap; above it a fresh one is mapped anew and page-faulted (kFreshMappingBytes in
+# csrc/new_output.h).
 _HEAP_BYTES = 32 << 20
 
 

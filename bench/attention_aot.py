@@ -1,6 +1,7 @@
 """Compile every GPU configuration of the attention kernels for Hopper (sm_90), no GPU needed.
 
-For each kernel x head_dim x dtype x causal x dropout in ``attention_triton.GPU_CONFIGS`` this
+For each kernel x head_dim x dtype x causal x dropout in ``attention_triton.GPU_CONFIGS`` (and,
+for each entry, a head_dim below its power of two: the masked tiles of ``block_head_dim``) this
 runs ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, then Triton's bundled ``ptxas -v
 --gpu-name=sm_90a`` on the PTX for registers and spills, and reads shared memory from the
 compiled metadata. Rows go to ``bench/results/attention_aot_sm90.json``.
@@ -79,7 +80,10 @@ def configurations(full: bool = False):
     """(kernel name, head_dim, dtype, causal, dropout, grouped_rng) to compile.
 
     Every table entry is compiled; dropout entries in both RNG variants (``grouped_rng``: one
-    Philox call per four probabilities when seq_k % 4 == 0, else one per probability). ``full``
+    Philox call per four probabilities when seq_k % 4 == 0, else one per probability). Each entry
+    is also compiled for a head_dim of three quarters of its width (12, 24, 48, 96, 192), whose
+    tiles mask the columns past head_dim (more predicates, the same tile), in the heaviest variant
+    (bfloat16, causal; dropout in both RNG variants). ``full``
     adds every dtype x causal combination; the default compiles a dropout entry in its heaviest
     variant (bfloat16, causal) and a plain entry both causal (bfloat16) and not (float16): the
     dtype changes instruction types, not register pressure, but causal adds the branch that masks
@@ -102,6 +106,9 @@ def configurations(full: bool = False):
                 yield kernel_name, head_dim, "float16", False, False, False
                 if kernel_name != "bwd_delta":
                     yield kernel_name, head_dim, "bfloat16", True, False, False
+            masked_head_dim = head_dim * 3 // 4
+            for grouped in rng_variants:
+                yield kernel_name, masked_head_dim, "bfloat16", kernel_name != "bwd_delta", dropout, grouped
 
 
 def compile_one(kernel_name: str, head_dim: int, dtype: str, causal: bool, dropout: bool, grouped_rng: bool = False) -> dict:
@@ -116,8 +123,9 @@ def compile_one(kernel_name: str, head_dim: int, dtype: str, causal: bool, dropo
         "bwd_dkdv": attention_triton._attn_bwd_dkdv_kernel,
         "bwd_dq": attention_triton._attn_bwd_dq_kernel,
     }[kernel_name]
-    block_m, block_n, num_warps, num_stages = attention_triton.GPU_CONFIGS[kernel_name][(head_dim, dropout)]
-    constexprs = {"HEAD_DIM": head_dim, "BLOCK_M": block_m}
+    block_d = attention_triton.block_head_dim(head_dim)
+    block_m, block_n, num_warps, num_stages = attention_triton.GPU_CONFIGS[kernel_name][(block_d, dropout)]
+    constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_M": block_m}
     if kernel_name != "bwd_delta":
         constexprs.update(BLOCK_N=block_n, CAUSAL=causal, DROPOUT=dropout, GROUPED_RNG=grouped_rng, UPCAST_DOT=False)
     signature, attrs = _signature(kernel, dtype, constexprs)
@@ -126,7 +134,7 @@ def compile_one(kernel_name: str, head_dim: int, dtype: str, causal: bool, dropo
     started = time.perf_counter()
     compiled = triton.compile(source, target=target, options={"num_warps": num_warps, "num_stages": num_stages})
     row = {
-        "kernel": kernel_name, "head_dim": head_dim, "dtype": dtype, "causal": causal, "dropout": dropout,
+        "kernel": kernel_name, "head_dim": head_dim, "block_head_dim": block_d, "dtype": dtype, "causal": causal, "dropout": dropout,
         "grouped_rng": grouped_rng,
         "block_m": block_m, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages,
         "shared_bytes": int(compiled.metadata.shared),
@@ -175,8 +183,9 @@ def main(argv=None) -> int:
     print("| kernel | head_dim | dtype | causal | dropout | grouped rng | BM x BN | warps | stages | regs | spills (st/ld) | smem (B) |")
     print("|---|---:|---|---|---|---|---|---:|---:|---:|---|---:|")
     for r in rows:
+        head_dim = str(r["head_dim"]) if r["head_dim"] == r["block_head_dim"] else f"{r['head_dim']} (as {r['block_head_dim']})"
         print(
-            f"| {r['kernel']} | {r['head_dim']} | {r['dtype']} | {r['causal']} | {r['dropout']} | {r['grouped_rng']} | "
+            f"| {r['kernel']} | {head_dim} | {r['dtype']} | {r['causal']} | {r['dropout']} | {r['grouped_rng']} | "
             f"{r['block_m']}x{r['block_n']} | {r['num_warps']} | {r['num_stages']} | {r['registers']} | "
             f"{r['spill_stores']}/{r['spill_loads']} | {r['shared_bytes']} |"
         )

@@ -63,7 +63,7 @@ from memopt.ops import norm as _norm_ops
 from memopt.ops._common import autocast_off, building_graph, grads_with_graph
 from memopt.tiled_ffn import chunk_rng_key, token_chunks
 
-SUPPORTED_HEAD_DIMS = _attention_ops.SUPPORTED_HEAD_DIMS
+MAX_HEAD_DIM = _attention_ops.MAX_HEAD_DIM
 
 _NORM_STATS = {"layernorm": ("mean", "rstd"), "rmsnorm": ("rstd",)}
 

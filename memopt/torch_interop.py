@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memopt.block import FusedCheckpointBlock, compute_dtype
-from memopt.block_functions import SUPPORTED_HEAD_DIMS
+from memopt.block_functions import MAX_HEAD_DIM
 from memopt.checkpoint import checkpoint
 from memopt.ops import attention as _attention_ops
 
@@ -49,7 +49,7 @@ def supports(layer: nn.Module, *, allow_autocast: bool = False) -> bool:
 
     True for an ``nn.TransformerEncoderLayer`` (its own ``forward``, no hooks) with relu or
     gelu activation (function or module), either ``norm_first``, either ``batch_first``,
-    ``head_dim`` in ``SUPPORTED_HEAD_DIMS``, biases on all of its linears and norms or on none,
+    ``head_dim`` at most ``MAX_HEAD_DIM`` (256), biases on all of its linears and norms or on none,
     affine LayerNorms with one eps, every parameter of one dtype on one device that attention
     takes there (``memopt.ops.attention.supported_dtypes``: fp16/bf16 on CUDA, so fp32 layers
     meant for autocast need ``allow_autocast``), and **every dropout probability 0**: torch's
@@ -79,8 +79,8 @@ def unsupported_reason(layer: nn.Module, *, allow_autocast: bool = False) -> str
     if attn.bias_k is not None or attn.add_zero_attn:
         return "self_attn has add_bias_kv or add_zero_attn"
     head_dim = attn.embed_dim // attn.num_heads
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        return f"head_dim {head_dim} is not one of {SUPPORTED_HEAD_DIMS}"
+    if head_dim > MAX_HEAD_DIM:
+        return f"head_dim {head_dim} is above {MAX_HEAD_DIM}"
     try:
         _activation_name(layer.activation)
     except ValueError:

@@ -4,7 +4,7 @@ Each rank trains on its half of a batch under DDP and under FSDP2 and checks eve
 gradient against a single-process, unwrapped run on the whole batch:
 
 * a memopt-wrapped ``nn.TransformerEncoder`` whose layers memopt checkpoints as they are
-  (head_dim 8, which the fused block does not take) and one whose layers it swaps for
+  (a SiLU activation, which the fused block does not take) and one whose layers it swaps for
   ``memopt.torch_interop.FusedTransformerEncoderLayer`` (a fused block, head_dim 16);
 * a ``FusedCheckpointStack``;
 * the offload policy (of ``wrap`` and of the block, with an engine that takes CPU tensors), also
@@ -33,9 +33,9 @@ D_MODEL, HEADS, FFN, LAYERS, SEQ, BATCH_PER_RANK = 32, 4, 64, 3, 8, 2
 
 
 class Net(nn.Module):
-    def __init__(self, heads=HEADS):
+    def __init__(self, heads=HEADS, activation=nn.SiLU()):
         super().__init__()
-        layer = nn.TransformerEncoderLayer(D_MODEL, heads, FFN, dropout=0.0, batch_first=True)
+        layer = nn.TransformerEncoderLayer(D_MODEL, heads, FFN, dropout=0.0, activation=activation, batch_first=True)
         self.encoder = nn.TransformerEncoder(layer, LAYERS, enable_nested_tensor=False)
         self.head = nn.Linear(D_MODEL, 1)
 
@@ -109,7 +109,7 @@ def main():
 
     # Layers swapped for a FusedCheckpointBlock (head_dim 16), under DDP and FSDP2.
     torch.manual_seed(0)
-    swappable = Net(heads=2)
+    swappable = Net(heads=2, activation="relu")
     swapped_reference = reference_grads(swappable, batch)
     model, names = wrap_keeping_names(copy.deepcopy(swappable), policy="selective")
     assert all(isinstance(layer, memopt.torch_interop.FusedTransformerEncoderLayer) for layer in model.encoder.layers)

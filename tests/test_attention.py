@@ -13,7 +13,7 @@ from memopt.ops import attention as attention_ops
 from memopt.ops._philox import dropout_keep_mask
 from memopt.ops._rng import rng_key
 from memopt.ops.attention import (
-    SUPPORTED_HEAD_DIMS,
+    MAX_HEAD_DIM,
     AttentionFunction,
     attention_ref,
     attention_triton,
@@ -344,9 +344,54 @@ def test_without_triton_cpu_runs_native_and_triton_backend_says_install(monkeypa
 
 
 @needs_triton
-def test_gpu_launch_table_covers_exactly_the_supported_head_dims():
+def test_gpu_launch_table_covers_every_block_head_dim():
     for kernel, table in attention_triton.GPU_CONFIGS.items():
-        assert sorted({head_dim for head_dim, _ in table}) == list(SUPPORTED_HEAD_DIMS), kernel
+        assert sorted({head_dim for head_dim, _ in table}) == list(attention_triton.BLOCK_HEAD_DIMS), kernel
+    # Every head_dim memopt takes tiles as one of them: the smallest power of two >= max(16, head_dim).
+    for head_dim in range(1, MAX_HEAD_DIM + 1):
+        block = attention_triton.block_head_dim(head_dim)
+        assert block in attention_triton.BLOCK_HEAD_DIMS and block >= head_dim, head_dim
+        assert block == 16 or block // 2 < head_dim, head_dim
+
+
+# Head sizes that are not powers of two (ViT-H's 80, Phi-3's 96, a multiple of 8 below 16, odd
+# ones, 1), against the float64 reference: the Triton kernels tile them as the next power of two
+# with the columns past head_dim masked; the CPU kernels' vectors end in a partial one.
+ODD_HEAD_DIM_SHAPES = [
+    (1, 2, 2, 19, 19, 80),
+    (1, 4, 2, 17, 23, 96),
+    (2, 2, 1, 9, 9, 24),
+    (1, 2, 2, 21, 13, 3),
+    (1, 1, 1, 5, 5, 1),
+    (1, 2, 2, 7, 7, 200),
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("shape", ODD_HEAD_DIM_SHAPES, ids=_shape_id)
+def test_head_dims_that_are_not_powers_of_two_match_reference(backend, causal, shape):
+    q, k, v = _inputs(shape)
+    actual, expected = _run_and_reference(q, k, v, causal, 0.0, None, backend=backend)
+    _assert_close(actual, expected, torch.float32)
+
+
+@pytest.mark.parametrize("backend", DROPOUT_BACKENDS)
+@pytest.mark.parametrize("shape", [(1, 2, 2, 19, 19, 80), (1, 4, 2, 17, 22, 40), (1, 2, 1, 9, 9, 5)], ids=_shape_id)
+def test_head_dims_that_are_not_powers_of_two_with_dropout_match_reference(backend, shape):
+    q, k, v = _inputs(shape)
+    actual, expected = _run_and_reference(q, k, v, True, 0.3, rng_key(77, 8), backend=backend)
+    _assert_close(actual, expected, torch.float32)
+
+
+@pytest.mark.parametrize("head_dim", [0, MAX_HEAD_DIM + 1])
+@pytest.mark.parametrize("backend", ["auto", "native", "aten_flash"])
+def test_head_dim_outside_one_to_256_is_refused_by_every_cpu_path(head_dim, backend):
+    q = _t(1, 2, 8, head_dim)
+    with pytest.raises(ValueError, match=rf"head_dim must be between 1 and 256, got head_dim={head_dim}"):
+        memopt.attention(q, q, q, backend=backend)
+    with pytest.raises(ValueError, match=rf"head_dim must be between 1 and 256, got head_dim={head_dim}"):
+        torch.ops.memopt.cpu_flash_attention_fwd(q, q, q, False, 0.0)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -419,7 +464,7 @@ def _t(*shape, dtype=torch.float32):
         (lambda: memopt.attention(_t(1, 2, 8, 32), _t(2, 2, 8, 32), _t(2, 2, 8, 32)), "batch=1"),
         (lambda: memopt.attention(_t(1, 2, 8, 32), _t(1, 2, 8, 64), _t(1, 2, 8, 64)), "head_dim=32"),
         (lambda: memopt.attention(_t(1, 3, 8, 32), _t(1, 2, 8, 32), _t(1, 2, 8, 32)), "multiple of the heads"),
-        (lambda: memopt.attention(_t(1, 2, 8, 48), _t(1, 2, 8, 48), _t(1, 2, 8, 48)), r"head_dim must be one of .*48"),
+        (lambda: memopt.attention(_t(1, 2, 8, 300), _t(1, 2, 8, 300), _t(1, 2, 8, 300)), r"head_dim must be between 1 and 256, got head_dim=300"),
         (lambda: memopt.attention(_t(2, 8, 32), _t(2, 8, 32), _t(2, 8, 32)), "must be 4-D"),
         (lambda: memopt.attention(_t(1, 2, 8, 32), _t(1, 2, 8, 32), _t(1, 2, 8, 32), dropout_p=1.0), "dropout_p must be"),
         (lambda: memopt.attention(_t(1, 2, 8, 32), _t(1, 2, 8, 32), _t(1, 2, 8, 32), dropout_p=-0.1), "dropout_p must be"),
@@ -488,7 +533,7 @@ def _max_error(actual, reference):
 @pytest.mark.parametrize(
     "shape",
     [(2, 4, 4, 1024, 1024, 64), (1, 8, 2, 1537, 1537, 128), (2, 4, 1, 300, 1100, 32), (1, 4, 4, 1100, 257, 256),
-     (1, 2, 2, 1029, 1029, 16)],
+     (1, 2, 2, 1029, 1029, 16), (1, 4, 4, 777, 777, 80), (1, 4, 2, 1025, 1025, 96), (1, 4, 4, 600, 600, 20)],
     ids=_shape_id,
 )
 def test_gpu_matches_sdpa(dtype, causal, shape):
@@ -635,6 +680,11 @@ class _CudaStandIn:
         ((1, 8, 512, 64), (1, 2, 512, 64), True, 0.0, (9, 0), {"cudnn", "aten_flash", "efficient"}, "triton"),
         ((1, 8, 100, 64), (1, 8, 512, 64), True, 0.0, (9, 0), {"cudnn", "aten_flash", "efficient"}, "triton"),
         ((1, 8, 100, 64), (1, 8, 512, 64), False, 0.0, (9, 0), {"cudnn", "aten_flash", "efficient"}, "cudnn"),
+        # head sizes: multiples of 8 go to ATen's kernels (when torch accepts them), the others to
+        # memopt's (ATen's ops take none; F.scaled_dot_product_attention pads them)
+        ((1, 8, 512, 80), (1, 8, 512, 80), True, 0.0, (9, 0), {"cudnn", "aten_flash", "efficient"}, "cudnn"),
+        ((1, 8, 512, 20), (1, 8, 512, 20), True, 0.0, (9, 0), {"cudnn", "aten_flash", "efficient"}, "triton"),
+        ((1, 8, 512, 3), (1, 8, 512, 3), False, 0.1, (8, 0), {"cudnn", "aten_flash", "efficient"}, "triton"),
     ],
 )
 def test_auto_rule_on_cuda(monkeypatch, q_shape, kv_shape, causal, dropout_p, capability, accepts, expected):
@@ -658,6 +708,10 @@ def test_named_cuda_backends_refuse_what_breaks_the_contract(monkeypatch):
         resolve_backend("efficient", q, q, q, False, 0.0)
     with pytest.raises(ValueError, match="does not run on CUDA"):
         resolve_backend("native", q, q, q, False, 0.0)
+    odd = _CudaStandIn(1, 8, 512, 20)
+    for backend in ("cudnn", "aten_flash", "efficient"):
+        with pytest.raises(ValueError, match=f"backend '{backend}' takes a head_dim that is a multiple of 8 on CUDA, got head_dim=20"):
+            resolve_backend(backend, odd, odd, odd, False, 0.0)
     assert resolve_backend("cudnn", q, q, q, True, 0.0) == "cudnn"
 
 
@@ -990,7 +1044,8 @@ _FLASH_CPU_BAD_INPUTS = {
     "heads-not-a-multiple": (_t(1, 3, 8, 16), _t(1, 2, 8, 16), _t(1, 2, 8, 16), None),
     "kv-heads-zero": (_t(1, 2, 8, 16), _t(1, 0, 8, 16), _t(1, 0, 8, 16), None),
     "seq-zero": (_t(1, 2, 0, 16), _t(1, 2, 8, 16), _t(1, 2, 8, 16), None),
-    "head-dim-48": (_t(1, 2, 8, 48), _t(1, 2, 8, 48), _t(1, 2, 8, 48), None),
+    "head-dim-300": (_t(1, 2, 8, 300), _t(1, 2, 8, 300), _t(1, 2, 8, 300), None),
+    "head-dim-0": (_t(1, 2, 8, 0), _t(1, 2, 8, 0), _t(1, 2, 8, 0), None),
     "dtypes": (_t(1, 2, 8, 16), _t(1, 2, 8, 16, dtype=torch.float64), _t(1, 2, 8, 16), None),
     "float16": tuple(_t(1, 2, 8, 16).half() for _ in range(3)) + (None,),
     "bfloat16": tuple(_t(1, 2, 8, 16).bfloat16() for _ in range(3)) + (None,),
@@ -1137,8 +1192,8 @@ def test_cpu_flash_refuses_what_it_cannot_do():
         torch.ops.memopt.cpu_flash_attention_bwd(q, q, q, q, q, torch.randn(1, 2, 8), True, 0.2, 1.0, rng_key(1))
     with pytest.raises(RuntimeError, match="rng_key must be an int64 CPU tensor of 2 elements"):
         torch.ops.memopt.cpu_flash_attention_bwd_packed(q, q, q, q, q, torch.randn(1, 2, 8), True, 0.2, 0.1, torch.zeros(3))
-    with pytest.raises(ValueError, match="head_dim must be one of"):
-        torch.ops.memopt.cpu_flash_attention_fwd(torch.randn(1, 2, 8, 24), torch.randn(1, 2, 8, 24), torch.randn(1, 2, 8, 24), True, 0.2)
+    with pytest.raises(ValueError, match="head_dim must be between 1 and 256"):
+        torch.ops.memopt.cpu_flash_attention_fwd(torch.randn(1, 2, 8, 257), torch.randn(1, 2, 8, 257), torch.randn(1, 2, 8, 257), True, 0.2)
     with pytest.raises(ValueError, match="cpu_flash_attention_bwd: lse must have shape"):
         torch.ops.memopt.cpu_flash_attention_bwd(q, q, q, q, q, torch.randn(1, 2, 7), True, 0.2)
     with pytest.raises(ValueError, match="cpu_flash_attention_bwd_packed: grad_out must have shape"):

@@ -202,6 +202,27 @@ def test_causal_masks_match_causal_flag(mask_kind):
 
 
 # ----------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("attention_backend", [pytest.param("triton", marks=needs_triton_interpreter), "native", "auto"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_head_dim_that_is_not_a_power_of_two_matches_eager_block(policy, attention_backend):
+    # d_model 96 over 4 heads: head_dim 24, between the powers of two the Triton kernels tile (ViT-H's
+    # 80 and Phi-3's 96 take the same paths), with grouped-query heads, a causal mask and dropout
+    # 0 (the eager block draws its own mask).
+    dtype, tol = (torch.float32, {"atol": 1e-4, "rtol": 1e-4}) if attention_backend == "triton" else (torch.float64, F64_TOL)
+    config = CONFIGS["pre-rms-swiglu-gqa-causal-nobias"]
+    block = memopt.FusedCheckpointBlock(96, 4, policy=policy, dtype=dtype, **config)
+    x = torch.randn(2, 13, 96, dtype=dtype)
+    grad = torch.randn_like(x)
+    expected = _run(block.to_eager().double(), x.double(), grad.double())
+    with cpu_backend(attention_backend):
+        got = _run(block, x, grad)
+    _assert_runs_close(tuple(_as_double(t) for t in got), expected, **tol)
+
+
+def _as_double(t):
+    return {k: v.double() for k, v in t.items()} if isinstance(t, dict) else t.double()
+
+
 # Determinism and policy switching.
 
 
@@ -394,7 +415,7 @@ def test_gpu_stack_compiles_fullgraph_with_inductor(compile_cache):
         (dict(activation="tanh"), "activation must be one of"),
         (dict(norm="batchnorm"), "norm must be one of"),
         (dict(dropout=1.0), "dropout must be a float in \\[0, 1\\)"),
-        (dict(d_model=48, n_heads=4), "head_dim = d_model / n_heads = 12 must be one of"),
+        (dict(d_model=600, n_heads=2), "head_dim = d_model / n_heads = 300 must be between 1 and 256"),
     ],
 )
 def test_bad_configuration_raises(kwargs, match):

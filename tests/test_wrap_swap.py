@@ -89,6 +89,19 @@ def test_swapped_encoder_matches_plain(policy, batch_first, norm_first, activati
     _assert_same_step(_step(model, x, original_params), expected)
 
 
+@pytest.mark.parametrize("d_model,heads", [(48, 4), (160, 2)], ids=["head_dim12", "head_dim80"])
+def test_swapped_encoder_with_a_head_dim_that_is_not_a_power_of_two_matches_plain(d_model, heads):
+    # ViT-H's head_dim is 80: such layers are swapped too, and match torch's layer exactly.
+    model = _encoder(d_model=d_model, heads=heads)
+    plain = copy.deepcopy(model)
+    x = _input(d_model=d_model)
+    expected = _step(plain, x, dict(plain.named_parameters()))
+    original_params = dict(model.named_parameters())
+    memopt.wrap(model, policy="selective")
+    assert all(type(layer) is FusedTransformerEncoderLayer for layer in model.layers)
+    _assert_same_step(_step(model, x, original_params), expected)
+
+
 def test_blocks_share_the_layers_parameters():
     model = _encoder()
     originals = list(model.layers)
@@ -264,7 +277,7 @@ def test_selective_saves_fewer_bytes_than_plain():
     "make_model,reason",
     [
         (lambda: _encoder(dropout=0.1), "dropout > 0"),
-        (lambda: _encoder(d_model=48), "head_dim 12 unsupported"),
+        (lambda: _encoder(d_model=600, heads=2), "head_dim 300 unsupported (above 256)"),
         (lambda: _encoder().half(), "float16 unsupported by CPU attention"),
     ],
     ids=["dropout", "head_dim", "dtype"],
@@ -299,8 +312,8 @@ def test_offloading_layers_are_not_swapped():
     _assert_same_step(_step(model, x, original_params), expected)
 
 
-def _layer(heads=HEADS, dropout=0.0, **kwargs):
-    return nn.TransformerEncoderLayer(D_MODEL, heads, FFN, dropout=dropout, **kwargs)
+def _layer(heads=HEADS, dropout=0.0, d_model=D_MODEL, **kwargs):
+    return nn.TransformerEncoderLayer(d_model, heads, FFN, dropout=dropout, **kwargs)
 
 
 class _CustomLayer(nn.TransformerEncoderLayer):
@@ -313,6 +326,7 @@ def test_supports_accepts_what_the_block_reproduces_and_rejects_the_rest():
     assert supports(_layer())
     assert supports(_layer(activation=nn.GELU(), norm_first=True, batch_first=True))
     assert supports(_layer(bias=False))
+    assert supports(_layer(heads=8))  # head_dim 8: any from 1 to 256
     hooked = _layer()
     hooked.register_forward_hook(lambda *args: None)
     odd_eps = _layer()
@@ -325,7 +339,7 @@ def test_supports_accepts_what_the_block_reproduces_and_rejects_the_rest():
         "dropout": _layer(dropout=0.1),
         "attention dropout": attention_dropout_only,
         "silu": _layer(activation=nn.SiLU()),
-        "head_dim 8": _layer(heads=8),
+        "head_dim 264": _layer(d_model=528, heads=2),
         "hook": hooked,
         "subclass forward": _CustomLayer(D_MODEL, HEADS, FFN, dropout=0.0),
         "eps": odd_eps,

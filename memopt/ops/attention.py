@@ -55,6 +55,10 @@ Backends (``backend=`` of :func:`attention` and of both ops):
   graph is captured) and their backward is given the Philox seed and offset of the key.
   Grouped-query heads are expanded (a copy) for ATen's CUDA kernels.
 
+Head sizes: any from 1 to 256 on every backend. memopt's Triton kernels tile a head as the next
+power of two (at least 16) with the columns past head_dim masked (read as zeros, never written),
+so they run the launch configuration of that power of two; the CPU kernels take any size.
+
 ``"auto"`` (the default) picks, by :func:`resolve_backend`:
   * CPU: ``"cpu_flash"``, with or without a mask or dropout (``cpu_backend`` can force
     ``"native"``, ``"triton"`` or ``"cpu_flash"``). Forward + backward, float32, one thread, q/k/v
@@ -65,9 +69,11 @@ Backends (``backend=`` of :func:`attention` and of both ops):
     (2, 6, 512, 64), 0.57x at (1, 4, 1024, 64), 0.33x at (2, 2, 16, 16); without a mask 0.56x,
     0.57x, 0.67x, 0.37x. Before the tile products ran on vectors (MKL's sgemm per tile, 2026-12-02)
     causal ``"cpu_flash"`` was 0.66-0.73x ``"aten_flash"`` and 1.02-1.12x without a mask at seq
-    256, so "auto" kept ATen's kernels there. ``python -m bench.attention --preset cpu`` times
+    256, so "auto" kept ATen's kernels there. Head sizes that are not powers of two, (2, 8, 256, D)
+    with D 40, 80, 96, 200 (2026-12-06, min of 10): causal 0.52-0.57x, without a mask 0.88-0.92x. ``python -m bench.attention --preset cpu`` times
     every backend side by side.
-  * CUDA: with grouped-query heads or a non-square causal mask, ``"triton"``; otherwise the first
+  * CUDA: with grouped-query heads, a non-square causal mask or a head_dim that is not a multiple
+    of 8 (ATen's ops take none, ``F.scaled_dot_product_attention`` pads it), ``"triton"``; otherwise the first
     of ``"cudnn"`` (compute capability 9.0 and above only), ``"aten_flash"``, ``"efficient"`` that
     ``torch.backends.cuda.can_use_*`` accepts for the inputs and dropout, else ``"triton"``. With
     dropout, the H200 run of ``bench/results/h200-20261204`` measured memopt's Triton kernels at
@@ -102,9 +108,10 @@ except ModuleNotFoundError as _err:
         raise
     attention_triton = None
 
-# The head sizes the GPU kernels have launch configurations for (attention_triton.GPU_CONFIGS;
-# tests check the two agree); the CPU paths take the same ones, so a model runs on either device.
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 128, 256)
+# Every backend takes any head_dim from 1 to MAX_HEAD_DIM (ATen's fused CUDA kernels go up to
+# 256), so a model runs on either device: the Triton kernels tile a head of any such size as the
+# next power of two (attention_triton.block_head_dim), the CPU kernels take it as it is.
+MAX_HEAD_DIM = 256
 GPU_DTYPES = (torch.float16, torch.bfloat16)
 INTERPRETER_DTYPES = (torch.float32,)
 NATIVE_DTYPES = (torch.float32, torch.float64)
@@ -197,6 +204,17 @@ def lse_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def head_dim_supported(head_dim: int) -> bool:
+    """Whether every backend takes heads of ``head_dim`` (1 to :data:`MAX_HEAD_DIM`)."""
+    return 1 <= head_dim <= MAX_HEAD_DIM
+
+
+def _aten_cuda_head_dim(q) -> bool:
+    """ATen's fused CUDA ops take head sizes that are multiples of 8 (``F.scaled_dot_product_attention``
+    pads the others before calling them, a copy of q, k and v); memopt's Triton kernels run the rest."""
+    return q.shape[-1] % 8 == 0
+
+
 def _check_backend_name(backend) -> None:
     if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"memopt.attention: backend must be one of {BACKENDS}, got {backend!r}")
@@ -233,6 +251,8 @@ def resolve_backend(backend: str, q, k, v, causal: bool, dropout_p: float) -> st
     if device == "cuda":
         if backend == "auto":
             if k.shape[1] != q.shape[1] or not _causal_square(q, k, causal):
+                return "triton"
+            if not _aten_cuda_head_dim(q):
                 return "triton"
             candidates = ATEN_CUDA_BACKENDS if _compute_capability(q.device.index or 0) >= (9, 0) else ATEN_CUDA_BACKENDS[1:]
             for name in candidates:
@@ -274,6 +294,11 @@ def _check_aten_keeps_contract(backend: str, q, k, causal: bool, dropout_p: floa
             f"memopt.attention: backend {backend!r} does not align a causal mask with seq_q != seq_k "
             f"(got {q.shape[2]} and {k.shape[2]}) top-left; use backend='auto' or 'triton'"
         )
+    if q.device.type == "cuda" and not _aten_cuda_head_dim(q):
+        raise ValueError(
+            f"memopt.attention: backend {backend!r} takes a head_dim that is a multiple of 8 on CUDA, got "
+            f"head_dim={q.shape[-1]}; use backend='auto' or 'triton'"
+        )
 
 
 def _check_inputs(q, k, v, causal, dropout_p, rng_key, backend="auto") -> str:
@@ -299,8 +324,8 @@ def _check_inputs(q, k, v, causal, dropout_p, rng_key, backend="auto") -> str:
         )
     if seq_q == 0 or seq_k == 0:
         raise ValueError(f"memopt.attention: sequence lengths must be >= 1, got seq_q={seq_q}, seq_k={seq_k}")
-    if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"memopt.attention: head_dim must be one of {SUPPORTED_HEAD_DIMS}, got head_dim={head_dim}")
+    if not head_dim_supported(head_dim):
+        raise ValueError(f"memopt.attention: head_dim must be between 1 and {MAX_HEAD_DIM}, got head_dim={head_dim}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"memopt.attention: q, k and v must be on one device, got {q.device}, {k.device}, {v.device}")
     if not (q.dtype == k.dtype == v.dtype):
@@ -952,7 +977,8 @@ def attention(
             saves the same tensors and gives the same result to rounding; a named backend that
             cannot keep the contract for these inputs (ATen's with dropout) raises ValueError.
 
-    head_dim must be one of 16, 32, 64, 128, 256. dtypes: float16/bfloat16 on CUDA, float32 in the
+    head_dim: any from 1 to 256 (on CUDA, ATen's kernels run multiples of 8, memopt's Triton
+    kernels the others). dtypes: float16/bfloat16 on CUDA, float32 in the
     Triton interpreter, float32/float64 on the other CPU backends.
 
     Returns:
@@ -989,7 +1015,9 @@ def attention(
         # Checked here too: a meta tensor among the inputs would route the op to its fake impl.
         raise ValueError(f"memopt.attention: q, k and v must be on one device, got {', '.join(map(str, devices))}")
     if scale is None:
-        scale = 1.0 / math.sqrt(q.shape[-1])
+        # (a 0-d q or head_dim 0 gets the shape checks' error below, not a ZeroDivisionError here)
+        head_dim = q.shape[-1] if q.dim() > 0 else 0
+        scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     if rng_key is None:
         rng_key = new_rng_key() if dropout_p > 0.0 else _NO_DROPOUT_KEY
     if (

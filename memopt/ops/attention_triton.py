@@ -9,7 +9,8 @@ dk and dv in registers; ``_attn_bwd_dq_kernel`` runs one program per (query bloc
 and walks the key blocks. Each output element is written by exactly one program (no atomics), so
 gradients are bit-for-bit deterministic; grouped-query heads are summed inside the dkdv program.
 
-Layouts. ``q``: (B, H, Sq, D); ``k``, ``v``: (B, Hkv, Sk, D), any strides with the last one 1.
+Layouts. ``q``: (B, H, Sq, D); ``k``, ``v``: (B, Hkv, Sk, D), any strides with the last one 1; D any
+head size from 1 to 256, tiled as ``block_head_dim(D)`` (a power of two) with the columns past D masked.
 ``out``, ``dq`` (B, H, Sq, D), ``dk``, ``dv`` (B, Hkv, Sk, D) are written in (B, S, H, D) memory
 order; ``lse``: (B, H, Sq) float32, natural log.
 
@@ -59,15 +60,17 @@ INTERPRETED = interpreter_enabled()
 # GPU launch configurations, tuned by hand for Hopper (H100/H200, 227 KB shared memory per block):
 # nothing can be measured on the build machine, so this is a table, and
 # tests/test_attention_aot.py proves that every entry compiles for sm_90 without spilling.
-#   kernel -> (head_dim, dropout) -> (BLOCK_M, BLOCK_N, num_warps, num_stages)
-# with one entry per head_dim in memopt.ops.attention.SUPPORTED_HEAD_DIMS (tests/test_attention.py
-# checks the two agree).
+#   kernel -> (block head_dim, dropout) -> (BLOCK_M, BLOCK_N, num_warps, num_stages)
+# with one entry per power of two in BLOCK_HEAD_DIMS (tests/test_attention.py checks the two
+# agree): a head_dim in between runs the entry of the power of two above it (block_head_dim).
 # BLOCK_M tiles queries and BLOCK_N keys in every kernel; one entry serves float16 and bfloat16,
 # causal or not. Dropout gets smaller tiles: Philox keeps four 32-bit words of state per element of
 # the score tile while it runs, which spills the plain tiles.
 # Triton 3.6 (the GPU machine's) allocates more registers than 3.8 for the same tile: bwd_dkdv at
 # head_dim 32 (no dropout) takes 8 warps and at head_dim 128 with dropout BLOCK_M 16, the first
-# entries that spill under neither (bench/attention_aot.py, compiled with both).
+# entries that spill under neither (bench/attention_aot.py, compiled with both). bwd_dq at 128 with
+# dropout takes 8 warps: with 4 (252 registers a thread unmasked) its masked tiles (head_dim 96)
+# spilled 16 bytes under both; with 8, 158-180 registers in every variant.
 GPU_CONFIGS = {
     "fwd": {
         (16, False): (128, 64, 4, 3), (16, True): (64, 64, 4, 3),
@@ -87,10 +90,11 @@ GPU_CONFIGS = {
         (16, False): (128, 32, 4, 3), (16, True): (64, 32, 4, 3),
         (32, False): (128, 32, 4, 3), (32, True): (64, 32, 4, 3),
         (64, False): (128, 32, 4, 3), (64, True): (64, 32, 4, 3),
-        (128, False): (128, 32, 8, 2), (128, True): (64, 32, 4, 3),
+        (128, False): (128, 32, 8, 2), (128, True): (64, 32, 8, 3),
         (256, False): (64, 32, 8, 2), (256, True): (64, 32, 8, 2),
     },
 }
+BLOCK_HEAD_DIMS = (16, 32, 64, 128, 256)
 # rowsum(dout * out): no dropout variant, BLOCK_N unused; the head sizes of the forward table.
 GPU_CONFIGS["bwd_delta"] = {(d, False): (64, 0, 4, 1) for d, dropout in GPU_CONFIGS["fwd"] if not dropout}
 
@@ -99,11 +103,19 @@ GPU_CONFIGS["bwd_delta"] = {(d, False): (64, 0, 4, 1) for d, dropout in GPU_CONF
 INTERPRETER_CONFIG = (16, 16, 1, 1)
 
 
+def block_head_dim(head_dim: int) -> int:
+    """The width the kernels tile a head of ``head_dim`` (1 to 256) as: ``head_dim`` when it is a
+    power of two from 16 up (``tl.arange`` and ``tl.dot`` need one), else the next such power, with
+    the columns past ``head_dim`` masked: read as zeros, so they add nothing to any product, and
+    never written."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 def launch_config(kernel: str, head_dim: int, dropout: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``kernel`` on this backend."""
     if INTERPRETED:
         return INTERPRETER_CONFIG
-    return GPU_CONFIGS[kernel][(head_dim, dropout and kernel != "bwd_delta")]
+    return GPU_CONFIGS[kernel][(block_head_dim(head_dim), dropout and kernel != "bwd_delta")]
 
 
 @triton.jit
@@ -142,11 +154,47 @@ def _load_rows(
     base,            # element (0, 0) of one (seq, HEAD_DIM) slice
     rows,            # (R,) row indices
     stride_row,
-    offs_d,          # (HEAD_DIM,) column indices
+    offs_d,          # (BLOCK_D,) column indices
     row_valid,       # (R,) rows to read; the others read as zeros
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,  # HEAD_DIM or the power of two above it: columns past HEAD_DIM read as zeros
 ):
-    """(R, HEAD_DIM) tile of the slice at ``base``."""
-    return tl.load(base + rows[:, None].to(tl.int64) * stride_row + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+    """(R, BLOCK_D) tile of the slice at ``base``."""
+    mask = row_valid[:, None]
+    if HEAD_DIM < BLOCK_D:
+        mask = mask & (offs_d[None, :] < HEAD_DIM)
+    return tl.load(base + rows[:, None].to(tl.int64) * stride_row + offs_d[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
+def _load_cols(
+    base,            # element (0, 0) of one (seq, HEAD_DIM) slice
+    cols,            # (C,) sequence indices, as columns of the tile
+    stride_col,
+    offs_d,          # (BLOCK_D,) head-dim indices, as rows of the tile
+    col_valid,       # (C,) sequence positions to read; the others read as zeros
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """(BLOCK_D, C) tile: the transpose of what :func:`_load_rows` reads, k^T or v^T."""
+    mask = col_valid[None, :]
+    if HEAD_DIM < BLOCK_D:
+        mask = mask & (offs_d[:, None] < HEAD_DIM)
+    return tl.load(base + cols[None, :].to(tl.int64) * stride_col + offs_d[:, None], mask=mask, other=0.0)
+
+
+@triton.jit
+def _store_rows(
+    base, rows, stride_row, offs_d,
+    row_valid,       # (R,) rows to write
+    value,           # (R, BLOCK_D): columns past HEAD_DIM are not written
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    mask = row_valid[:, None]
+    if HEAD_DIM < BLOCK_D:
+        mask = mask & (offs_d[None, :] < HEAD_DIM)
+    tl.store(base + rows[:, None].to(tl.int64) * stride_row + offs_d[None, :], value, mask=mask)
 
 
 @triton.jit
@@ -215,6 +263,7 @@ def _attn_fwd_kernel(
     drop_threshold,  # uint32 words below this are dropped
     keep_scale,      # 1 / (1 - dropout_p)
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,   # block_head_dim(HEAD_DIM)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -229,18 +278,18 @@ def _attn_fwd_kernel(
     kv_head = head // group_size
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     q_base = Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh
     k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
     row_valid = offs_m < seq_q
-    q = _load_rows(q_base, offs_m, stride_qm, offs_d, row_valid)
+    q = _load_rows(q_base, offs_m, stride_qm, offs_d, row_valid, HEAD_DIM, BLOCK_D)
     if UPCAST_DOT:
         q = q.to(tl.float32)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     # First element of this block's rows in the (B, H, Sq, Sk) probability tensor.
     row_index = (pid_bh.to(tl.int64) * seq_q + offs_m.to(tl.int64)) * seq_k
 
@@ -254,8 +303,8 @@ def _attn_fwd_kernel(
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         col_valid = offs_n < seq_k
-        k_t = tl.load(k_base + offs_n[None, :].to(tl.int64) * stride_kn + offs_d[:, None], mask=col_valid[None, :], other=0.0)
-        v = _load_rows(v_base, offs_n, stride_vn, offs_d, col_valid)
+        k_t = _load_cols(k_base, offs_n, stride_kn, offs_d, col_valid, HEAD_DIM, BLOCK_D)
+        v = _load_rows(v_base, offs_n, stride_vn, offs_d, col_valid, HEAD_DIM, BLOCK_D)
         if UPCAST_DOT:
             k_t = k_t.to(tl.float32)
             v = v.to(tl.float32)
@@ -279,7 +328,7 @@ def _attn_fwd_kernel(
 
     acc = acc / l_i[:, None]
     out_base = Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh
-    tl.store(out_base + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :], acc.to(Out.dtype.element_ty), mask=row_valid[:, None])
+    _store_rows(out_base, offs_m, stride_om, offs_d, row_valid, acc.to(Out.dtype.element_ty), HEAD_DIM, BLOCK_D)
     lse = (m_i + tl.log2(l_i)) * 0.6931471805599453  # base 2 -> natural log: times ln(2)
     tl.store(Lse + pid_bh.to(tl.int64) * seq_q + offs_m, lse, mask=row_valid)
 
@@ -291,6 +340,7 @@ def _attn_bwd_delta_kernel(
     stride_dob, stride_doh, stride_dom,
     num_heads, seq_q,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,   # block_head_dim(HEAD_DIM)
     BLOCK_M: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -298,13 +348,15 @@ def _attn_bwd_delta_kernel(
     batch = pid_bh // num_heads
     head = pid_bh % num_heads
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     row_valid = offs_m < seq_q
     o = _load_rows(
-        Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh, offs_m, stride_om, offs_d, row_valid
+        Out + batch.to(tl.int64) * stride_ob + head.to(tl.int64) * stride_oh, offs_m, stride_om, offs_d, row_valid,
+        HEAD_DIM, BLOCK_D,
     ).to(tl.float32)
     do = _load_rows(
-        DOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh, offs_m, stride_dom, offs_d, row_valid
+        DOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh, offs_m, stride_dom, offs_d, row_valid,
+        HEAD_DIM, BLOCK_D,
     ).to(tl.float32)
     tl.store(Delta + pid_bh.to(tl.int64) * seq_q + offs_m, tl.sum(o * do, 1), mask=row_valid)
 
@@ -323,6 +375,7 @@ def _attn_bwd_dkdv_kernel(
     sm_scale,        # softmax scale, applied to dk once at the end
     seed, rng_offset, drop_threshold, keep_scale,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,   # block_head_dim(HEAD_DIM)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -337,19 +390,21 @@ def _attn_bwd_dkdv_kernel(
     kv_head = pid_bkv % num_kv_heads
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     key_valid = offs_n < seq_k
     k = _load_rows(
-        K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh, offs_n, stride_kn, offs_d, key_valid
+        K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh, offs_n, stride_kn, offs_d, key_valid,
+        HEAD_DIM, BLOCK_D,
     )
     v = _load_rows(
-        V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh, offs_n, stride_vn, offs_d, key_valid
+        V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh, offs_n, stride_vn, offs_d, key_valid,
+        HEAD_DIM, BLOCK_D,
     )
     if UPCAST_DOT:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
 
     # Under the top-left causal mask, queries before this key block see none of it, and queries
     # from its last key on see all of it: only the query blocks crossing the diagonal are masked.
@@ -367,8 +422,8 @@ def _attn_bwd_dkdv_kernel(
         for start_m in range(lo, seq_q, BLOCK_M):
             offs_m = start_m + tl.arange(0, BLOCK_M)
             query_valid = offs_m < seq_q
-            q = _load_rows(q_base, offs_m, stride_qm, offs_d, query_valid)
-            do = _load_rows(do_base, offs_m, stride_dom, offs_d, query_valid)
+            q = _load_rows(q_base, offs_m, stride_qm, offs_d, query_valid, HEAD_DIM, BLOCK_D)
+            do = _load_rows(do_base, offs_m, stride_dom, offs_d, query_valid, HEAD_DIM, BLOCK_D)
             if UPCAST_DOT:
                 q = q.to(tl.float32)
                 do = do.to(tl.float32)
@@ -391,10 +446,9 @@ def _attn_bwd_dkdv_kernel(
             dk += tl.dot(ds_t.to(q.dtype), q)
 
     dk = dk * sm_scale
-    out_offsets = (batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
-                   + offs_n[:, None].to(tl.int64) * stride_dkn + offs_d[None, :])
-    tl.store(DK + out_offsets, dk.to(DK.dtype.element_ty), mask=key_valid[:, None])
-    tl.store(DV + out_offsets, dv.to(DV.dtype.element_ty), mask=key_valid[:, None])
+    out_head = batch.to(tl.int64) * stride_dkb + kv_head.to(tl.int64) * stride_dkh
+    _store_rows(DK + out_head, offs_n, stride_dkn, offs_d, key_valid, dk.to(DK.dtype.element_ty), HEAD_DIM, BLOCK_D)
+    _store_rows(DV + out_head, offs_n, stride_dkn, offs_d, key_valid, dv.to(DV.dtype.element_ty), HEAD_DIM, BLOCK_D)
 
 
 @triton.jit
@@ -410,6 +464,7 @@ def _attn_bwd_dq_kernel(
     qk_scale, sm_scale,
     seed, rng_offset, drop_threshold, keep_scale,
     HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,   # block_head_dim(HEAD_DIM)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAUSAL: tl.constexpr,
@@ -424,13 +479,15 @@ def _attn_bwd_dq_kernel(
     kv_head = head // group_size
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.arange(0, BLOCK_D)
     query_valid = offs_m < seq_q
     q = _load_rows(
-        Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh, offs_m, stride_qm, offs_d, query_valid
+        Q + batch.to(tl.int64) * stride_qb + head.to(tl.int64) * stride_qh, offs_m, stride_qm, offs_d, query_valid,
+        HEAD_DIM, BLOCK_D,
     )
     do = _load_rows(
-        DOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh, offs_m, stride_dom, offs_d, query_valid
+        DOut + batch.to(tl.int64) * stride_dob + head.to(tl.int64) * stride_doh, offs_m, stride_dom, offs_d, query_valid,
+        HEAD_DIM, BLOCK_D,
     )
     if UPCAST_DOT:
         q = q.to(tl.float32)
@@ -440,7 +497,7 @@ def _attn_bwd_dq_kernel(
     k_base = K + batch.to(tl.int64) * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = V + batch.to(tl.int64) * stride_vb + kv_head.to(tl.int64) * stride_vh
     row_index = (pid_bh.to(tl.int64) * seq_q + offs_m.to(tl.int64)) * seq_k
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
     # As in the forward: only the key blocks crossing visible_end are masked. Rows past seq_q are
     # computed from zeros and never stored.
@@ -452,8 +509,8 @@ def _attn_bwd_dq_kernel(
     for start_n in range(0, hi, BLOCK_N):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_valid = offs_n < seq_k
-        k = _load_rows(k_base, offs_n, stride_kn, offs_d, key_valid)
-        v_t = tl.load(v_base + offs_n[None, :].to(tl.int64) * stride_vn + offs_d[:, None], mask=key_valid[None, :], other=0.0)
+        k = _load_rows(k_base, offs_n, stride_kn, offs_d, key_valid, HEAD_DIM, BLOCK_D)
+        v_t = _load_cols(v_base, offs_n, stride_vn, offs_d, key_valid, HEAD_DIM, BLOCK_D)
         if UPCAST_DOT:
             k = k.to(tl.float32)
             v_t = v_t.to(tl.float32)
@@ -466,8 +523,7 @@ def _attn_bwd_dq_kernel(
 
     dq = dq * sm_scale
     dq_base = DQ + batch.to(tl.int64) * stride_dqb + head.to(tl.int64) * stride_dqh
-    tl.store(dq_base + offs_m[:, None].to(tl.int64) * stride_dqm + offs_d[None, :],
-             dq.to(DQ.dtype.element_ty), mask=query_valid[:, None])
+    _store_rows(dq_base, offs_m, stride_dqm, offs_d, query_valid, dq.to(DQ.dtype.element_ty), HEAD_DIM, BLOCK_D)
 
 
 def _dropout_args(dropout_p: float, rng_key: torch.Tensor) -> tuple[int, int, int, float]:
@@ -498,7 +554,7 @@ def attention_fwd_triton(q, k, v, causal: bool, dropout_p: float, scale: float, 
         out.stride(0), out.stride(1), out.stride(2),
         heads, heads // kv_heads, seq_q, seq_k,
         scale * LOG2E, seed, offset, threshold, keep_scale,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=head_dim, BLOCK_D=block_head_dim(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=causal, DROPOUT=dropout_p > 0.0, GROUPED_RNG=seq_k % 4 == 0, UPCAST_DOT=INTERPRETED,
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -535,7 +591,7 @@ def attention_bwd_triton(
         out.stride(0), out.stride(1), out.stride(2),
         grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
         heads, seq_q,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, num_warps=num_warps, num_stages=num_stages,
+        HEAD_DIM=head_dim, BLOCK_D=block_head_dim(head_dim), BLOCK_M=block_m, num_warps=num_warps, num_stages=num_stages,
     )
     strides = (
         q.stride(0), q.stride(1), q.stride(2),
@@ -550,7 +606,7 @@ def attention_bwd_triton(
         dk.stride(0), dk.stride(1), dk.stride(2),
         heads, kv_heads, group, seq_q, seq_k,
         scale * LOG2E, scale, seed, offset, threshold, keep_scale,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=head_dim, BLOCK_D=block_head_dim(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=causal, DROPOUT=dropout, GROUPED_RNG=seq_k % 4 == 0, UPCAST_DOT=INTERPRETED,
         num_warps=num_warps, num_stages=num_stages,
     )
@@ -561,7 +617,7 @@ def attention_bwd_triton(
         dq.stride(0), dq.stride(1), dq.stride(2),
         heads, group, seq_q, seq_k,
         scale * LOG2E, scale, seed, offset, threshold, keep_scale,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=head_dim, BLOCK_D=block_head_dim(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=causal, DROPOUT=dropout, GROUPED_RNG=seq_k % 4 == 0, UPCAST_DOT=INTERPRETED,
         num_warps=num_warps, num_stages=num_stages,
     )

@@ -12,6 +12,7 @@ JSON under ``bench/results/``; a markdown table is printed, each time also as a 
 ``sdpa``'s. q, k, v are views of one fused projection, as a transformer block passes them.
 
     python -m bench.attention --preset cpu     # the block's head shape on the CPU, dropout 0 and 0.1
+    python -m bench.attention --preset cpu-head-dims   # head_dim 40, 80, 96, 200 on the CPU, seq 256
     python -m bench.attention --preset h200    # bfloat16, seq 1k..16k, head_dim 64 and 128
     python -m bench.attention --preset h200 --seqs 4096 --dropouts 0.1 --head-dims 128   # one slice
 """
@@ -56,6 +57,13 @@ PRESETS = {
         "device": "cpu",
         "dtype": torch.float32,
         "cases": [Case(2, 8, 64, True, (256, 512), dropout) for dropout in (0.0, 0.1)],
+    },
+    # Head sizes that are not powers of two (ViT-H's 80, Phi-3's 96, ...), float32, no dropout:
+    # "auto"'s CPU rule was measured at 64.
+    "cpu-head-dims": {
+        "device": "cpu",
+        "dtype": torch.float32,
+        "cases": [Case(2, 8, d, causal, (256,)) for d in (40, 80, 96, 200) for causal in (True, False)],
     },
     # 16k tokens-per-head sweep; heads x head_dim = 2048 (a 2k-wide model).
     "h200": {

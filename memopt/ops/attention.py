@@ -70,7 +70,9 @@ so they run the launch configuration of that power of two; the CPU kernels take 
     0.57x, 0.67x, 0.37x. Before the tile products ran on vectors (MKL's sgemm per tile, 2026-12-02)
     causal ``"cpu_flash"`` was 0.66-0.73x ``"aten_flash"`` and 1.02-1.12x without a mask at seq
     256, so "auto" kept ATen's kernels there. Head sizes that are not powers of two, (2, 8, 256, D)
-    with D 40, 80, 96, 200 (2026-12-06, min of 10): causal 0.52-0.57x, without a mask 0.88-0.92x. ``python -m bench.attention --preset cpu`` times
+    with D 40, 80, 96, 200 (2026-12-06): one thread, min of 10, causal 0.52-0.57x, without a mask
+    0.88-0.92x; two threads (``python -m bench.attention --preset cpu-head-dims``, medians,
+    ``bench/results/attention_cpu-head-dims.json``) causal 0.60-0.74x, without a mask 0.84-0.98x. ``python -m bench.attention --preset cpu`` times
     every backend side by side.
   * CUDA: with grouped-query heads, a non-square causal mask or a head_dim that is not a multiple
     of 8 (ATen's ops take none, ``F.scaled_dot_product_attention`` pads it), ``"triton"``; otherwise the first

@@ -8,10 +8,14 @@
 // thread, the (rows, in) x (in, out) products of the kernels bench: oneDNN 106-111 GFLOP/s against
 // MKL's 95-103 for x @ W^T and 92-112 against 82-103 for grad @ W (MKL is known to pick its code
 // by CPU vendor, oneDNN by instruction set). So the rule ("auto") is: oneDNN on AMD CPUs with
-// AVX-512, ATen (MKL) elsewhere (unmeasured there, so no change). The rule depends on the
-// host only, never on timing, so one process gives the same bits every step, under every policy
-// (the forward and its recompute take the same kernel). MEMOPT_CPU_LINEAR=aten|onednn|auto
-// overrides it. oneDNN writes a new output; where a product would go into a buffer the caller
+// AVX-512, ATen (MKL) elsewhere (unmeasured there, so no change), and on those hosts only for
+// products of 2^24 multiply-adds and up: oneDNN's op costs ~15-20 us a call more than sgemm
+// (measured, 2 threads: 24.7 us against 9.1 at 32 x 64 x 64, parity at 128 x 128 x 384 (0.98x),
+// 0.97x at 256^3, 0.92-0.94x from 512 x 256 x 1024 up), which made a block of d_model 64 1.9x
+// eager's step where MKL gives 1.27x. The rule depends on the host and the product's shape only,
+// never on timing, so one process gives the same bits every step, under every policy (the
+// forward and its recompute take the same kernel). MEMOPT_CPU_LINEAR=aten|onednn|auto overrides
+// it (onednn: every product, whatever its size). oneDNN writes a new output; where a product would go into a buffer the caller
 // owns and frees (cpu_mm_over), oneDNN runs only below glibc's mmap threshold, where the freed
 // memory comes straight back from the heap: above it, a fresh mapping's page faults (~0.35 ms per
 // MiB here) cost more than oneDNN gains.
@@ -28,7 +32,10 @@
 namespace memopt {
 namespace {
 
-enum class Backend { aten, onednn };
+// onednn_large: oneDNN for products of kOneDnnMinMultiplyAdds and up ("auto" on a host it suits).
+enum class Backend { aten, onednn, onednn_large };
+
+constexpr int64_t kOneDnnMinMultiplyAdds = int64_t{1} << 24;
 
 bool onednn_measured_faster() {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -40,7 +47,7 @@ bool onednn_measured_faster() {
 }
 
 Backend parse(const std::string& name, const char* what) {
-  if (name == "auto") return onednn_measured_faster() ? Backend::onednn : Backend::aten;
+  if (name == "auto") return onednn_measured_faster() ? Backend::onednn_large : Backend::aten;
   if (name == "onednn") return Backend::onednn;
   if (name == "aten") return Backend::aten;
   TORCH_CHECK(false, "memopt: ", what, " must be 'auto', 'onednn' or 'aten', got '", name, "'");
@@ -68,11 +75,13 @@ bool plain(const at::Tensor& t) {
 }
 
 bool use_onednn(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  if (chosen() != Backend::onednn || !x.is_cpu() || !plain(x) || !plain(weight) || x.scalar_type() != at::kFloat ||
+  if (chosen() == Backend::aten || !x.is_cpu() || !plain(x) || !plain(weight) || x.scalar_type() != at::kFloat ||
       weight.scalar_type() != at::kFloat || weight.dim() != 2 || x.dim() < 1 || x.numel() == 0 ||
       weight.numel() == 0) {
     return false;
   }
+  // (x.numel() / in) rows times weight's out x in: the product's multiply-adds
+  if (x.numel() / x.size(-1) * weight.numel() < cpu_linear_min_multiply_adds()) return false;
   if (bias.has_value() && (bias->scalar_type() != at::kFloat || !bias->is_contiguous())) return false;
   // The oneDNN op has no derivative: a graph being built (create_graph) takes ATen's.
   if (at::GradMode::is_enabled() &&
@@ -94,8 +103,10 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const st
 }  // namespace
 
 const char* cpu_linear_backend() {
-  return chosen() == Backend::onednn && onednn_linear_op().has_value() ? "onednn" : "aten";
+  return chosen() != Backend::aten && onednn_linear_op().has_value() ? "onednn" : "aten";
 }
+
+int64_t cpu_linear_min_multiply_adds() { return chosen() == Backend::onednn_large ? kOneDnnMinMultiplyAdds : 0; }
 
 void set_cpu_linear_backend(const std::string& name) { chosen() = parse(name, "the CPU linear backend"); }
 

@@ -7,8 +7,14 @@
 
 namespace memopt {
 
-// "onednn" or "aten": what cpu_linear and cpu_mm run on for float32 CPU tensors in this process.
+// "onednn" or "aten": what cpu_linear and cpu_mm run on for float32 CPU tensors in this process
+// (oneDNN: for products of at least cpu_linear_min_multiply_adds() multiply-adds).
 const char* cpu_linear_backend();
+
+// Under the "auto" rule oneDNN takes only products of m * k * n >= this many multiply-adds (2^24,
+// 33.6 MFLOP): below, its fixed cost per call (~15-20 us here) outweighs its faster inner loop, and
+// MKL's sgemm runs. 0 where MEMOPT_CPU_LINEAR=onednn forces it for every product.
+int64_t cpu_linear_min_multiply_adds();
 
 // Overrides the rule for this process ("auto", "onednn" or "aten"); the bench's A/B runs and the
 // tests use it. Raises on any other name.

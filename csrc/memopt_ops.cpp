@@ -120,6 +120,15 @@ PyObject* cpu_linear_backend(PyObject*, PyObject*) {
   }
 }
 
+PyObject* cpu_linear_min_multiply_adds(PyObject*, PyObject*) {
+  try {
+    return PyLong_FromLongLong(memopt::cpu_linear_min_multiply_adds());
+  } catch (const c10::Error& err) {
+    PyErr_SetString(PyExc_ValueError, err.what_without_backtrace());
+    return nullptr;
+  }
+}
+
 PyObject* set_cpu_linear_backend(PyObject*, PyObject* name) {
   const char* text = PyUnicode_AsUTF8(name);
   if (text == nullptr) return nullptr;
@@ -136,6 +145,8 @@ PyMethodDef methods[] = {
     {"build_info", build_info, METH_NOARGS, "What this build of memopt._C contains."},
     {"cpu_linear_backend", cpu_linear_backend, METH_NOARGS,
      "'onednn' or 'aten': the GEMM memopt's own float32 CPU linears run on (cpu_linear.cpp)."},
+    {"cpu_linear_min_multiply_adds", cpu_linear_min_multiply_adds, METH_NOARGS,
+     "The fewest multiply-adds (m * k * n) of a product that runs on oneDNN (0: every product)."},
     {"_set_cpu_linear_backend", set_cpu_linear_backend, METH_O,
      "Override the CPU linear rule for this process: 'auto', 'onednn' or 'aten'."},
     {nullptr, nullptr, 0, nullptr},

@@ -23,9 +23,16 @@ BACKENDS = ["aten", "onednn"]
 FP32_GEMM = {"atol": 2e-5, "rtol": 2e-5}
 
 
+def _current_rule() -> str:
+    """The name that sets the rule in force back: oneDNN with a size floor is only ever "auto"'s."""
+    if cpu_linear.backend() == "onednn" and cpu_linear.min_multiply_adds() > 0:
+        return "auto"
+    return cpu_linear.backend()
+
+
 @pytest.fixture
 def backend(request):
-    before = cpu_linear.backend()
+    before = _current_rule()
     _extension._C._set_cpu_linear_backend(request.param)
     yield cpu_linear.backend()
     _extension._C._set_cpu_linear_backend(before)
@@ -85,7 +92,7 @@ def test_addmm_matches_float64(backend):
 def test_other_dtypes_and_graphs_take_aten(backend):
     x = torch.randn(8, 16, dtype=torch.float64)
     w = torch.randn(4, 16, dtype=torch.float64)
-    assert not cpu_linear._onednn(x, w)
+    assert not cpu_linear._onednn(8 * 16 * 4, x, w)
     torch.testing.assert_close(cpu_linear.linear(x, w), F.linear(x, w), rtol=0, atol=0)
     # A graph being built: the result must carry ATen's derivative.
     xf = torch.randn(8, 16, requires_grad=True)
@@ -115,6 +122,46 @@ def test_mm_in_new_buffer_only_below_heap_size_on_onednn(backend):
 @pytest.mark.parametrize("backend", ["auto"], indirect=True)
 def test_auto_follows_the_host_rule(backend):
     assert backend == _expected_auto()
+
+
+def _linear_ops_run(fn) -> set[str]:
+    """The GEMM ops ``fn`` dispatches (the C++ ones inside memopt's ops included)."""
+    with torch.autograd.profiler.profile() as prof:
+        fn()
+    names = {e.name for e in prof.function_events}
+    return names & {"mkldnn::_linear_pointwise", "aten::mm", "aten::addmm", "aten::linear"}
+
+
+@pytest.mark.parametrize("backend", ["auto", "onednn"], indirect=True)
+def test_auto_keeps_small_products_on_aten(backend, request):
+    # oneDNN's fixed cost per call outweighs its faster loop below 2^24 multiply-adds (measured in
+    # csrc/cpu_linear.cpp): "auto" sends those to ATen; a forced "onednn" takes every product.
+    if backend != "onednn" or not _onednn_present():
+        pytest.skip("the host rule chose ATen for every product here")
+    forced = request.node.callspec.params["backend"] == "onednn"
+    assert cpu_linear.min_multiply_adds() == (0 if forced else 1 << 24)
+    small_x, small_w = torch.randn(32, 64), torch.randn(192, 64)  # 393,216 multiply-adds
+    big_x, big_w = torch.randn(512, 256), torch.randn(256, 256)  # 2^25
+    small_ln = (torch.randn(32, 64), torch.ones(64), torch.zeros(64), small_w, torch.zeros(192))
+    big_ln = (big_x, torch.ones(256), torch.zeros(256), big_w, torch.zeros(256))
+    small_runs = [
+        _linear_ops_run(lambda: cpu_linear.linear(small_x, small_w)),
+        _linear_ops_run(lambda: cpu_linear.mm(small_x, small_w.t())),
+        _linear_ops_run(lambda: cpu_linear.addmm(torch.zeros(32, 192), small_x, small_w.t())),
+        _linear_ops_run(lambda: memopt.norm_linear(*small_ln)),  # the C++ rule
+    ]
+    big_runs = [
+        _linear_ops_run(lambda: cpu_linear.linear(big_x, big_w)),
+        _linear_ops_run(lambda: cpu_linear.mm(big_x, big_w.t())),
+        _linear_ops_run(lambda: cpu_linear.addmm(torch.zeros(512, 256), big_x, big_w.t())),
+        _linear_ops_run(lambda: memopt.norm_linear(*big_ln)),
+    ]
+    for ops in big_runs:
+        assert "mkldnn::_linear_pointwise" in ops, ops
+    for ops in small_runs:
+        assert ("mkldnn::_linear_pointwise" in ops) is forced, ops
+    a, b = torch.randn(32, 64), torch.randn(64, 192)
+    assert cpu_linear.mm_in_new_buffer(a, b, torch.empty(32, 192)) is forced
 
 
 def test_bad_backend_name_is_refused():

@@ -117,6 +117,7 @@ MASK_EDGE_SHAPES = [
     (1, 2, 1, 20, 53, 16),
     (1, 4, 2, 53, 20, 16),
     (1, 1, 1, 5, 3, 16),
+    (1, 2, 1, 37, 29, 40),  # a head tiled as 64, its columns past 40 masked
 ]
 
 

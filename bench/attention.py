@@ -13,7 +13,9 @@ JSON under ``bench/results/``; a markdown table is printed, each time also as a 
 
     python -m bench.attention --preset cpu     # the block's head shape on the CPU, dropout 0 and 0.1
     python -m bench.attention --preset cpu-head-dims   # head_dim 40, 80, 96, 200 on the CPU, seq 256
+    python -m bench.attention --preset cpu-gqa   # the CPU head shape with 4 query heads per kv head
     python -m bench.attention --preset h200    # bfloat16, seq 1k..16k, head_dim 64 and 128
+    python -m bench.attention --preset h200-gqa   # Llama-3-8B's grouped-query attention, seq 4096
     python -m bench.attention --preset h200 --seqs 4096 --dropouts 0.1 --head-dims 128   # one slice
 """
 
@@ -44,11 +46,17 @@ class Case:
     causal: bool
     seqs: tuple[int, ...]
     dropout: float = 0.0
+    kv_heads: int = 0  # grouped-query heads for k and v; 0: as many as q's
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads or self.heads
 
     @property
     def name(self) -> str:
         mask = "causal" if self.causal else "full"
-        return f"attention b{self.batch} h{self.heads} d{self.head_dim} {mask} p{self.dropout:g}"
+        kv = f" kv{self.kv}" if self.kv != self.heads else ""
+        return f"attention b{self.batch} h{self.heads}{kv} d{self.head_dim} {mask} p{self.dropout:g}"
 
 
 PRESETS = {
@@ -64,6 +72,19 @@ PRESETS = {
         "device": "cpu",
         "dtype": torch.float32,
         "cases": [Case(2, 8, d, causal, (256,)) for d in (40, 80, 96, 200) for causal in (True, False)],
+    },
+    # Grouped-query heads (4 query heads per kv head), the block's CPU head shape otherwise.
+    "cpu-gqa": {
+        "device": "cpu",
+        "dtype": torch.float32,
+        "cases": [Case(2, 8, 64, True, (256,), dropout, kv_heads=2) for dropout in (0.0, 0.1)],
+    },
+    # Llama-3-8B's attention (32 query heads, 8 kv heads, head_dim 128), causal: "auto" runs
+    # memopt's Triton kernels for grouped heads on CUDA; SDPA's own grouped-query path is the bar.
+    "h200-gqa": {
+        "device": "cuda",
+        "dtype": torch.bfloat16,
+        "cases": [Case(1, 32, 128, True, (4096,), dropout, kv_heads=8) for dropout in (0.0, 0.1)],
     },
     # 16k tokens-per-head sweep; heads x head_dim = 2048 (a 2k-wide model).
     "h200": {
@@ -85,6 +106,9 @@ def attention_flops(case: Case, seq: int, mode: str) -> float:
 
 
 def eager_attention(q, k, v, causal: bool, dropout: float = 0.0):
+    if k.shape[1] != q.shape[1]:  # grouped-query heads: each kv head serves a group of q's
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.matmul(q, k.transpose(-1, -2)) * (1.0 / math.sqrt(q.shape[-1]))
     if causal:
         seq_q, seq_k = q.shape[-2], k.shape[-2]
@@ -111,7 +135,10 @@ def providers(case: Case, device: str, q, k, v) -> dict:
         found[f"memopt:{backend}"] = (
             lambda q, k, v, b=backend: memopt.attention(q, k, v, causal=case.causal, dropout_p=case.dropout, backend=b)
         )
-    found["sdpa"] = lambda q, k, v: F.scaled_dot_product_attention(q, k, v, dropout_p=case.dropout, is_causal=case.causal)
+    gqa = {"enable_gqa": True} if case.kv != case.heads else {}
+    found["sdpa"] = lambda q, k, v: F.scaled_dot_product_attention(
+        q, k, v, dropout_p=case.dropout, is_causal=case.causal, **gqa
+    )
     if device == "cuda":
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -121,7 +148,7 @@ def providers(case: Case, device: str, q, k, v) -> dict:
 
             def forced(q, k, v, backend=getattr(SDPBackend, member)):
                 with sdpa_kernel(backend):
-                    return F.scaled_dot_product_attention(q, k, v, dropout_p=case.dropout, is_causal=case.causal)
+                    return F.scaled_dot_product_attention(q, k, v, dropout_p=case.dropout, is_causal=case.causal, **gqa)
 
             try:
                 forced(q, k, v)
@@ -185,9 +212,11 @@ def run(preset: str) -> list[dict]:
 
     for case in config["cases"]:
         for seq in case.seqs:
-            # q, k, v are views of one (B, S, 3, H, D) projection, as in a transformer block.
-            qkv = torch.randn(case.batch, seq, 3, case.heads, case.head_dim, device=device, dtype=dtype, requires_grad=True)
-            q, k, v = qkv.permute(2, 0, 3, 1, 4).unbind(0)
+            # q, k, v are views of one (B, S, H + 2 Hkv, D) projection, as in a transformer block.
+            qkv = torch.randn(
+                case.batch, seq, case.heads + 2 * case.kv, case.head_dim, device=device, dtype=dtype, requires_grad=True
+            )
+            q, k, v = (t.transpose(1, 2) for t in qkv.split((case.heads, case.kv, case.kv), dim=2))
             grad = torch.randn(case.batch, case.heads, seq, case.head_dim, device=device, dtype=dtype)
             for provider, attn in providers(case, device, q, k, v).items():
                 try:

@@ -85,6 +85,10 @@ step gpu_tests "${STEP_TIMEOUT_GPU_TESTS:-200}" python -m pytest -v -m gpu -p no
 # providers ran past 90 s at seq 4096 alone. Both dropout rates (0 and 0.1) stay.
 step bench_attention "${STEP_TIMEOUT_BENCH_ATTENTION:-150}" python -m bench.attention --preset h200 \
   --seqs "${ATTENTION_SEQS:-4096}" --head-dims "${ATTENTION_HEAD_DIMS:-128}" --out "$OUT/attention_h200.json"
+# Llama-3-8B's grouped-query attention (32 / 8 heads, seq 4096): "auto" runs memopt's Triton
+# kernels for grouped heads on CUDA; this measures them against SDPA's own grouped-query path.
+step bench_attention_gqa "${STEP_TIMEOUT_BENCH_ATTENTION_GQA:-60}" python -m bench.attention --preset h200-gqa \
+  --out "$OUT/attention_h200_gqa.json"
 step bench_offload "${STEP_TIMEOUT_BENCH_OFFLOAD:-180}" python -m bench.offload --preset h200 \
   --out "$OUT/offload-h200.json"
 # memopt.wrap and memopt.plan on a Hugging Face Llama (hidden 2048, 16 layers, seq 2048, batch 4,

@@ -41,3 +41,24 @@ def test_cpu_preset_writes_rows(tmp_path):
             flash_cpu = name.endswith("p0") and provider == "memopt:auto"
             assert nbytes == batch * heads * seq * (head_dim + 1) * 4 + (0 if flash_cpu else 16), provider
             assert saved[("eager", seq, name)] >= batch * heads * seq * seq * 4
+
+
+def test_grouped_query_preset_runs_every_cpu_backend(tmp_path):
+    out = tmp_path / "attention_cpu_gqa.json"
+    env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.attention", "--preset", "cpu-gqa", "--seqs", "48", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = json.loads(out.read_text())
+    names = {r["name"] for r in rows}
+    assert names == {"attention b2 h8 kv2 d64 causal p0", "attention b2 h8 kv2 d64 causal p0.1"}
+    providers = {r["provider"] for r in rows if r["name"].endswith("p0")}
+    # SDPA with enable_gqa and eager (k, v repeated per group) run beside memopt's backends.
+    assert providers == {"memopt:auto", "memopt:native", "memopt:cpu_flash", "memopt:aten_flash", "sdpa", "eager"}
+    batch, heads, head_dim, seq = 2, 8, 64, 48
+    for r in rows:
+        if r["metric"] == "saved_bytes" and r["provider"] in ("memopt:native", "memopt:cpu_flash"):
+            # out and lse per query head (q, k, v are the inputs), and the 16-byte key
+            assert r["median"] == batch * heads * seq * (head_dim + 1) * 4 + 16, r

@@ -12,6 +12,7 @@
 
 #include "common.h"
 #include "cpu_linear.h"
+#include "new_output.h"
 
 TORCH_LIBRARY(memopt, m) {
   // out = residual + dropout(x, p) (residual optional). The mask is a function of rng_key and the
@@ -157,4 +158,13 @@ PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", "memopt native kernels", -1, 
 }  // namespace
 
 // Importing memopt._C runs the static registrations above and in every kernel file.
-PyMODINIT_FUNC PyInit__C(void) { return PyModule_Create(&module); }
+// FRESH_MAPPING_BYTES: kFreshMappingBytes, for the Python side of the same rules (cpu_linear.py).
+PyMODINIT_FUNC PyInit__C(void) {
+  PyObject* m = PyModule_Create(&module);
+  if (m != nullptr &&
+      PyModule_AddIntConstant(m, "FRESH_MAPPING_BYTES", static_cast<long>(memopt::kFreshMappingBytes)) < 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
+}

@@ -112,6 +112,7 @@ def test_mm_in_new_buffer_only_below_heap_size_on_onednn(backend):
     small = torch.empty(64, 48)
     expected = backend == "onednn" and _onednn_present()
     assert cpu_linear.mm_in_new_buffer(a, b, small) is expected
+    assert cpu_linear._HEAP_BYTES == 32 << 20  # glibc's DEFAULT_MMAP_THRESHOLD_MAX on 64-bit hosts
     big = torch.empty(0).new_empty_strided((cpu_linear._HEAP_BYTES // 4,), (1,))
     assert cpu_linear.mm_in_new_buffer(a, b, big) is False
     assert cpu_linear.mm_in_new_buffer(a.double(), b.double(), small.double()) is False

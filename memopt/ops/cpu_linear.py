@@ -31,8 +31,8 @@ except (AttributeError, RuntimeError):  # a torch build without oneDNN
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 # glibc's largest dynamic mmap threshold on 64-bit hosts: a freed buffer below it comes straight
 # back from the heap; above it a fresh one is mapped anew and page-faulted (kFreshMappingBytes in
-# csrc/new_output.h).
-_HEAP_BYTES = 32 << 20
+# csrc/new_output.h, the one definition).
+_HEAP_BYTES = _extension._C.FRESH_MAPPING_BYTES
 
 
 def backend() -> str:

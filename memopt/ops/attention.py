@@ -72,13 +72,13 @@ so they run the launch configuration of that power of two; the CPU kernels take 
     256, so "auto" kept ATen's kernels there. Head sizes that are not powers of two, (2, 8, 256, D)
     with D 40, 80, 96, 200 (2026-12-06): one thread, min of 10, causal 0.52-0.57x, without a mask
     0.88-0.92x; two threads (``python -m bench.attention --preset cpu-head-dims``, medians,
-    ``bench/results/attention_cpu-head-dims.json``) causal 0.60-0.74x, without a mask 0.84-0.98x. ``python -m bench.attention --preset cpu`` times
-    every backend side by side.
+    ``bench/results/attention_cpu-head-dims.json``) causal 0.60-0.74x, without a mask
+    0.84-0.98x. ``python -m bench.attention --preset cpu`` times every backend side by side.
   * CUDA: with grouped-query heads, a non-square causal mask or a head_dim that is not a multiple
-    of 8 (ATen's ops take none, ``F.scaled_dot_product_attention`` pads it), ``"triton"``; otherwise the first
-    of ``"cudnn"`` (compute capability 9.0 and above only), ``"aten_flash"``, ``"efficient"`` that
-    ``torch.backends.cuda.can_use_*`` accepts for the inputs and dropout, else ``"triton"``. With
-    dropout, the H200 run of ``bench/results/h200-20261204`` measured memopt's Triton kernels at
+    of 8 (ATen's ops take none, ``F.scaled_dot_product_attention`` pads it), ``"triton"``;
+    otherwise the first of ``"cudnn"`` (compute capability 9.0 and above only), ``"aten_flash"``,
+    ``"efficient"`` that ``torch.backends.cuda.can_use_*`` accepts for the inputs and dropout, else
+    ``"triton"``. With dropout, the H200 run of ``bench/results/h200-20261204`` measured memopt's Triton kernels at
     2.1-2.2x SDPA cuDNN's time at head_dim 64 and 3.8-4.3x at head_dim 128, so dropout goes to
     ATen's kernels too. The H200 run
     of ``bench/results/h200-20261130`` measured SDPA's flash backend ahead of memopt's Triton

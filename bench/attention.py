@@ -135,6 +135,22 @@ def providers(case: Case, device: str, q, k, v) -> dict:
         found[f"memopt:{backend}"] = (
             lambda q, k, v, b=backend: memopt.attention(q, k, v, causal=case.causal, dropout_p=case.dropout, backend=b)
         )
+    if device == "cuda" and case.kv != case.heads:
+        # Grouped heads: ATen's kernels on k and v repeated per group (a copy, and the gradients'
+        # group sums through autograd), the alternative to "auto"'s Triton kernels there.
+        group = case.heads // case.kv
+        for backend in attention_ops.ATEN_CUDA_BACKENDS:
+            expanded = k.repeat_interleave(group, dim=1)
+            try:
+                attention_ops.resolve_backend(backend, q, expanded, expanded, case.causal, case.dropout)
+            except (ValueError, RuntimeError):
+                continue
+            found[f"memopt:{backend}+repeat_kv"] = (
+                lambda q, k, v, b=backend: memopt.attention(
+                    q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1),
+                    causal=case.causal, dropout_p=case.dropout, backend=b,
+                )
+            )
     gqa = {"enable_gqa": True} if case.kv != case.heads else {}
     found["sdpa"] = lambda q, k, v: F.scaled_dot_product_attention(
         q, k, v, dropout_p=case.dropout, is_causal=case.causal, **gqa

@@ -139,8 +139,8 @@ def providers(case: Case, device: str, q, k, v) -> dict:
         # Grouped heads: ATen's kernels on k and v repeated per group (a copy, and the gradients'
         # group sums through autograd), the alternative to "auto"'s Triton kernels there.
         group = case.heads // case.kv
+        expanded = k.repeat_interleave(group, dim=1)  # the shape ATen's kernels would see
         for backend in attention_ops.ATEN_CUDA_BACKENDS:
-            expanded = k.repeat_interleave(group, dim=1)
             try:
                 attention_ops.resolve_backend(backend, q, expanded, expanded, case.causal, case.dropout)
             except (ValueError, RuntimeError):

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memopt import _extension
-from memopt.block_functions import MAX_HEAD_DIM, PARAM_NAMES, BlockSpec, apply_block, saved_names
+from memopt.block_functions import MAX_HEAD_DIM, PARAM_NAMES, BlockSpec, apply_block, head_dim_supported, saved_names
 from memopt.offload import Offload, offload_group
 from memopt.ops._rng import new_rng_key
 from memopt.policy import check_offload, check_policy
@@ -329,7 +329,7 @@ class FusedCheckpointBlock(_TransformerBlockBase):
         **kwargs,
     ):
         super().__init__(d_model, n_heads, d_ff, **kwargs)
-        if not 1 <= self.head_dim <= MAX_HEAD_DIM:
+        if not head_dim_supported(self.head_dim):
             raise ValueError(
                 f"FusedCheckpointBlock: head_dim = d_model / n_heads = {self.head_dim} must be between 1 and "
                 f"{MAX_HEAD_DIM} (the sizes memopt.attention's kernels take)"

@@ -64,6 +64,7 @@ from memopt.ops._common import autocast_off, building_graph, grads_with_graph
 from memopt.tiled_ffn import chunk_rng_key, token_chunks
 
 MAX_HEAD_DIM = _attention_ops.MAX_HEAD_DIM
+head_dim_supported = _attention_ops.head_dim_supported
 
 _NORM_STATS = {"layernorm": ("mean", "rstd"), "rmsnorm": ("rstd",)}
 

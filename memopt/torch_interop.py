@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memopt.block import FusedCheckpointBlock, compute_dtype
-from memopt.block_functions import MAX_HEAD_DIM
+from memopt.block_functions import MAX_HEAD_DIM, head_dim_supported
 from memopt.checkpoint import checkpoint
 from memopt.ops import attention as _attention_ops
 
@@ -79,7 +79,7 @@ def unsupported_reason(layer: nn.Module, *, allow_autocast: bool = False) -> str
     if attn.bias_k is not None or attn.add_zero_attn:
         return "self_attn has add_bias_kv or add_zero_attn"
     head_dim = attn.embed_dim // attn.num_heads
-    if head_dim > MAX_HEAD_DIM:
+    if not head_dim_supported(head_dim):
         return f"head_dim {head_dim} is above {MAX_HEAD_DIM}"
     try:
         _activation_name(layer.activation)

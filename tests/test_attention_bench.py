@@ -9,15 +9,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLUMNS = {"name", "provider", "mode", "metric", "unit", "x", "median", "p20", "p80", "device", "torch", "triton", "commit", "date"}
 
 
-def test_cpu_preset_writes_rows(tmp_path):
-    out = tmp_path / "attention_cpu.json"
+def _run_preset(out, preset: str, seqs: str) -> subprocess.CompletedProcess:
     # The native CPU path: the interpreter would time Triton's Python emulation instead.
     env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1")
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.attention", "--preset", "cpu", "--seqs", "64", "--out", str(out)],
+        [sys.executable, "-m", "bench.attention", "--preset", preset, "--seqs", seqs, "--out", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
+    return proc
+
+
+def test_cpu_preset_writes_rows(tmp_path):
+    out = tmp_path / "attention_cpu.json"
+    proc = _run_preset(out, "cpu", "64")
     assert "| case | seq | mode | provider |" in proc.stdout
     rows = json.loads(out.read_text())
     assert rows and all(set(r) == COLUMNS for r in rows)
@@ -45,12 +50,7 @@ def test_cpu_preset_writes_rows(tmp_path):
 
 def test_grouped_query_preset_runs_every_cpu_backend(tmp_path):
     out = tmp_path / "attention_cpu_gqa.json"
-    env = dict(os.environ, TRITON_INTERPRET="0", OMP_NUM_THREADS="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "bench.attention", "--preset", "cpu-gqa", "--seqs", "48", "--out", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    _run_preset(out, "cpu-gqa", "48")
     rows = json.loads(out.read_text())
     names = {r["name"] for r in rows}
     assert names == {"attention b2 h8 kv2 d64 causal p0", "attention b2 h8 kv2 d64 causal p0.1"}

@@ -46,7 +46,6 @@ FFN half needs ``h``) and dropped with the attention backward.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -178,10 +177,24 @@ _SITE_OFFSETS = torch.tensor([[0, 0], [0, 1 << 50], [0, 2 << 50]], dtype=torch.i
 _NO_DROPOUT_KEYS = SiteKeys(*torch.zeros(3, 2, dtype=torch.int64, device="cpu").unbind(0))
 
 
+# The last key's SiteKeys: (key, its version counter, SiteKeys). A block's forward makes its
+# calls from one key object, and so does its backward (the saved key unpacks to the same object),
+# so each derives them once. The version counter makes an in-place change of the key a miss.
+_last_site_keys: tuple = (None, -1, None)
+
+
 def _site_keys(rng_key: Tensor | None) -> SiteKeys:
+    global _last_site_keys
     if rng_key is None:
         return _NO_DROPOUT_KEYS
-    return SiteKeys(*(rng_key + _SITE_OFFSETS).unbind(0))
+    if torch.compiler.is_compiling():  # traced once; the cache is eager mode's
+        return SiteKeys(*(rng_key + _SITE_OFFSETS).unbind(0))
+    key, version, keys = _last_site_keys  # one read: another thread may replace it meanwhile
+    if key is rng_key and version == rng_key._version:
+        return keys
+    keys = SiteKeys(*(rng_key + _SITE_OFFSETS).unbind(0))
+    _last_site_keys = (rng_key, rng_key._version, keys)
+    return keys
 
 
 class NormStats(NamedTuple):
@@ -253,9 +266,10 @@ def _saved_ffn_half(saved: dict[str, Tensor]) -> FFNHalf | None:
     return FFNHalf(saved.get("h"), saved["u"], stats, saved.get("n2"), saved.get("g"), saved.get("s2"))
 
 
-@dataclass(frozen=True)
-class BlockCall:
-    """What one forward or backward of the block works with besides the tensors."""
+class BlockCall(NamedTuple):
+    """What one forward or backward of the block works with besides the tensors. (A NamedTuple,
+    not a frozen dataclass: six are made per block step, and a frozen dataclass's ``__init__``
+    costs ~4 us, a tenth of a small block's host time.)"""
 
     spec: BlockSpec
     batch: int
@@ -276,7 +290,7 @@ class BlockCall:
     @classmethod
     def make(
         cls, spec: BlockSpec, device_type: str, rng_key, batch: int, seq: int, params: BlockParams, graph: bool = False
-    ) -> "BlockCall":
+    ) -> BlockCall:
         dtype = spec.compute_dtype
         compute = params
         for p in params:
@@ -408,7 +422,8 @@ def _heads(call: BlockCall, qkv: Tensor):
     """Views q (B, H, S, hd), k and v (B, Hkv, S, hd) of ``qkv`` (N, (H + 2 Hkv) hd): no copy."""
     spec = call.spec
     heads = qkv.view(call.batch, call.seq, spec.n_heads + 2 * spec.n_kv_heads, spec.head_dim).transpose(1, 2)
-    q, k, v = heads.split((spec.n_heads, spec.n_kv_heads, spec.n_kv_heads), dim=1)
+    # split_with_sizes, not Tensor.split: the same views without split's Python wrapper (~4 us).
+    q, k, v = heads.split_with_sizes((spec.n_heads, spec.n_kv_heads, spec.n_kv_heads), 1)
     return _upcast(call, q), _upcast(call, k), _upcast(call, v)
 
 
@@ -631,7 +646,7 @@ def _chunk_call(call: BlockCall, first_element: int) -> BlockCall:
     if call.spec.residual_dropout == 0.0:
         return call
     keys = call.keys._replace(ffn_residual=chunk_rng_key(call.keys.ffn_residual, first_element))
-    return dataclasses.replace(call, keys=keys)
+    return call._replace(keys=keys)
 
 
 def _tiled_ffn_forward(call: BlockCall, h: Tensor) -> Tensor:
@@ -813,9 +828,12 @@ def _at_slots(values, slots, fill) -> BlockParams:
 _HALF_SLOTS = {"attention": range(6), "ffn": range(6, 12)}
 
 
+_NO_HALF = (None,) * 6
+
+
 def _half_params(half: str, params) -> BlockParams:
     """A BlockParams with one half's six (in order) and None for the other half's."""
-    return _at_slots(params, _HALF_SLOTS[half], None)
+    return BlockParams(*params, *_NO_HALF) if half == "attention" else BlockParams(*_NO_HALF, *params)
 
 
 def _half_needs(half: str, needs) -> BlockParams:
@@ -860,7 +878,7 @@ class BlockAttentionFunction(torch.autograd.Function):
         by_name, call, need = _restore_half(ctx, "attention")
         if building_graph():
             x, params = by_name["x"], call.params[:6]
-            call = dataclasses.replace(call, graph=True)
+            call = call._replace(graph=True)
             grad_x, *grads = _grads_with_graph(lambda: _attention_forward(call, x)[1], (x, *params), grad_h)
             return (None, grad_x, None, None, None, *grads)
         attention = _saved_attention_half(by_name)
@@ -890,7 +908,7 @@ class BlockFFNFunction(torch.autograd.Function):
         h = by_name["h"]
         if building_graph():
             params = call.params[6:]
-            call = dataclasses.replace(call, graph=True)
+            call = call._replace(graph=True)
             grad_h, *grads = _grads_with_graph(lambda: _ffn_half_forward(call, h)[1], (h, *params), grad_y)
             return (None, grad_h, None, None, None, *grads)
         with torch.no_grad(), autocast_off(h.device.type):
@@ -963,7 +981,7 @@ class BlockFFNInFunction(torch.autograd.Function):
         call = _ffn_split_call(spec, h.device.type, None, ctx.batch, ctx.seq, saved[count:], slots)
         need = _at_slots(ctx.needs_input_grad[-len(slots) :], slots, False)
         if building_graph():
-            call = dataclasses.replace(call, graph=True)
+            call = call._replace(graph=True)
             params = tuple(call.params[slot] for slot in slots)
             grad_h, *grads = _grads_with_graph(lambda: _ffn_in_forward(call, h)[2], (h, *params), grad_u)
             grad_h = grad_residual if grad_h is None else grad_h + grad_residual
@@ -1006,7 +1024,7 @@ class BlockFFNOutFunction(torch.autograd.Function):
         call = _ffn_split_call(spec, u.device.type, rng_key, ctx.batch, ctx.seq, saved[count + 2 :], slots)
         need = _at_slots(ctx.needs_input_grad[-len(slots) :], slots, False)
         if building_graph():
-            call = dataclasses.replace(call, graph=True)
+            call = call._replace(graph=True)
             params = tuple(call.params[slot] for slot in slots)
             grad_u, grad_h, *grads = _grads_with_graph(lambda: _ffn_out_half_forward(call, u, h)[1], (u, h, *params), grad_y)
             return (None, grad_u, grad_h, None, None, None, *grads)

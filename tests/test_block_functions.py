@@ -175,3 +175,16 @@ def test_step_peak_at_or_below_the_eager_blocks(policy, dropout, norm_first):
     # (d_model values each), made before fc2's weight gradient there and after it in eager.
     slack = d_ff * 8 + ((2 * batch * seq + 4) * d_model * 8 if not norm_first and policy == "none" else 0)
     assert fused_peak <= eager_peak + slack, (fused_peak, eager_peak, batch * seq * d_ff * 8)
+
+
+def test_site_keys_are_the_key_at_each_sites_offset_and_follow_an_in_place_change():
+    # Reference: the three sites' counters 0, 2^50 and 2^51 past the block key's offset.
+    key = torch.tensor([1234, 7], dtype=torch.int64)
+    want = [[1234, 7], [1234, 7 + (1 << 50)], [1234, 7 + (2 << 50)]]
+    assert [k.tolist() for k in block_functions._site_keys(key)] == want
+    assert [k.tolist() for k in block_functions._site_keys(key)] == want  # the cached entry
+    key[1] = 9  # the same object, changed in place: its keys are derived again
+    assert [k.tolist() for k in block_functions._site_keys(key)] == [[1234, 9 + (i << 50)] for i in range(3)]
+    other = torch.tensor([1234, 9], dtype=torch.int64)
+    assert [k.tolist() for k in block_functions._site_keys(other)] == [[1234, 9 + (i << 50)] for i in range(3)]
+    assert all(k.tolist() == [0, 0] for k in block_functions._site_keys(None))

@@ -187,7 +187,8 @@ def _site_keys(rng_key: Tensor | None) -> SiteKeys:
     global _last_site_keys
     if rng_key is None:
         return _NO_DROPOUT_KEYS
-    if torch.compiler.is_compiling():  # traced once; the cache is eager mode's
+    # Traced once under torch.compile; an inference tensor has no version counter to key on.
+    if torch.compiler.is_compiling() or rng_key.is_inference():
         return SiteKeys(*(rng_key + _SITE_OFFSETS).unbind(0))
     key, version, keys = _last_site_keys  # one read: another thread may replace it meanwhile
     if key is rng_key and version == rng_key._version:

@@ -188,3 +188,21 @@ def test_site_keys_are_the_key_at_each_sites_offset_and_follow_an_in_place_chang
     other = torch.tensor([1234, 9], dtype=torch.int64)
     assert [k.tolist() for k in block_functions._site_keys(other)] == [[1234, 9 + (i << 50)] for i in range(3)]
     assert all(k.tolist() == [0, 0] for k in block_functions._site_keys(None))
+
+
+@pytest.mark.parametrize("policy", ["none", "full"])
+def test_training_block_with_dropout_runs_under_inference_mode_with_the_no_grad_masks(policy):
+    # Under inference_mode the block's key is an inference tensor (no version counter): same
+    # seed, same output as under no_grad, and dropout does act (the output differs from eval's).
+    torch.manual_seed(0)
+    block = memopt.FusedCheckpointBlock(D_MODEL, N_HEADS, 96, policy=policy, dropout=0.3, dtype=torch.float64)
+    x = torch.randn(2, 8, D_MODEL, dtype=torch.float64)
+    torch.manual_seed(1)
+    with torch.inference_mode():
+        got = block(x)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        want = block(x)
+        dropped_nothing = block.eval()(x)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert not torch.allclose(got, dropped_nothing)

@@ -128,6 +128,13 @@ PRESETS: dict[str, Settings] = {
         preset="cpu-dropout", d_model=384, n_heads=6, d_ff=1536, seq=512, batch=2, layers=4, dropout=0.1, threads=2,
         repeats=12, max_config_seconds=4.0,
     ),
+    # Below the presets above the block is host-bound (Python around its autograd nodes): the
+    # shape where memopt's "none" crossed eager's step on this machine (d_model 128 x 128 tokens,
+    # one thread), to track that overhead with the harness. Steps of ~10 ms: 40 rounds.
+    "cpu-small": Settings(
+        preset="cpu-small", d_model=128, n_heads=4, d_ff=512, seq=64, batch=2, layers=4, dropout=0.0, threads=1,
+        repeats=40, max_config_seconds=3.0,
+    ),
     "h200": Settings(
         preset="h200", device="cuda", dtype="bfloat16", d_model=2048, n_heads=16, d_ff=8192, seq=2048, batch=4,
         layers=4, warmup=3, repeats=10, compile=True, max_config_seconds=30.0, threads=None,
@@ -139,6 +146,7 @@ SWEEP_DEFAULTS = {
     "tiny": {"layers": (1, 2), "seq": (8, 16)},
     "cpu": {"layers": (2, 4, 8), "seq": (128, 256, 512)},
     "cpu-dropout": {"layers": (2, 4, 8), "seq": (256, 512, 1024)},
+    "cpu-small": {"layers": (2, 4, 8), "seq": (16, 64, 256)},
     "h200": {"layers": (2, 4, 8), "seq": (1024, 2048, 4096)},
 }
 

@@ -118,6 +118,11 @@ NormBackward prepare_norm_bwd(const char* op, const at::Tensor& grad_y, const at
   if (grad_x_in_grad_y) {
     MEMOPT_CHECK(at::get_overlap_status(grad_y, x) == at::MemOverlapStatus::No, op,
                  "grad_y is overwritten with grad_x, so it must not share memory with x");
+    // A grad_x_extra inside grad_y would be read after other elements of grad_x were written
+    // over it (and the CUDA kernels take it as __restrict__).
+    MEMOPT_CHECK(!grad_x_extra.has_value() ||
+                     at::get_overlap_status(grad_y, *grad_x_extra) == at::MemOverlapStatus::No,
+                 op, "grad_y is overwritten with grad_x, so it must not share memory with grad_x_extra");
   }
   const auto param_options = x.options().dtype(shape.param_dtype);
   return {shape.rows,

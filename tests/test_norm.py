@@ -184,6 +184,29 @@ def test_bwd_inplace_writes_grad_x_over_grad_y(device, dtype, norm, with_extra, 
 
 
 @pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("extra_of", ["same", "shifted", "x"])
+def test_bwd_inplace_refuses_memory_it_would_overwrite_before_reading(norm, extra_of):
+    """grad_x is written over grad_y: a grad_x_extra in grad_y's memory (the same tensor, or a
+    view one row on) or an x there would be read after part of it was overwritten."""
+    buffer = torch.randn(9, 16)
+    grad_y, x = buffer[:8], torch.randn(8, 16)
+    extra = {"same": buffer[:8], "shifted": buffer[1:], "x": None}[extra_of]
+    if extra_of == "x":
+        x = buffer[1:]
+    weight, bias = torch.ones(16), torch.zeros(16)
+    ops = torch.ops.memopt
+    if norm == "layernorm":
+        _, _, mean, rstd = ops.layer_norm_fwd(x, None, weight, bias, 1e-5)
+        call = lambda: ops.layer_norm_bwd_inplace(grad_y, x, weight, bias, mean, rstd, extra, False)  # noqa: E731
+    else:
+        _, _, rstd = ops.rms_norm_fwd(x, None, weight, 1e-5)
+        call = lambda: ops.rms_norm_bwd_inplace(grad_y, x, weight, rstd, extra, False)  # noqa: E731
+    what = "x" if extra_of == "x" else "grad_x_extra"
+    with pytest.raises(RuntimeError, match=f"grad_y is overwritten with grad_x, so it must not share memory with {what}"):
+        call()
+
+
+@pytest.mark.parametrize("norm", NORMS)
 def test_norm_linear_backward_allocates_one_buffer_of_x_size(norm):
     """norm_linear's backward allocates one buffer of x's size: the norm output is rebuilt in it,
     grad_y written over it once the weight gradient is taken, grad_x over grad_y. Eager norm +

@@ -16,9 +16,9 @@
 // never on timing, so one process gives the same bits every step, under every policy (the
 // forward and its recompute take the same kernel). MEMOPT_CPU_LINEAR=aten|onednn|auto overrides
 // it (onednn: every product, whatever its size). oneDNN writes a new output; where a product
-// would go into a buffer the caller owns and frees (cpu_mm_over), oneDNN runs only below glibc's mmap threshold, where the freed
-// memory comes straight back from the heap: above it, a fresh mapping's page faults (~0.35 ms per
-// MiB here) cost more than oneDNN gains.
+// would go into a buffer the caller owns and frees (cpu_mm_over), oneDNN runs only below glibc's
+// mmap threshold, where the freed memory comes straight back from the heap: above it, a fresh
+// mapping's page faults (~0.35 ms per MiB here) cost more than oneDNN gains.
 #include "cpu_linear.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -188,13 +188,14 @@ def _site_keys(rng_key: Tensor | None) -> SiteKeys:
     if rng_key is None:
         return _NO_DROPOUT_KEYS
     # Traced once under torch.compile; an inference tensor has no version counter to key on.
-    if torch.compiler.is_compiling() or rng_key.is_inference():
-        return SiteKeys(*(rng_key + _SITE_OFFSETS).unbind(0))
-    key, version, keys = _last_site_keys  # one read: another thread may replace it meanwhile
-    if key is rng_key and version == rng_key._version:
-        return keys
+    cached = not torch.compiler.is_compiling() and not rng_key.is_inference()
+    if cached:
+        key, version, keys = _last_site_keys  # one read: another thread may replace it meanwhile
+        if key is rng_key and version == rng_key._version:
+            return keys
     keys = SiteKeys(*(rng_key + _SITE_OFFSETS).unbind(0))
-    _last_site_keys = (rng_key, rng_key._version, keys)
+    if cached:
+        _last_site_keys = (rng_key, rng_key._version, keys)
     return keys
 
 
@@ -826,19 +827,17 @@ def _at_slots(values, slots, fill) -> BlockParams:
     return BlockParams(*full)
 
 
-_HALF_SLOTS = {"attention": range(6), "ffn": range(6, 12)}
-
-
-_NO_HALF = (None,) * 6
-
-
 def _half_params(half: str, params) -> BlockParams:
-    """A BlockParams with one half's six (in order) and None for the other half's."""
-    return BlockParams(*params, *_NO_HALF) if half == "attention" else BlockParams(*_NO_HALF, *params)
+    """A BlockParams with one half's six (in order) and None for the other half's (the attention
+    half's are the first six)."""
+    other = (None,) * 6
+    return BlockParams(*params, *other) if half == "attention" else BlockParams(*other, *params)
 
 
 def _half_needs(half: str, needs) -> BlockParams:
-    return _at_slots(needs, _HALF_SLOTS[half], False)
+    """:func:`_half_params` for needs_input_grad flags: False for the other half's."""
+    other = (False,) * 6
+    return BlockParams(*needs, *other) if half == "attention" else BlockParams(*other, *needs)
 
 
 def _save_half(ctx, half: str, spec: BlockSpec, batch: int, seq: int, tensor_of, rng_key, params) -> None:

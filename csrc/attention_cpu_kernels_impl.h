@@ -265,10 +265,10 @@ void transpose_rows(const Rows<T>& rows, int64_t count, int64_t cols, T* dst, in
 
 // Tiles of query rows [first_tile, end_tile) of one head share its k^T; the work is split over
 // (batch, head, group of tiles), with more than one group per head only where there are fewer
-// heads than threads.
+// heads than threads. At least 1, also for no heads or no tiles (an empty batch or sequence).
 int64_t tile_groups(int64_t heads_total, int64_t tiles) {
   const int64_t threads = at::get_num_threads();
-  if (heads_total >= threads) return 1;
+  if (heads_total <= 0 || tiles <= 1 || heads_total >= threads) return 1;
   return std::min(tiles, (threads + heads_total - 1) / heads_total);
 }
 

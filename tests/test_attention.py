@@ -227,6 +227,50 @@ def test_strided_views_of_fused_qkv_and_output_layout(backend):
     _assert_close((out, dqkv), (ref, ref_dqkv), torch.float32)
 
 
+@pytest.mark.parametrize("backend", ["auto", "native", "cpu_flash", "aten_flash"])
+def test_inputs_whose_last_dim_is_not_unit_stride(backend):
+    # (B, H, S, D) views of (B, H, D, S) buffers: legal strided inputs. ATen's raw CPU kernel reads
+    # each row as consecutive elements whatever the strides say (aten_flash returned garbage).
+    batch, heads, seq, head_dim = 1, 2, 9, 8
+    q, k, v = (torch.randn(batch, heads, head_dim, seq).transpose(2, 3).requires_grad_() for _ in range(3))
+    assert q.stride(-1) != 1
+    grad = torch.randn(batch, heads, seq, head_dim).transpose(2, 3).contiguous().transpose(2, 3)  # strided too
+    out = memopt.attention(q, k, v, causal=True, backend=backend)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = attention_ref(q64, k64, v64, causal=True)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), grad.double())
+    _assert_close((out, *grads), (ref, *ref_grads), torch.float32)
+
+
+@pytest.mark.parametrize("backend", ["auto", "native", "cpu_flash", "aten_flash"])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_empty_batch_gives_empty_output_and_gradients(backend, threads):
+    # cpu_flash split heads over threads with a division by the head count (SIGFPE at batch 0).
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        q = torch.randn(0, 2, 5, 8, requires_grad=True)
+        out = memopt.attention(q, q, q, causal=True, backend=backend)
+        (grad_q,) = torch.autograd.grad(out.sum(), q)
+    finally:
+        torch.set_num_threads(previous)
+    assert out.shape == (0, 2, 5, 8) and grad_q.shape == q.shape
+
+
+@pytest.mark.parametrize("backend", ["auto", "native", "cpu_flash", "aten_flash"])
+def test_shapes_under_a_fake_tensor_mode(backend):
+    # Shape inference without torch.compile: no real tensor may reach the op (the no-dropout key
+    # was a module-level real tensor).
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.randn(1, 4, 5, 8)
+        k = torch.randn(1, 2, 7, 8)
+        out = memopt.attention(q, k, k, backend=backend)
+    assert out.shape == (1, 4, 5, 8)
+
+
 @pytest.mark.parametrize(
     "backend,dropout_p,dtype",
     [

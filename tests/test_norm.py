@@ -643,6 +643,19 @@ def t(*shape, dtype=torch.float32):
         (lambda: memopt.norm_linear(t(4, 8), None, None, t(6, 8), t(5)), r"linear_bias must have shape \[6\]"),
         (lambda: memopt.norm_linear(t(4, 8), t(8), t(8), t(6, 8), norm="rmsnorm"), "norm_bias must be None"),
         (lambda: memopt.norm_linear(t(4, 8), None, None, t(6, 8), norm="batchnorm"), "norm must be one of"),
+        # The public op's name and argument names, not those of the norm op it runs.
+        (lambda: memopt.norm_linear(t(4, 8), t(8, dtype=torch.float64), None, t(6, 8)),
+         r"memopt\.norm_linear: norm_weight must have x's dtype"),
+        (lambda: memopt.norm_linear(t(4, 8), None, t(8, dtype=torch.float64), t(6, 8)),
+         r"memopt\.norm_linear: norm_bias must have x's dtype"),
+        (lambda: memopt.norm_linear(t(4, 8), t(8, dtype=torch.float64), t(8), t(6, 8)),
+         r"memopt\.norm_linear: norm_weight must have x's dtype"),
+        (lambda: memopt.norm_linear(t(4, 8), None, None, t(6, 8), residual=t(4, 8, dtype=torch.float64)),
+         r"memopt\.norm_linear: residual must have the dtype of x"),
+        (lambda: memopt.norm_linear(t(4, 8, dtype=torch.bfloat16), None, None, t(6, 8, dtype=torch.bfloat16)),
+         r"memopt\.norm_linear: x is torch\.bfloat16 on CPU"),
+        (lambda: memopt.layer_norm(t(4, 8, dtype=torch.float64), t(8, dtype=torch.float64), t(8)),
+         r"memopt\.layer_norm: bias must have x's dtype|bias must have the dtype of weight"),
     ],
 )
 def test_bad_input_raises_clear_error(call, match):
@@ -775,3 +788,30 @@ def test_norm_linear_with_a_frozen_linear_weight(norm, with_residual):
     assert linear_weight.grad is None
     for t in leaves:
         torch.testing.assert_close(t.grad, ref[id(t)].grad, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("name", ["layer_norm", "rms_norm", "norm_linear"])
+def test_compile_with_dynamic_shapes_and_the_default_eps(name):
+    # With dynamic=True dynamo traces the default eps as a symbolic float; the eps check used
+    # math.isfinite, which it cannot trace.
+    x = torch.randn(4, 7, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    linear = torch.randn(3, 7, dtype=torch.float64)
+    calls = {
+        "layer_norm": (lambda x, w: memopt.layer_norm(x, w), lambda x, w: layer_norm_ref(x, w, None, 1e-5)),
+        "rms_norm": (lambda x, w: memopt.rms_norm(x, w), lambda x, w: rms_norm_ref(x, w, 1e-6)),
+        "norm_linear": (
+            lambda x, w: memopt.norm_linear(x, w, None, linear),
+            lambda x, w: F.linear(layer_norm_ref(x, w, None, 1e-5), linear),
+        ),
+    }
+    fn, ref_fn = calls[name]
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True, dynamic=True)
+    out = compiled(x, weight)
+    grads = torch.autograd.grad(out.sum(), (x, weight))
+    ref = ref_fn(x, weight)
+    ref_grads = torch.autograd.grad(ref.sum(), (x, weight))
+    torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-10, rtol=1e-10)

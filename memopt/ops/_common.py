@@ -33,10 +33,23 @@ def check_eps(op: str, eps) -> float:
     """``eps`` as a float: a real number (not a bool), finite and >= 0."""
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"memopt.{op}: eps must be a real number, got {type(eps).__name__} {eps!r}")
-    eps = float(eps)
-    if not math.isfinite(eps) or eps < 0:
+    if not isinstance(eps, torch.SymFloat):  # (traced with dynamic=True, eps is symbolic: kept so)
+        eps = float(eps)
+    # Comparisons, not math.isfinite: on a symbolic eps they become torch.compile guards. NaN fails both.
+    if not (0 <= eps < math.inf):
         raise ValueError(f"memopt.{op}: eps must be a finite number >= 0, got {eps!r}")
     return eps
+
+
+def check_float_x(op: str, x: torch.Tensor) -> None:
+    """x's dtype is one the kernels of its device take (the rule of csrc/common.h's
+    check_float_dtype, with the public op's name)."""
+    if x.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        raise ValueError(f"memopt.{op}: x must be float32, float64, float16 or bfloat16, got {x.dtype}")
+    if x.device.type == "cpu" and x.dtype in (torch.float16, torch.bfloat16):
+        raise ValueError(f"memopt.{op}: x is {x.dtype} on CPU; the CPU kernels take float32 or float64")
+    if x.device.type == "cuda" and x.dtype == torch.float64:
+        raise ValueError(f"memopt.{op}: x is float64 on CUDA; the CUDA kernels take float32, float16 or bfloat16")
 
 
 # The dtypes autocast casts to its low-precision dtype (float64 is left alone).

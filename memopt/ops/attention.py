@@ -123,9 +123,6 @@ CPU_BACKENDS = ("triton", "native", "cpu_flash", "aten_flash")
 CUDA_BACKENDS = ("triton", "aten_flash", "cudnn", "efficient")
 ATEN_CUDA_BACKENDS = ("cudnn", "aten_flash", "efficient")
 
-# The key passed when nothing is dropped (never read; one tensor for every such call).
-_NO_DROPOUT_KEY = torch.zeros(2, dtype=torch.int64)
-
 # Keys per chunk of the native CPU path: its temporaries are (B, H, Sq, chunk).
 NATIVE_CHUNK = 128
 
@@ -385,6 +382,14 @@ def _as_out_layout(out: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     return out if out.is_contiguous() else out.contiguous()
 
 
+def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with a unit-stride last dimension: itself when it has one, else a contiguous copy.
+    ATen's raw attention ops (the ``aten_flash`` / ``cudnn`` / ``efficient`` backends) read each
+    head's row as consecutive elements whatever the strides say; SDPA's own front end copies such
+    inputs first, and so must memopt."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def _expand_kv(t: torch.Tensor, group: int) -> torch.Tensor:
     return t if group == 1 else t.repeat_interleave(group, dim=1)
 
@@ -514,6 +519,7 @@ def _attention_bwd_native(grad_out, q, k, v, out, lse, causal, dropout_p, scale,
 
 def _attention_fwd_aten_cpu(q, k, v, causal, scale):
     # Grouped-query heads run natively; out comes in q's dim order, lse as a (B, Sq, H) buffer.
+    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, dropout_p=0.0, is_causal=causal, scale=scale
     )
@@ -521,8 +527,9 @@ def _attention_fwd_aten_cpu(q, k, v, causal, scale):
 
 
 def _attention_bwd_aten_cpu(grad_out, q, k, v, out, lse, causal, scale):
+    q, k, v, out = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v), _unit_last_stride(out)
     grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        grad_out.to(q.dtype), q, k, v, out, lse, dropout_p=0.0, is_causal=causal, scale=scale
+        _unit_last_stride(grad_out.to(q.dtype)), q, k, v, out, lse, dropout_p=0.0, is_causal=causal, scale=scale
     )
     return _as_bshd(grad_q), _as_bshd(grad_k), _as_bshd(grad_v)
 
@@ -605,7 +612,8 @@ def _aten_philox_tensors(backend, q, k, v, causal, scale, dropout_p, rng_key):
 def _attention_fwd_aten_cuda(backend, q, k, v, causal, scale, dropout_p=0.0, rng_key=None):
     batch, heads, seq_q, _ = q.shape
     group = heads // k.shape[1]
-    k_full, v_full = _expand_kv(k, group), _expand_kv(v, group)
+    q = _unit_last_stride(q)
+    k_full, v_full = _unit_last_stride(_expand_kv(k, group)), _unit_last_stride(_expand_kv(v, group))
     if dropout_p > 0.0:
         with _cuda_generator_at(q.device, rng_key):
             result = _aten_cuda_fwd_call(backend, q, k_full, v_full, causal, scale, dropout_p)
@@ -619,8 +627,9 @@ def _attention_bwd_aten_cuda(backend, grad_out, q, k, v, out, lse, causal, scale
     batch, heads, seq_q, _ = q.shape
     seq_k = k.shape[2]
     group = heads // k.shape[1]
-    k_full, v_full = _expand_kv(k, group), _expand_kv(v, group)
-    grad_out = grad_out.to(q.dtype)
+    q, out = _unit_last_stride(q), _unit_last_stride(out)
+    k_full, v_full = _unit_last_stride(_expand_kv(k, group)), _unit_last_stride(_expand_kv(v, group))
+    grad_out = _unit_last_stride(grad_out.to(q.dtype))
     rank, rows = _aten_lse_layout(backend)
     if rows != 33:  # padded rows (the memory-efficient kernel): zeros past seq_q
         padded = -(-seq_q // 32) * 32
@@ -1021,7 +1030,9 @@ def attention(
         head_dim = q.shape[-1] if q.dim() > 0 else 0
         scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     if rng_key is None:
-        rng_key = new_rng_key() if dropout_p > 0.0 else _NO_DROPOUT_KEY
+        # A new placeholder per call, not a module-level tensor: under a FakeTensorMode (shape
+        # inference without torch.compile) a real tensor cannot reach the op with fake ones.
+        rng_key = new_rng_key() if dropout_p > 0.0 else torch.zeros(2, dtype=torch.int64)
     if (
         q.device.type == "cpu" and backend == "auto"
         and _check_inputs(q, k, v, causal, dropout_p, rng_key, backend) in ("cpu_flash", "aten_flash")

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from memopt import _extension
-from memopt.ops._common import check_eps, check_linear, check_tensor
+from memopt.ops._common import check_eps, check_float_x, check_linear, check_tensor
 
 _NORMS = ("layernorm", "rmsnorm")
 
@@ -176,6 +176,7 @@ def _check_public(op: str, x, residual, weight, bias, weight_name: str = "weight
     check_tensor(op, "residual", residual, optional=True)
     check_tensor(op, weight_name, weight, optional=True)
     check_tensor(op, bias_name, bias, optional=True)
+    check_float_x(op, x)
     n = x.shape[-1] if x.dim() > 0 else None
     if residual is not None:
         if residual.shape != x.shape:
@@ -184,6 +185,8 @@ def _check_public(op: str, x, residual, weight, bias, weight_name: str = "weight
             )
         if residual.device != x.device:
             raise ValueError(f"memopt.{op}: residual must be on x's device ({x.device}), got {residual.device}")
+        if residual.dtype != x.dtype:
+            raise ValueError(f"memopt.{op}: residual must have the dtype of x ({x.dtype}), got {residual.dtype}")
     for name, param in ((weight_name, weight), (bias_name, bias)):
         if param is None:
             continue
@@ -191,6 +194,10 @@ def _check_public(op: str, x, residual, weight, bias, weight_name: str = "weight
             raise ValueError(f"memopt.{op}: {name} must have shape [{n}] (x.shape[-1]), got {list(param.shape)}")
         if param.device != x.device:
             raise ValueError(f"memopt.{op}: {name} must be on x's device ({x.device}), got {param.device}")
+        if param.dtype not in (x.dtype, torch.float32):
+            raise ValueError(f"memopt.{op}: {name} must have x's dtype ({x.dtype}) or float32, got {param.dtype}")
+    if weight is not None and bias is not None and bias.dtype != weight.dtype:
+        raise ValueError(f"memopt.{op}: {bias_name} must have the dtype of {weight_name} ({weight.dtype}), got {bias.dtype}")
     _extension.require_cuda_kernels(op, x)
 
 

@@ -27,6 +27,7 @@ from torch import nn
 from memopt import _extension
 from memopt.block_functions import MAX_HEAD_DIM, PARAM_NAMES, BlockSpec, apply_block, head_dim_supported, saved_names
 from memopt.offload import Offload, offload_group
+from memopt.ops._common import _AUTOCAST_CASTABLE
 from memopt.ops._rng import new_rng_key
 from memopt.policy import check_offload, check_policy
 from memopt.tiled_ffn import check_ffn_chunk_tokens
@@ -139,10 +140,22 @@ class _TransformerBlockBase(nn.Module):
                     "(as in nn.TransformerEncoderLayer), or construct the block with causal=True"
                 )
             return self.causal
+        if not isinstance(attn_mask, torch.Tensor):
+            raise TypeError(
+                f"{type(self).__name__}: attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}"
+            )
         if attn_mask.dim() != 2 or tuple(attn_mask.shape) != (seq, seq):
             raise ValueError(
                 f"{type(self).__name__}: attn_mask must be a ({seq}, {seq}) causal mask (or None), "
                 f"got shape {tuple(attn_mask.shape)}; arbitrary and padding masks are not supported"
+            )
+        if not is_causal and torch.compiler.is_compiling():
+            # Checking the mask reads its values on the host: a data-dependent graph break, which
+            # torch.compile(fullgraph=True) refuses with a message that does not say what to do.
+            raise ValueError(
+                f"{type(self).__name__}: under torch.compile an attn_mask cannot be checked to be causal "
+                "(that reads its values on the host); pass is_causal=True with the causal mask, or "
+                "attn_mask=None to a block constructed with causal=True"
             )
         if not is_causal and not _is_causal_mask(attn_mask):
             raise ValueError(
@@ -167,6 +180,15 @@ def _is_causal_mask(mask: torch.Tensor) -> bool:
         return False
     blocked = torch.isneginf(mask)
     return bool(torch.equal(blocked, above) and torch.all(mask.masked_fill(blocked, 0.0) == 0))
+
+
+def _copy_requires_grad(dst: nn.Module, src: nn.Module) -> None:
+    """Freeze ``dst``'s parameters that are frozen in ``src`` (same names): ``load_state_dict``
+    copies values, not ``requires_grad``."""
+    params = dict(dst.named_parameters())
+    for name, param in src.named_parameters():
+        if name in params:
+            params[name].requires_grad_(param.requires_grad)
 
 
 def _to_batch_first(block, x: torch.Tensor) -> torch.Tensor:
@@ -256,6 +278,7 @@ class EagerTransformerBlock(_TransformerBlockBase):
         config = {k: v for k, v in self.config().items() if k != "attention"}
         block = FusedCheckpointBlock(**config, policy=policy, **self._factory())
         block.load_state_dict(self.state_dict())
+        _copy_requires_grad(block, self)
         return block
 
 
@@ -313,8 +336,13 @@ class FusedCheckpointBlock(_TransformerBlockBase):
     ``forward(x, attn_mask=None, *, is_causal=False)``: ``attn_mask`` may be None or a causal
     ``(S, S)`` mask (bool True above the diagonal, or float ``-inf`` above the diagonal and 0
     elsewhere); it is checked on the host (one device sync) unless ``is_causal=True`` vouches
-    for it. Other masks raise ``ValueError``. :meth:`from_torch` and :meth:`supports` convert
-    ``nn.TransformerEncoderLayer`` s (:mod:`memopt.torch_interop`).
+    for it (under ``torch.compile`` it must: the check cannot run in a graph). Other masks raise
+    ``ValueError``. :meth:`from_torch` and :meth:`supports` convert ``nn.TransformerEncoderLayer`` s
+    (:mod:`memopt.torch_interop`).
+
+    The forward reads the submodules' parameters (``fc1.weight``, ...) without calling the
+    submodules: it raises while one has module hooks, which would not run
+    (``torch.nn.utils.prune``); parametrizations work. torch.func transforms are not supported.
     """
 
     def __init__(
@@ -379,6 +407,7 @@ class FusedCheckpointBlock(_TransformerBlockBase):
             eps=self.eps, attention_dropout=drop, residual_dropout=drop, compute_dtype=compute_dtype(x),
             ffn_chunk_tokens=self.ffn_chunk_tokens,
         )  # fmt: skip
+        _check_no_submodule_hooks(self)
         params = _block_params(self)
         if batch * seq == 0:
             # No token: an empty output, as torch's layers give, whose backward gives the
@@ -403,6 +432,7 @@ class FusedCheckpointBlock(_TransformerBlockBase):
         config.pop("ffn_chunk_tokens")
         block = EagerTransformerBlock(**config, **self._factory())
         block.load_state_dict(self.state_dict())
+        _copy_requires_grad(block, self)
         return block.train(self.training)
 
     @classmethod
@@ -428,8 +458,9 @@ class FusedCheckpointBlock(_TransformerBlockBase):
 
 def compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype a block's matmuls and attention run in for input ``x``: the autocast dtype
-    under autocast, else ``x``'s."""
-    if torch.is_autocast_enabled(x.device.type):
+    under autocast when autocast casts ``x``'s dtype (not float64), else ``x``'s."""
+    # Autocast casts float32/float16/bfloat16 only: a float64 input stays float64, as torch's ops keep it.
+    if x.dtype in _AUTOCAST_CASTABLE and torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
 
@@ -449,6 +480,26 @@ def _block_params(block: nn.Module) -> list[torch.Tensor | None]:
         param = sub._parameters.get(attr)
         params.append(param if param is not None else getattr(sub, attr, None))
     return params
+
+
+# The submodules whose parameters the forward reads, in PARAM_NAMES order, without calling them.
+_SUBMODULES = tuple(dict.fromkeys(module for module, _ in _PARAM_PATHS))
+
+
+def _check_no_submodule_hooks(block: nn.Module) -> None:
+    """Raise if a submodule has module hooks: the forward reads the submodules' parameters and never
+    calls them, so their hooks would not run (``torch.nn.utils.prune``'s pre-hook that refreshes
+    ``weight``, for one: a stale weight). Per call: a few dict reads."""
+    modules = block._modules
+    for name in _SUBMODULES:
+        sub = modules[name]
+        if sub._forward_pre_hooks or sub._forward_hooks or sub._backward_pre_hooks or sub._backward_hooks:
+            raise RuntimeError(
+                f"{type(block).__name__}: its submodule {name!r} has module hooks (forward, forward pre- or "
+                "backward hooks, e.g. from torch.nn.utils.prune or torch.nn.utils.weight_norm), which do not run: "
+                "the block reads its submodules' parameters without calling them. Remove the hooks; "
+                "parametrizations (torch.nn.utils.parametrize, torch.nn.utils.parametrizations.weight_norm) do work"
+            )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -534,10 +585,14 @@ def saved_bytes_per_token(
     norm_first: bool = True,
     dtype: torch.dtype = torch.float32,
     ffn_chunk_tokens: int | None = None,
+    batch_first: bool = True,
 ) -> int:
     """Bytes one :class:`FusedCheckpointBlock` saves for backward per token, input excluded.
 
-    For a block whose parameters and input are ``dtype`` (no autocast). Norm statistics are
+    For a block whose parameters and input are ``dtype`` (no autocast), the input contiguous.
+    With ``batch_first=False`` the block saves its batch-first copy of the input (``d_model``
+    elements per token), counted here; :func:`saved_bytes_per_layer` leaves it out where
+    ``batch`` or ``seq`` is 1 (the transpose is then a view of the input). Norm statistics are
     float32 (float64 for float64), the attention log-sum-exp too. The RNG key (16 bytes per block
     call when dropout is active) is not per token: see :func:`saved_bytes_per_layer`. With
     ``ffn_chunk_tokens`` set (any chunk) the FFN half saves only its input.
@@ -549,7 +604,8 @@ def saved_bytes_per_token(
     d_ff = 4 * d_model if d_ff is None else d_ff
     head_dim = d_model // n_heads
     widths = {
-        "x": 0,  # the block input is not counted
+        # The block input is not counted; with batch_first=False the block saves a transposed copy.
+        "x": 0 if batch_first else d_model,
         "n1": d_model, "n2": d_model, "h": d_model, "s1": d_model, "s2": d_model,
         "qkv": (n_heads + 2 * n_kv_heads) * head_dim, "attn_out": n_heads * head_dim,
         "u": 2 * d_ff if activation == "swiglu" else d_ff, "g": d_ff,
@@ -570,4 +626,6 @@ def saved_bytes_per_token(
 def saved_bytes_per_layer(policy: str, *args, batch: int, seq: int, dropout: float = 0.0, **kwargs) -> int:
     """Bytes one block call on ``(batch, seq, d_model)`` saves, input excluded: tokens times
     :func:`saved_bytes_per_token` (same arguments), plus the 16-byte RNG key when dropout > 0."""
+    if batch == 1 or seq == 1:
+        kwargs["batch_first"] = True  # (S, 1, D) or (1, B, D) transposed is a view: no copy saved
     return batch * seq * saved_bytes_per_token(policy, *args, **kwargs) + (16 if dropout > 0 else 0)

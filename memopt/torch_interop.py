@@ -64,6 +64,12 @@ def supports(layer: nn.Module, *, allow_autocast: bool = False) -> bool:
 
 def unsupported_reason(layer: nn.Module, *, allow_autocast: bool = False) -> str | None:
     """Why :func:`from_torch` would not reproduce ``layer`` exactly (see :func:`supports`), or None."""
+    return _unsupported_reason(layer, allow_autocast=allow_autocast, allow_dropout=False)
+
+
+def _unsupported_reason(layer: nn.Module, *, allow_autocast: bool, allow_dropout: bool) -> str | None:
+    """:func:`unsupported_reason`; with ``allow_dropout`` dropout > 0 passes (:func:`from_torch`
+    takes it: the block then differs in training only, as documented there)."""
     base = nn.TransformerEncoderLayer
     if not isinstance(layer, base):
         return f"not an nn.TransformerEncoderLayer ({type(layer).__name__})"
@@ -94,7 +100,7 @@ def unsupported_reason(layer: nn.Module, *, allow_autocast: bool = False) -> str
     if len({b is None for b in biases}) != 1:
         return "some of its linears and norms have a bias and some do not"
     dropouts = (attn.dropout, layer.dropout.p, layer.dropout1.p, layer.dropout2.p)
-    if any(p > 0 for p in dropouts):
+    if not allow_dropout and any(p > 0 for p in dropouts):
         return f"dropout > 0 ({dropouts}): torch's FFN-internal dropout and RNG differ from the block's"
     params = list(layer.parameters())
     if len({(p.dtype, p.device) for p in params}) != 1:
@@ -133,7 +139,10 @@ def from_torch(
     training the block applies ``layer``'s dropout at its three sites (attention
     probabilities, both residual branches) but not inside the FFN, where torch's layer has a
     fourth dropout: there is no dropout between the activation and fc2
-    (:func:`supports` is True only for layers the block reproduces exactly).
+    (:func:`supports` is True only for layers the block reproduces exactly). Every other layer
+    :func:`supports` refuses (norms of different eps, biases on some linears and norms only,
+    hooks, ...) raises ``ValueError`` with :func:`unsupported_reason`'s message. The parameters'
+    ``requires_grad`` is the layer's.
 
     Args:
         layer: the torch layer.
@@ -145,11 +154,14 @@ def from_torch(
     """
     if not isinstance(layer, nn.TransformerEncoderLayer):
         raise TypeError(f"FusedCheckpointBlock.from_torch: layer must be an nn.TransformerEncoderLayer, got {type(layer).__name__}")
+    # Everything supports() refuses but dropout (see above): the block could not hold the layer's
+    # configuration (one eps, biases everywhere or nowhere, ...) and would compute something else.
+    reason = _unsupported_reason(layer, allow_autocast=True, allow_dropout=True)
+    if reason is not None:
+        raise ValueError(f"FusedCheckpointBlock.from_torch: the block cannot reproduce this layer: {reason}")
     attn = layer.self_attn
-    if not attn._qkv_same_embed_dim:
-        raise ValueError("FusedCheckpointBlock.from_torch: layer.self_attn must have kdim == vdim == embed_dim")
     activation = _activation_name(layer.activation)
-    bias = layer.linear1.bias is not None
+    bias = layer.linear1.bias is not None  # all or none (checked above)
     weight = attn.in_proj_weight
     block = FusedCheckpointBlock(
         attn.embed_dim, attn.num_heads, layer.linear1.out_features, dropout=layer.dropout.p,
@@ -178,6 +190,8 @@ def from_torch(
             setattr(getattr(block, module), attr, param)
     else:
         block.load_state_dict({k: v.detach() for k, v in state.items()})
+        for name, param in state.items():  # load_state_dict copies values, not requires_grad
+            block.get_parameter(name).requires_grad_(param.requires_grad)
     return block.train(layer.training)
 
 

@@ -7,6 +7,7 @@ import importlib
 import pytest
 import torch
 from torch import nn
+from torch.nn.utils import parametrizations, prune
 
 import memopt
 from memopt.ops.attention import cpu_backend
@@ -157,7 +158,7 @@ def test_from_torch_matches_transformer_encoder_layer(norm_first, batch_first, a
 
 def test_from_torch_rejects_unsupported_activation():
     layer = nn.TransformerEncoderLayer(D_MODEL, N_HEADS, 48, activation=nn.Tanh())
-    with pytest.raises(ValueError, match="activation must be relu or gelu"):
+    with pytest.raises(ValueError, match="activation .* is not relu or gelu"):
         memopt.FusedCheckpointBlock.from_torch(layer)
 
 
@@ -175,6 +176,47 @@ def test_state_dict_round_trip_with_eager_block():
     torch.testing.assert_close(fused(x), eager(x), **F64_TOL)
     again = memopt.FusedCheckpointBlock.from_eager(back, policy="none")
     assert again.policy == "none" and torch.equal(again(x), fused(x))
+
+
+def test_to_eager_and_from_eager_keep_frozen_parameters():
+    block = _make(CONFIGS["pre-ln-gelu"])
+    block.qkv.requires_grad_(False)
+    block.norm2.weight.requires_grad_(False)
+    frozen = {name for name, p in block.named_parameters() if not p.requires_grad}
+    assert frozen == {"qkv.weight", "qkv.bias", "norm2.weight"}
+    eager = block.to_eager()
+    assert {name for name, p in eager.named_parameters() if not p.requires_grad} == frozen
+    back = memopt.FusedCheckpointBlock.from_eager(eager)
+    assert {name for name, p in back.named_parameters() if not p.requires_grad} == frozen
+
+
+def test_hooks_on_submodules_raise_and_parametrizations_work():
+    # The block reads its submodules' parameters without calling them: their hooks would not
+    # run. torch.nn.utils.prune recomputes fc1.weight in a forward pre-hook; the eager block
+    # (which calls fc1) is the reference for what the pruned block should compute.
+    block = _make(CONFIGS["pre-ln-gelu"])
+    eager = block.to_eager()
+    x = torch.randn(2, 5, D_MODEL, dtype=torch.float64)
+    for module in (block, eager):
+        prune.l1_unstructured(module.fc1, "weight", 0.5)
+        with torch.no_grad():
+            module.fc1.weight_orig.mul_(3.0)  # an optimizer step: fc1.weight is stale until the hook runs
+    with pytest.raises(RuntimeError, match="submodule 'fc1' has module hooks"):
+        block(x)
+    for module in (block, eager):
+        prune.remove(module.fc1, "weight")  # bakes the mask into fc1.weight, drops the hook
+    torch.testing.assert_close(block(x), eager(x), **F64_TOL)
+
+    handle = block.norm2.register_forward_hook(lambda module, args, out: None)
+    with pytest.raises(RuntimeError, match="submodule 'norm2' has module hooks"):
+        block(x)
+    handle.remove()
+
+    # A parametrization works: getattr computes the weight, which the block reads.
+    for module in (block, eager):
+        parametrizations.weight_norm(module.fc2)
+    grad = torch.randn_like(x)
+    _assert_runs_close(_run(block, x, grad), _run(eager, x, grad), **F64_TOL)
 
 
 def test_batch_first_false_takes_seq_first_input():
@@ -308,19 +350,36 @@ SAVED_CASES = [
 ]
 
 
+@pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("name,dtype,dropout", SAVED_CASES, ids=[c[0] for c in SAVED_CASES])
-def test_saved_bytes_equal_formula(name, dtype, dropout, policy):
+def test_saved_bytes_equal_formula(name, dtype, dropout, policy, batch_first):
     config = CONFIGS[name]
-    block = _make(config, policy, dtype=dtype, dropout=dropout)
+    block = _make(config, policy, dtype=dtype, dropout=dropout, batch_first=batch_first)
     batch, seq = 3, 10
-    x = torch.randn(batch, seq, D_MODEL, dtype=dtype, requires_grad=True)
+    shape = (batch, seq, D_MODEL) if batch_first else (seq, batch, D_MODEL)
+    x = torch.randn(shape, dtype=dtype, requires_grad=True)
     counted = memopt.saved_bytes(block, x)
     formula_args = {k: v for k, v in config.items() if k in ("d_ff", "n_kv_heads", "activation", "norm", "norm_first")}
     expected = saved_bytes_per_layer(
-        policy, D_MODEL, N_HEADS, batch=batch, seq=seq, dropout=dropout, dtype=dtype, **formula_args
-    )
+        policy, D_MODEL, N_HEADS, batch=batch, seq=seq, dropout=dropout, dtype=dtype, batch_first=batch_first,
+        **formula_args,
+    )  # fmt: skip
     assert counted == expected
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("batch,seq", [(3, 10), (1, 10), (3, 1)])
+def test_saved_bytes_formula_counts_the_seq_first_blocks_input_copy(batch, seq, policy):
+    # batch_first=False: the block saves its batch-first copy of the input, d_model values per
+    # token more than a batch-first block; none where batch or seq is 1 (the transpose is a view).
+    block = _make(CONFIGS["pre-ln-gelu"], policy, batch_first=False)
+    x = torch.randn(seq, batch, D_MODEL, dtype=torch.float64, requires_grad=True)
+    formula = {"d_ff": 48, "dtype": torch.float64, "batch": batch, "seq": seq}
+    copy_bytes = batch * seq * D_MODEL * 8 if batch > 1 and seq > 1 else 0
+    counted = memopt.saved_bytes(block, x)
+    assert counted == saved_bytes_per_layer(policy, D_MODEL, N_HEADS, batch_first=True, **formula) + copy_bytes
+    assert counted == saved_bytes_per_layer(policy, D_MODEL, N_HEADS, batch_first=False, **formula)
 
 
 def test_saved_bytes_formula_by_hand_and_ordering():
@@ -363,6 +422,21 @@ def test_autocast_bf16_cpu_matches_eager_under_autocast():
     assert not torch.allclose(got[0], full_precision[0], atol=1e-4, rtol=0)  # matmuls really ran in bf16
 
 
+def test_float64_block_under_cpu_autocast_stays_float64():
+    # torch's autocast casts float32/16/bf16 tensors only: a float64 block (eager reference, or
+    # nn.TransformerEncoderLayer) computes the same under autocast as without.
+    block = _make(CONFIGS["post-ln-relu-causal"])
+    eager = block.to_eager()
+    x = torch.randn(2, 8, D_MODEL, dtype=torch.float64)
+    grad = torch.randn_like(x)
+    without = _run(block, x, grad)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = _run(block, x, grad)
+        expected = _run(eager, x, grad)
+    _assert_runs_close(got, without, atol=1e-12, rtol=1e-12)  # bf16 matmuls are off by ~1e-2
+    _assert_runs_close(got, expected, **F64_TOL)
+
+
 def _assert_compiled_matches_eager(module, x, backend, **tol):
     """Forward + backward of ``torch.compile(module, fullgraph=True)`` against ``module``, with
     the same seed (so the same dropout bits)."""
@@ -378,6 +452,18 @@ def _assert_compiled_matches_eager(module, x, backend, **tol):
 def test_torch_compile_fullgraph_aot_eager(compile_cache):
     block = _make(CONFIGS["pre-rms-swiglu-gqa-causal-nobias"], dtype=torch.float32, dropout=0.1, policy="full")
     _assert_compiled_matches_eager(block, torch.randn(2, 8, D_MODEL), "aot_eager", atol=1e-6, rtol=1e-6)
+
+
+def test_torch_compile_fullgraph_with_a_mask_needs_is_causal(compile_cache):
+    # Checking a mask reads its values on the host, which a full graph cannot: a clear error
+    # (not dynamo's "Data dependent operator") says to vouch with is_causal=True, which compiles.
+    block = _make(CONFIGS["pre-ln-gelu"], dtype=torch.float32)
+    x = torch.randn(2, 8, D_MODEL)
+    mask = nn.Transformer.generate_square_subsequent_mask(8)
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="pass is_causal=True"):
+        compiled(x, mask)
+    torch.testing.assert_close(compiled(x, mask, is_causal=True), block.to_eager()(x, mask), atol=1e-5, rtol=1e-5)
 
 
 def _stack(device="cpu", dtype=torch.float32, dropout=0.1):
@@ -440,6 +526,8 @@ def test_unsupported_masks_and_inputs_raise():
         block(x, torch.zeros(2, 5, 5, dtype=torch.bool))
     with pytest.raises(ValueError, match="is_causal=True needs"):
         block(x, is_causal=True)
+    with pytest.raises(TypeError, match="attn_mask must be a torch.Tensor or None, got list"):
+        block(x, [[0.0] * 5] * 5)
     with pytest.raises(ValueError, match="x must be \\(batch, seq, d_model\\) with d_model=64"):
         block(torch.randn(2, 5, 16, dtype=torch.float64))
 

@@ -8,7 +8,11 @@ as before up to its base model, whose last hidden state is captured, and the los
 with ``ForCausalLMLoss``'s semantics: labels shifted by one (``labels[..., 1:]`` against
 positions ``:-1``, or the caller's ``shift_labels``), ``ignore_index`` (-100 unless passed),
 mean over the non-ignored tokens, or their sum divided by ``num_items_in_batch`` when that is
-passed; Gemma-2/3's ``final_logit_softcapping`` becomes ``logit_softcap``.
+passed; Gemma-2/3's ``final_logit_softcapping`` becomes ``logit_softcap``. The loss is float32
+(as Hugging Face's on upcast logits) for a float16/bfloat16 model too. A MoE model's router
+load-balancing loss (``output_router_logits``) is added as its forward adds it with labels
+(``loss += self.router_aux_loss_coef * aux_loss``, read from the forward's source); a forward
+that adds anything else to its loss keeps the plain loss.
 
 Hugging Face offers no public hook that skips the LM head, so the model's own forward runs with
 ``labels=None`` and ``logits_to_keep=1`` (the LM head then makes ``(batch, 1, vocab)`` logits,
@@ -20,13 +24,19 @@ know of) gets an error rather than a wrong loss.
 
 The output is the model's own output class with ``loss`` set and ``logits`` None: logits are not
 materialised under ``loss="chunked"``; pass ``loss="plain"`` or call without labels to get them.
+With ``return_dict=False`` the tuple has None in the logits' place. An LM head that is no longer
+a plain ``nn.Linear`` when called (a PEFT LoRA adapter added after ``wrap``, a hook) would be
+bypassed: the model's own forward and loss run instead, with a warning.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
+import re
 import sys
+import warnings
 from typing import Any
 
 import torch
@@ -39,6 +49,12 @@ LOSSES = ("chunked", "plain")
 # Config attributes with which a Hugging Face model rescales its logits after the LM head
 # (Cohere's logit_scale, Granite's logits_scaling, Muse's output_multiplier): not handled, refused.
 _LOGIT_RESCALING_ATTRS = ("logit_scale", "logits_scaling", "output_multiplier")
+# A statement of the forward that adds to the loss after loss_function.
+_LOSS_ADDITION = re.compile(r"\bloss\s*(?:\+=|=\s*loss\s*\+)[^\n]*")
+# The one addition reproduced: a MoE model's router load-balancing loss, added when labels are
+# given, `loss += self.router_aux_loss_coef * aux_loss.to(loss.device)` (Mixtral, Qwen2-MoE, ...;
+# JetMoe's self.aux_loss_coef, the VL models' self.config.text_config.router_aux_loss_coef).
+_AUX_LOSS_ADDITION = re.compile(r"\bloss\s*\+=\s*self((?:\.\w+)+)\s*\*\s*aux_loss\b")
 
 
 def _configs(model: nn.Module) -> list[Any]:
@@ -64,6 +80,8 @@ def _why_not(model: nn.Module) -> str | None:
     head = model.get_output_embeddings()
     if not isinstance(head, nn.Linear):
         return f"{type(model).__name__}.get_output_embeddings() is {type(head).__name__}, not an nn.Linear"
+    if not _is_plain_linear(head):
+        return f"its LM head ({type(head).__name__}) has hooks or a forward of its own, which loss='chunked' would bypass"
     if _config_value(model, "vocab_size") != head.out_features:
         return f"its config's vocab_size is not the LM head's {head.out_features} outputs"
     parameters = inspect.signature(type(model).forward).parameters
@@ -74,6 +92,9 @@ def _why_not(model: nn.Module) -> str | None:
     if causal_loss is None or model.loss_function is not causal_loss:
         return f"its loss_function is not Hugging Face's ForCausalLMLoss (loss_type={getattr(model, 'loss_type', None)!r})"
     reason = _loss_not_from_loss_function(type(model))
+    if reason is not None:
+        return reason
+    reason = _aux_loss_coefficient(type(model))[1]
     if reason is not None:
         return reason
     base = model.base_model
@@ -90,12 +111,13 @@ def _why_not(model: nn.Module) -> str | None:
     return None
 
 
-def _loss_not_from_loss_function(cls: type) -> str | None:
-    """Why ``cls.forward`` may compute its loss otherwise than with ``self.loss_function``, or
-    None. loss_function is a PreTrainedModel property every model has; a forward that computes
-    its loss itself (BartForCausalLM's and XLM's CrossEntropyLoss over unshifted labels) never
-    uses it. Read from the source: a forward that calls ``super().forward`` defers to the next
-    class's."""
+def _loss_forward_sources(cls: type) -> list[str] | str:
+    """The sources of ``cls.forward`` down to the one that calls ``self.loss_function``, or why
+    ``cls.forward`` may compute its loss otherwise than with it. loss_function is a
+    PreTrainedModel property every model has; a forward that computes its loss itself
+    (BartForCausalLM's and XLM's CrossEntropyLoss over unshifted labels) never uses it. Read from
+    the source: a forward that calls ``super().forward`` defers to the next class's."""
+    sources = []
     for owner in cls.__mro__:
         if "forward" not in vars(owner):
             continue
@@ -103,11 +125,50 @@ def _loss_not_from_loss_function(cls: type) -> str | None:
             source = inspect.getsource(vars(owner)["forward"])
         except (OSError, TypeError):
             return f"the source of {owner.__name__}.forward cannot be read to see that it uses loss_function"
+        sources.append(source)
         if "self.loss_function(" in source:
-            return None
+            return sources
         if "super().forward(" not in source:
             return f"{owner.__name__}.forward computes its loss itself, not with loss_function (ForCausalLMLoss)"
     return f"{cls.__name__}.forward computes its loss itself, not with loss_function (ForCausalLMLoss)"
+
+
+def _loss_not_from_loss_function(cls: type) -> str | None:
+    """Why ``cls.forward`` may compute its loss otherwise than with ``self.loss_function``, or None."""
+    sources = _loss_forward_sources(cls)
+    return sources if isinstance(sources, str) else None
+
+
+def _aux_loss_coefficient(cls: type) -> tuple[tuple[str, ...] | None, str | None]:
+    """``(path, None)``: ``cls.forward`` adds ``self.<path> * aux_loss`` (a MoE router's
+    load-balancing loss) to its loss when given labels; ``(None, None)``: it adds nothing;
+    ``(None, reason)``: it adds something else, which the chunked loss would drop. The chunked
+    forward runs the model with ``labels=None``, so Hugging Face adds none of it there."""
+    sources = _loss_forward_sources(cls)
+    if isinstance(sources, str):
+        return None, sources
+    paths = set()
+    for statement in _LOSS_ADDITION.findall("\n".join(sources)):
+        match = _AUX_LOSS_ADDITION.match(statement)
+        if match is None:
+            reason = f"{cls.__name__}.forward adds to its loss ({statement.strip()}), which loss='chunked' does not reproduce"
+            return None, reason
+        paths.add(match.group(1))
+    if len(paths) > 1:
+        return None, f"{cls.__name__}.forward adds its aux_loss with several coefficients {sorted(paths)}"
+    return (tuple(paths.pop().lstrip(".").split(".")) if paths else None), None
+
+
+def _is_plain_linear(head: nn.Module) -> bool:
+    """Whether ``head(x)`` is ``F.linear(x, head.weight, head.bias)``: an ``nn.Linear`` with
+    nn.Linear's forward and no hooks (a PEFT LoRA layer, an accelerate hook or a weight computed
+    by a pre-hook would be bypassed by the chunked loss, which reads weight and bias)."""
+    return (
+        isinstance(head, nn.Linear)
+        and type(head).forward is nn.Linear.forward
+        and "forward" not in vars(head)
+        and not (head._forward_hooks or head._forward_pre_hooks or head._backward_hooks or head._backward_pre_hooks)
+    )
 
 
 def causal_lm(model: nn.Module) -> nn.Module | None:
@@ -173,7 +234,10 @@ class _ChunkedLossForward:
     model's own forward otherwise. An object holding the model, not a closure, so that a wrapped
     model pickles and deep-copies (the copy's forward points at the copied model)."""
 
-    __slots__ = ("model", "previous_forward", "parameter_names", "hook", "capturing", "captured", "checked")
+    __slots__ = (
+        "model", "previous_forward", "parameter_names", "hook", "capturing", "captured", "checked",
+        "aux_loss_coefficient", "warned",
+    )  # fmt: skip
 
     def __init__(self, model: nn.Module, previous_forward):
         self.model = model
@@ -190,6 +254,11 @@ class _ChunkedLossForward:
         self.captured: list[torch.Tensor] = []
         # Whether the last-position logits have been compared with the LM head once.
         self.checked = False
+        # The attribute path (from the model) of the coefficient with which its forward adds a
+        # MoE router's aux_loss to the loss, or None (read from the source once, as above).
+        self.aux_loss_coefficient = _aux_loss_coefficient(type(model))[0]
+        # Whether the fallback to the plain loss for a changed LM head has been warned of.
+        self.warned = False
         self.hook = _decoder(model).register_forward_hook(_CaptureHidden(self))
 
     @property
@@ -211,9 +280,23 @@ class _ChunkedLossForward:
             # with fused_lm_head=True: that loss materialises no logits either, and is the one the
             # unwrapped trainer computes, so it runs as asked.
             return original(*args, **kwargs)
-        return self._chunked(original, call)
+        head = self.model.get_output_embeddings()
+        if not _is_plain_linear(head):
+            # The LM head changed since wrap (a PEFT LoRA adapter on lm_head, a hook): the chunked
+            # loss reads head.weight and would bypass it, so Hugging Face's loss runs instead.
+            if not self.warned:
+                self.warned = True
+                head_class = f"{type(head).__module__}.{type(head).__qualname__}"
+                warnings.warn(
+                    f"memopt.wrap: {type(self.model).__name__}'s LM head is now {head_class} with hooks or a forward "
+                    "of its own (not a plain nn.Linear, as at wrap), which loss='chunked' would bypass; Hugging "
+                    "Face's plain loss runs instead (logits are materialised)",
+                    stacklevel=2,
+                )
+            return original(*args, **kwargs)
+        return self._chunked(original, call, head)
 
-    def _chunked(self, original, call: dict):
+    def _chunked(self, original, call: dict, head: nn.Linear):
         model = self.model
         labels = call.pop("labels")
         logits_to_keep = call.pop("logits_to_keep", 0)
@@ -244,7 +327,6 @@ class _ChunkedLossForward:
                 f"forward, it ran {len(captured)} times; pass loss='plain'"
             )
         hidden = captured[0]
-        head = model.get_output_embeddings()
         # Read where the forwards read it (Gemma-2's and Gemma-3's self.config).
         softcap = getattr(model.config, "final_logit_softcapping", None)
         # The check needs a data-dependent branch, which a compiled graph cannot take: a model
@@ -264,20 +346,39 @@ class _ChunkedLossForward:
                 f"{tuple(hidden.shape[:-1])} (batch, seq)"
             )
         reduction = "mean" if num_items_in_batch is None else "sum"
+        # ForCausalLMLoss upcasts the logits to float32: the loss as accumulated in float32, not
+        # rounded to a float16/bfloat16 model's dtype.
         loss = linear_cross_entropy(
             hidden, head.weight, target, bias=head.bias, ignore_index=ignore_index, reduction=reduction,
-            logit_softcap=softcap,
+            logit_softcap=softcap, _accumulated=True,
         )  # fmt: skip
         if num_items_in_batch is not None:
             if torch.is_tensor(num_items_in_batch):
                 num_items_in_batch = num_items_in_batch.to(loss.device)
             loss = loss / num_items_in_batch
-        # ForCausalLMLoss's dtype: it upcasts the logits to float32.
-        if loss.dtype in (torch.float16, torch.bfloat16):
-            loss = loss.float()
+        aux_loss = getattr(output, "aux_loss", None)
+        if aux_loss is not None:
+            # A MoE model (output_router_logits) adds its router's load-balancing loss when given
+            # labels, which this call did not pass: added here as its forward adds it.
+            if self.aux_loss_coefficient is None:
+                raise RuntimeError(
+                    f"memopt.wrap: {type(model).__name__} returned an aux_loss that its forward's source does not "
+                    "show how to add to the loss; loss='chunked' would drop it. Pass loss='plain'"
+                )
+            coefficient = functools.reduce(getattr, self.aux_loss_coefficient, model)
+            loss = loss + coefficient * aux_loss.to(loss.device)
         fields = {name: value for name, value in output.items() if name not in ("loss", "logits")}
         result = type(output)(loss=loss, logits=None, **fields)
-        return result if return_dict else result.to_tuple()
+        if return_dict:
+            return result
+        # Hugging Face's tuple (to_tuple: the fields that are not None, in order), with None where
+        # the logits were, so that positional fields keep their places (out[1] of a causal LM's
+        # tuple is its logits).
+        return tuple(
+            result[f.name] if f.name != "logits" else None
+            for f in dataclasses.fields(result)
+            if f.name == "logits" or result.get(f.name) is not None
+        )
 
     def _check_last_logits(self, hidden, head, softcap, model_logits) -> None:
         """Raise when the model's last-position logits are not the LM head of the captured hidden

@@ -863,11 +863,27 @@ def _batch_size(example) -> int:
         if example.dim() == 0:
             raise ValueError("example_input must have a leading batch dimension, got a 0-d tensor")
         return example.shape[0]
-    if isinstance(example, (tuple, list)) and example:
-        return _batch_size(example[0])
-    if isinstance(example, dict) and example:
-        return _batch_size(next(iter(example.values())))
-    raise ValueError(f"example_input must be a tensor, or a tuple/list/dict of tensors, got {type(example).__name__}")
+    batched = _first_batched(example)
+    if batched is None:
+        raise ValueError(
+            "example_input must be a tensor, or a tuple/list/dict holding a tensor with a leading batch "
+            f"dimension, got {type(example).__name__}"
+        )
+    return batched.shape[0]
+
+
+def _first_batched(example) -> torch.Tensor | None:
+    """The first tensor of at least one dimension in ``example``, depth first, or None. Other
+    values are skipped, as AdaptiveBatch's ``_leading_size`` skips them: keyword arguments such
+    as ``use_cache=False`` or a 0-d ``num_items_in_batch`` are not batched."""
+    if isinstance(example, torch.Tensor):
+        return example if example.dim() > 0 else None
+    if isinstance(example, (tuple, list, dict)):
+        for value in example.values() if isinstance(example, dict) else example:
+            found = _first_batched(value)
+            if found is not None:
+                return found
+    return None
 
 
 def _module_estimate(model: torch.nn.Module, example_input, micro_batch: int | None, optimizer: str,

@@ -40,6 +40,7 @@ from memopt.wrap import (
     model_wide_settings,
     unwrap,
     wrap,
+    wrapped_inside,
 )
 
 Choice = tuple[str, bool]
@@ -374,6 +375,7 @@ class _CapturingForward:
 
 def capture_layer_inputs(
     model: nn.Module, example_inputs: Any, found: list[tuple[str, nn.Module]], param_like: list[torch.Tensor],
+    loss: str | None = None,
 ) -> CapturedInputs:  # fmt: skip
     """One forward of ``model`` with its layers under ``"full"`` (little memory), recording the
     inputs of each call of each layer and the storages the model saves outside the layers.
@@ -392,7 +394,7 @@ def capture_layer_inputs(
     for capture in capturing:
         capture.layer.forward = capture
     try:
-        with model_wide_settings(model), SavedTensorCounter(exclude=param_like, on_save=note):
+        with model_wide_settings(model, loss), SavedTensorCounter(exclude=param_like, on_save=note):
             out = _call(model, example_inputs)
         del out
     finally:
@@ -614,6 +616,7 @@ def plan(
     choices: Sequence[Choice] | None = None,
     offload: bool | Offload | None = None,
     repeats: int = 3,
+    loss: str | None = None,
 ) -> Plan:
     """Choose a ``(policy, offload)`` per layer so that saved activations fit ``budget_bytes``.
 
@@ -661,6 +664,9 @@ def plan(
             one to ``wrap(model, plan=plan, offload=...)``), True or None for the process default
             (``memopt.offload.default_offload``), False for no offloading choices.
         repeats: timed forward + backward passes per layer signature and choice.
+        loss: the LM-head loss of a Hugging Face causal LM the model is measured with, as
+            ``memopt.wrap``'s ``loss`` (pass the same to ``wrap``): ``"plain"`` saves the logits,
+            ``"chunked"`` does not; None is wrap's default.
 
     Returns:
         a :class:`Plan`. Raises ``ValueError`` when even the cheapest choice exceeds the budget,
@@ -676,6 +682,9 @@ def plan(
         raise ValueError(f"memopt.plan: repeats must be a positive int, got {repeats!r}")
     if is_wrapped(model):
         raise RuntimeError("memopt.plan: model is wrapped; call memopt.unwrap(model) first")
+    inner = wrapped_inside(model)
+    if inner is not None:
+        raise RuntimeError(f"memopt.plan: model is wrapped inside: {inner}; call memopt.unwrap on that module first")
     found = find_layers(model, layers)
     param_like = list(model.parameters()) + list(model.buffers())
     device = next(iter(param_like), torch.empty(0)).device
@@ -683,7 +692,7 @@ def plan(
     synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
 
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _buffers_kept(model):
-        captured = capture_layer_inputs(model, example_inputs, found, param_like)
+        captured = capture_layer_inputs(model, example_inputs, found, param_like, loss)
         costs = []
         timed: dict[tuple, dict[Choice, float]] = {}
         for name, layer in found:
@@ -709,7 +718,7 @@ def plan(
                     f"memopt.plan: budget_bytes={budget_bytes} is below the least this model can save with "
                     f"{list(choices)} per layer ({result.predicted_bytes + shortfall} bytes)"
                 )
-            counted = _counted_under(model, example_inputs, result, layers, engine, param_like)
+            counted = _counted_under(model, example_inputs, result, layers, engine, param_like, loss)
             if counted <= budget_bytes:
                 return result
             shortfall += counted - budget_bytes
@@ -733,10 +742,10 @@ def _summed(per_call: Sequence[LayerCost]) -> LayerCost:
     )
 
 
-def _counted_under(model, example_inputs, chosen: Plan, layers, engine, param_like) -> int:
+def _counted_under(model, example_inputs, chosen: Plan, layers, engine, param_like, loss) -> int:
     """Bytes the model saves for backward on its device in one forward under ``chosen``, as
     :func:`memopt.saved_bytes` counts them (what an offload engine takes is not seen)."""
-    wrap(model, plan=chosen, layers=layers, offload=engine if engine is not None else None)
+    wrap(model, plan=chosen, layers=layers, offload=engine if engine is not None else None, loss=loss)
     try:
         with SavedTensorCounter(exclude=param_like) as counter:
             out = _call(model, example_inputs)

@@ -373,7 +373,8 @@ def wrap(
             offload and ``offload`` is their engine: a ``memopt.Offload``, or True/None for the
             default one (False: the plan may not offload).
         budget_bytes: choose per-layer ``(policy, offload)`` with :func:`memopt.plan` so that the
-            activations saved for backward fit in this many bytes; needs ``example_inputs``.
+            activations saved for backward fit in this many bytes, measured with the ``loss``
+            chosen; needs ``example_inputs``.
         example_inputs: a tuple of positional arguments (or a dict of keyword arguments) for
             ``model`` that :func:`memopt.plan` measures with.
         plan: a :class:`memopt.Plan` (from :func:`memopt.plan`, possibly edited) to apply.
@@ -400,7 +401,8 @@ def wrap(
     kernels take, every dropout 0, no hooks); other layers, and offloading ones, run the layer's
     own forward through :func:`memopt.checkpoint`, and ``("none", False)`` leaves them as they are.
 
-    Wrapping twice raises ``RuntimeError``: call :func:`unwrap` first. Hugging Face models get
+    Wrapping twice, or wrapping a model with a wrapped module inside, raises ``RuntimeError``:
+    call :func:`unwrap` first. Hugging Face models get
     ``config.use_cache = False`` while wrapped (a cache built while training holds every layer's
     keys and values until the backward), as their own gradient checkpointing does, on every
     config in the model (an encoder-decoder's decoder stack has its own copy); ``unwrap``
@@ -415,6 +417,13 @@ def wrap(
         raise TypeError(f"memopt.wrap: model must be an nn.Module, got {type(model).__name__}")
     if is_wrapped(model):
         raise RuntimeError("memopt.wrap: model is already wrapped; call memopt.unwrap(model) first")
+    inner = wrapped_inside(model)
+    if inner is not None:
+        # Its layers' forwards are already wrap's: wrapping them again would have each call the
+        # other, without end.
+        raise RuntimeError(
+            f"memopt.wrap: model is already wrapped inside: {inner}; call memopt.unwrap on that module first"
+        )
     # transformers 5.x names it is_activation_checkpointing (the 4.x name warns there).
     hf_checkpointing = getattr(model, "is_activation_checkpointing", None)
     if hf_checkpointing is None:
@@ -429,7 +438,7 @@ def wrap(
     chunked_loss_lm = causal_lm_loss.chosen_loss(model, loss)
     tiled_ffn.check_ffn_chunk_tokens(ffn_chunk_tokens, "memopt.wrap")
     if budget_bytes is not None or plan is not None:
-        policies, offloads = _planned(model, layers, offload, budget_bytes, example_inputs, plan)
+        policies, offloads = _planned(model, layers, offload, budget_bytes, example_inputs, plan, loss)
         found = find_layers(model, layers)
     else:
         found = find_layers(model, layers)
@@ -522,7 +531,7 @@ def model_wide_settings(model: nn.Module, loss: str | None = None):
         _restore_use_cache(configs)
 
 
-def _planned(model, layers, offload, budget_bytes, example_inputs, given_plan) -> tuple[list[str], list]:
+def _planned(model, layers, offload, budget_bytes, example_inputs, given_plan, loss) -> tuple[list[str], list]:
     """The per-layer policies and offloads of ``given_plan``, or of a plan made for ``budget_bytes``."""
     # memopt.plan builds on this module (it wraps the model to capture layer inputs).
     from memopt.plan import Plan, plan as make_plan
@@ -532,7 +541,8 @@ def _planned(model, layers, offload, budget_bytes, example_inputs, given_plan) -
     if budget_bytes is not None:
         if example_inputs is None:
             raise ValueError("memopt.wrap: budget_bytes needs example_inputs to measure the layers with")
-        given_plan = make_plan(model, example_inputs, budget_bytes, layers=layers, offload=offload)
+        # Measured with the LM-head loss the model will run with (the plain one saves the logits).
+        given_plan = make_plan(model, example_inputs, budget_bytes, layers=layers, offload=offload, loss=loss)
     if not isinstance(given_plan, Plan):
         raise TypeError(f"memopt.wrap: plan must be a memopt.Plan, got {type(given_plan).__name__}")
     names = [name for name, _ in find_layers(model, layers)]
@@ -579,6 +589,19 @@ def unwrap(model: nn.Module) -> nn.Module:
 def is_wrapped(model: nn.Module) -> bool:
     """Whether :func:`wrap` wrapped ``model`` (and :func:`unwrap` has not undone it)."""
     return getattr(model, _STATE_ATTR, None) is not None
+
+
+def wrapped_inside(model: nn.Module) -> str | None:
+    """A description of a submodule of ``model`` that a :func:`wrap` changed (a wrapped module,
+    or a layer a wrap of some module checkpoints), or None."""
+    for name, module in model.named_modules():
+        if module is model:
+            continue
+        if is_wrapped(module):
+            return f"{name!r} ({type(module).__name__}) is wrapped"
+        if _LAYER_ATTR in vars(module):
+            return f"layer {name!r} ({type(module).__name__}) is checkpointed by a wrap"
+    return None
 
 
 def wrapped_policies(model: nn.Module) -> dict[str, str]:

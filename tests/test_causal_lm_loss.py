@@ -306,3 +306,129 @@ def test_wrapped_llama_at_2048_tokens_trains_exactly_below_the_logits_peak():
         torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
     logits_bytes = seq * vocab * 4
     assert ref_peak - peak >= logits_bytes, (ref_peak, peak, logits_bytes)
+
+
+def _mixtral(**extra):
+    torch.manual_seed(0)
+    config = dict(num_local_experts=4, num_experts_per_tok=2, output_router_logits=True, router_aux_loss_coef=0.5)
+    return _build("MixtralConfig", "MixtralForCausalLM", **{**config, **extra}).eval()
+
+
+@pytest.mark.parametrize("num_items", [None, 23], ids=["mean", "num_items_in_batch"])
+def test_moe_router_aux_loss_is_added_as_hugging_face_adds_it(num_items):
+    # output_router_logits=True: Hugging Face adds router_aux_loss_coef * aux_loss to the loss when
+    # labels are given. The chunked forward runs the model with labels=None, so memopt adds it.
+    model = _mixtral()
+    loss_kwargs = {} if num_items is None else {"num_items_in_batch": torch.tensor(num_items)}
+    reference = _step(model, **loss_kwargs)
+    assert reference[0].aux_loss is not None and "model.layers.0.mlp.gate.weight" in reference[1]
+    memopt.wrap(model, policy="none")
+    got = _step(model, **loss_kwargs)
+    assert got[0].logits is None
+    torch.testing.assert_close(got[0].aux_loss, reference[0].aux_loss, rtol=0, atol=0)
+    _assert_same(got, reference)  # the loss and every gradient, the router's included
+    # The coefficient is read per call, as Hugging Face's forward reads it.
+    model.router_aux_loss_coef = 0.25
+    memopt.unwrap(model)
+    reference = _step(model, **loss_kwargs)
+    memopt.wrap(model, policy="none")
+    model.router_aux_loss_coef = 0.25
+    _assert_same(_step(model, **loss_kwargs), reference)
+
+
+class _ZLossLlama(transformers.LlamaForCausalLM):
+    """A causal LM that adds a term of its own to the loss after loss_function."""
+
+    def forward(self, input_ids=None, labels=None, logits_to_keep=0, **kwargs):
+        out = super().forward(input_ids=input_ids, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+        if out.loss is not None:
+            out.loss += 1e-2 * out.logits.float().logsumexp(-1).square().mean()
+        return out
+
+
+def test_a_forward_adding_another_term_to_the_loss_keeps_the_plain_loss():
+    torch.manual_seed(0)
+    model = _ZLossLlama(transformers.LlamaConfig(vocab_size=VOCAB, max_position_embeddings=64, **SMALL)).eval()
+    reference = _step(model)
+    with pytest.raises(ValueError, match="adds to its loss"):
+        memopt.wrap(model, loss="chunked")
+    memopt.wrap(model)  # the default: Hugging Face's loss, with the term
+    got = _step(model)
+    assert got[0].logits is not None
+    _assert_same(got, reference)
+
+
+def test_lora_on_lm_head_added_after_wrap_is_not_bypassed():
+    peft = pytest.importorskip("peft")
+
+    def build(wrap_first):
+        model = _model("llama")
+        if wrap_first:
+            memopt.wrap(model)
+        torch.manual_seed(0)
+        lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "lm_head"], lora_dropout=0.0)
+        model = peft.get_peft_model(model, lora)
+        with torch.no_grad():  # as after some steps: the adapters change the output
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+        return model
+
+    reference = _step(build(wrap_first=False))
+    assert "base_model.model.lm_head.lora_B.default.weight" in reference[1]
+    model = build(wrap_first=True)
+    with pytest.warns(UserWarning, match="LM head is now .*lora.*plain loss runs instead"):
+        got = _step(model)
+    _assert_same(got, reference)
+
+
+@pytest.mark.parametrize("num_items", [None, 23], ids=["mean", "num_items_in_batch"])
+def test_bf16_model_loss_is_float32_as_hugging_face(num_items):
+    # Hugging Face upcasts the bf16 logits to float32 for the loss; the chunked loss accumulates
+    # in float32 and returns that, not a value rounded to bf16 (spacing 2^-5 near 7).
+    model = _model("llama").to(torch.bfloat16)
+    ids, mask, labels = _batch()
+    kwargs = dict(input_ids=ids, attention_mask=mask, labels=labels)
+    if num_items is not None:
+        kwargs["num_items_in_batch"] = torch.tensor(num_items)
+    with torch.no_grad():
+        reference = model(**kwargs).loss
+        memopt.wrap(model, policy="none")
+        got = model(**kwargs).loss
+    assert reference.dtype == got.dtype == torch.float32
+    torch.testing.assert_close(got, reference, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("make", [lambda: _model("llama"), _mixtral], ids=["llama", "mixtral"])
+def test_return_dict_false_keeps_hugging_face_tuple_positions(make):
+    # Hugging Face's tuple is its output's non-None fields in order; the chunked one has None
+    # where the logits were (Mixtral's are third, after aux_loss), the rest in their places.
+    model = make()
+    ids, mask, labels = _batch()
+    kwargs = dict(input_ids=ids, attention_mask=mask, labels=labels, use_cache=False, return_dict=False,
+                  output_hidden_states=True)  # fmt: skip
+    reference = model(**kwargs)
+    memopt.wrap(model, policy="none")
+    got = model(**kwargs)
+    assert isinstance(got, tuple) and len(got) == len(reference)
+    logits_at = [i for i, t in enumerate(reference) if torch.is_tensor(t) and t.shape == (BATCH, SEQ, VOCAB)]
+    assert logits_at == [1 if make is not _mixtral else 2]
+    for i, (g, r) in enumerate(zip(got, reference)):
+        if i in logits_at:
+            assert g is None
+        else:
+            torch.testing.assert_close(g, r, rtol=1e-5, atol=1e-6, msg=lambda m: f"position {i}: {m}")
+
+
+def test_wrapping_a_causal_lm_whose_base_model_is_wrapped_raises():
+    model = _model("llama")
+    ids, mask, labels = _batch()
+    reference = model(input_ids=ids, labels=labels).loss
+    memopt.wrap(model.model)  # the layers
+    with pytest.raises(RuntimeError, match="already wrapped inside: 'model' \\(LlamaModel\\)"):
+        memopt.wrap(model)  # then the causal LM, for the chunked loss: unwrap first
+    assert "forward" not in model.__dict__
+    torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, reference, rtol=1e-6, atol=1e-6)
+    memopt.unwrap(model.model)
+    memopt.wrap(model)
+    torch.testing.assert_close(model(input_ids=ids, labels=labels).loss, reference, rtol=1e-5, atol=1e-6)

@@ -105,6 +105,21 @@ def test_no_tokens_gives_what_torch_gives():
         torch.testing.assert_close(loss, ref, equal_nan=True)
 
 
+def test_hidden_size_zero_gives_what_torch_gives():
+    # Every logit is the bias (or 0): hidden.reshape(-1, 0) was ambiguous and raised.
+    hidden = torch.randn(2, 3, 0, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(7, 0, dtype=torch.float64, requires_grad=True)
+    bias = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    target = torch.tensor([[0, 3, 6], [2, 2, -100]])
+    for reduction in REDUCTIONS:
+        loss = memopt.linear_cross_entropy(hidden, weight, target, bias=bias, reduction=reduction)
+        ref = F.cross_entropy(F.linear(hidden, weight, bias).flatten(0, 1), target.flatten(), reduction=reduction)
+        torch.testing.assert_close(loss, ref.reshape(loss.shape), atol=1e-12, rtol=1e-12)
+    loss = memopt.linear_cross_entropy(hidden, weight, target, bias=bias)
+    ref = F.cross_entropy(F.linear(hidden, weight, bias).flatten(0, 1), target.flatten())
+    torch.testing.assert_close(torch.autograd.grad(loss, bias), torch.autograd.grad(ref, bias), atol=1e-12, rtol=1e-12)
+
+
 def test_gradcheck_float64():
     hidden, weight, bias, target = _inputs(tokens=5, dim=3, vocab=7, ignored="none")
     target[1] = -100

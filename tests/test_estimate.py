@@ -178,6 +178,38 @@ def test_measured_module_estimate_scales_linearly():
     assert small.num_parameters == n
 
 
+class _KeywordModel(torch.nn.Module):
+    """Takes non-batched keyword arguments besides its batch, as a Hugging Face model does."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, use_cache=False, scale=None, x=None):
+        return (torch.tanh(self.fc(x)) * scale).sum()
+
+
+@pytest.mark.parametrize(
+    "example",
+    [
+        lambda x: {"use_cache": False, "scale": torch.tensor(2.0), "x": x},  # non-tensor and 0-d first
+        lambda x: {"x": x, "use_cache": False, "scale": torch.tensor(2.0)},
+    ],
+    ids=["batch-last", "batch-first"],
+)
+def test_measured_estimate_takes_the_batch_from_the_first_batched_tensor(example):
+    model = _KeywordModel()
+    x = torch.randn(3, 16)
+    inputs = example(x)
+    counted = _counted(lambda: model(**inputs), model)
+    assert counted > 0
+    assert memopt.estimate(model, inputs).breakdown["activations"] == counted
+    # Scaled by micro_batch / 3, the batch of x (not of use_cache, nor of the 0-d scale).
+    assert memopt.estimate(model, inputs, micro_batch=6).breakdown["activations"] == 2 * counted
+    with pytest.raises(ValueError, match="holding a tensor with a leading batch dimension, got dict"):
+        memopt.estimate(model, {"use_cache": False, "scale": torch.tensor(2.0)})
+
+
 def test_keywords_override_a_config():
     cfg = ModelConfig(**SMALL)
     est = memopt.estimate(cfg, optimizer="sgd", micro_batch=5, precision="master")

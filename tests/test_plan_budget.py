@@ -267,3 +267,33 @@ def test_a_shared_layer_found_by_default_is_planned_within_budget():
     plan, counted = _plan_and_count(model, inputs, plain // 2)
     assert plan.layer_names == ["encoder.albert_layer_groups.0"]
     assert counted <= plan.budget_bytes
+
+
+def test_budget_is_planned_with_the_loss_wrap_runs():
+    """wrap(budget_bytes=..., loss="plain"): the plan measures the plain loss, whose float32
+    (tokens x vocab) logits it saves, not the chunked one; the wrapped model keeps the budget or
+    wrap raises."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=4000,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 4000, (1, 64), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "labels": ids}
+    unwrapped = _counted(model, inputs)
+    # Under the chunked loss every layer fits unchanged; under the plain one some must not.
+    budget = int(0.8 * unwrapped)
+    memopt.wrap(model, budget_bytes=budget, example_inputs=inputs, loss="plain")
+    assert model(**inputs).logits is not None
+    assert _counted(model, inputs) <= budget
+    assert "full" in wrap_module.wrapped_policies(model).values()
+    memopt.unwrap(model)
+    # Below what the plain loss's logits alone take: refused, while the chunked loss fits it.
+    small = 64 * 4000 * 4 // 2
+    with pytest.raises(ValueError, match="below the least this model can save"):
+        memopt.wrap(model, budget_bytes=small, example_inputs=inputs, loss="plain")
+    assert not wrap_module.is_wrapped(model)
+    memopt.wrap(model, budget_bytes=small, example_inputs=inputs)
+    assert model(**inputs).logits is None
+    assert _counted(model, inputs) <= small

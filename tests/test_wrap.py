@@ -266,6 +266,30 @@ def test_wrap_twice_raises_and_wrap_unwrap_wrap_works():
     assert wrap_module.wrapped_policies(model) == {"layers.0": "full", "layers.1": "full"}
 
 
+def test_wrapping_a_model_holding_a_wrapped_module_raises():
+    # Wrapping the same layers again from a parent used to be accepted; each layer's forward then
+    # called the other without end (RecursionError at the first forward).
+    inner = _encoder(2)
+    outer = nn.Sequential(inner, nn.Linear(D_MODEL, 1))
+    x = torch.randn(BATCH, SEQ, D_MODEL)
+    reference = _step(outer, x)
+    memopt.wrap(inner, policy="full")
+    with pytest.raises(RuntimeError, match="already wrapped inside: '0' .* is wrapped"):
+        memopt.wrap(outer, layers=nn.TransformerEncoderLayer)
+    with pytest.raises(RuntimeError, match="wrapped inside: '0'"):
+        memopt.plan(outer, (x,), 10**9, layers=nn.TransformerEncoderLayer, repeats=1)
+    assert not wrap_module.is_wrapped(outer)
+    _assert_same_step(_step(outer, x), reference)  # the first wrap, unchanged
+    # The other order: the layers are checkpointed by a wrap of the parent.
+    memopt.unwrap(inner)
+    memopt.wrap(outer, layers=nn.TransformerEncoderLayer)
+    with pytest.raises(RuntimeError, match="already wrapped inside: layer 'layers.0'"):
+        memopt.wrap(inner)
+    _assert_same_step(_step(outer, x), reference)
+    memopt.unwrap(outer)
+    assert all("forward" not in layer.__dict__ for layer in inner.layers)
+
+
 @pytest.mark.parametrize(
     "policy,error,match",
     [

@@ -373,6 +373,7 @@ def linear_cross_entropy(
     label_smoothing: float = 0.0,
     logit_softcap: float | None = None,
     chunk_tokens: int | None = None,
+    _accumulated: bool = False,
 ) -> torch.Tensor:
     """``F.cross_entropy(F.linear(hidden, weight, bias), target, ...)`` without the logits.
 
@@ -404,12 +405,16 @@ def linear_cross_entropy(
     _check_arguments(hidden, weight, target, bias, ignore_index, reduction, label_smoothing, logit_softcap, chunk_tokens)
     compute_dtype, autocast_on = _compute_dtype(hidden, weight, bias)
     out_dtype = torch.float32 if autocast_on else compute_dtype
+    if _accumulated:
+        # Private (memopt.causal_lm_loss): the float32 (float64) loss as accumulated, not rounded to
+        # a float16/bfloat16 compute dtype, as Hugging Face's loss on upcast logits is.
+        out_dtype = _accumulate_dtype(compute_dtype)
     vocab = weight.shape[0]
     if chunk_tokens is None:
         chunk_tokens = default_chunk_tokens(vocab)
     target_flat = target.reshape(-1).to(torch.int64)
     loss = LinearCrossEntropyFunction.apply(
-        hidden.reshape(-1, hidden.shape[-1]),
+        hidden.reshape(target_flat.numel(), hidden.shape[-1]),  # (not -1: ambiguous when hidden_size is 0)
         weight,
         bias,
         target_flat,

@@ -306,6 +306,7 @@ class AdaptiveBatch:
         self.backward = backward
         self.pre_weighted = pre_weighted
         self._params = [p for group in optimizer.param_groups for p in group["params"]]
+        self._grad_params = self._params  # every .grad a batch writes; see _backward_batch
         self._fsdp2 = _is_fsdp2(model)
         if _is_fsdp1(model):
             raise TypeError("memopt.AdaptiveBatch: FSDP1 (FullyShardedDataParallel) is not supported; shard the "
@@ -449,24 +450,30 @@ class AdaptiveBatch:
         if total <= 0:
             raise ValueError(f"batch has no samples or tokens to average over (count {total})")
 
+        # The backward writes .grad of every parameter that requires grad, not only the
+        # optimizer's: all are set aside, so a failed micro-step leaves none of its gradient.
+        held = set(self._params)
+        self._grad_params = self._params + [p for p in self.model.parameters() if p.requires_grad and p not in held]
+        params = self._grad_params
         # The gradients the caller left are set aside, so a failed step can put them back.
-        entry_grads = [p.grad for p in self._params]
-        for p in self._params:
+        entry_grads = [p.grad for p in params]
+        for p in params:
             p.grad = None
         entry_state = _ModelState(self.model)
         try:
             accumulated, loss_sum, micro, micro_steps, retries = self._accumulate_batch(
                 batch, size, total, entry_state.fork())
         except BaseException:
-            for p, g in zip(self._params, entry_grads):
+            for p, g in zip(params, entry_grads):
                 p.grad = g
             entry_state.restore()
             raise
         del entry_state
-        if add_to_grads:
-            accumulated = entry_grads if accumulated is None else self._accumulate(entry_grads, accumulated)
-        del entry_grads
-        for p, g in zip(self._params, accumulated or [None] * len(self._params)):
+        # step() replaces the optimizer's gradients; the others are added to, as a backward would.
+        kept = entry_grads if add_to_grads else [None] * len(self._params) + entry_grads[len(self._params):]
+        accumulated = kept if accumulated is None else self._accumulate(kept, accumulated)
+        del entry_grads, kept
+        for p, g in zip(params, accumulated):
             p.grad = g
         del accumulated
         return loss_sum, micro, micro_steps, retries
@@ -495,7 +502,7 @@ class AdaptiveBatch:
             del piece
             if self._agree(message is not None):
                 message = message or "on another rank"
-                for p in self._params:
+                for p in self._grad_params:
                     p.grad = None
                 loss = None
                 self._reset_fsdp()
@@ -550,8 +557,8 @@ class AdaptiveBatch:
         """Fold ``fresh`` (default: the fresh .grad of a successful micro-step, taken off the
         parameters) into the held-aside sum ``accumulated``."""
         if fresh is None:
-            fresh = [p.grad for p in self._params]
-            for p in self._params:
+            fresh = [p.grad for p in self._grad_params]
+            for p in self._grad_params:
                 p.grad = None
         if accumulated is None:
             return fresh

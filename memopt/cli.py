@@ -165,9 +165,22 @@ def _estimate(args) -> int:
     elif memory is not None:
         print(f"\nin {args.memory_gib:g} GiB:")
         for policy, f in out["fits"].items():
-            print(f"  policy {policy:<19} max micro-batch {f['max_micro_batch']:>6}   "
-                  f"max seq (at micro-batch {cfg.micro_batch}) {f['max_seq_len']:>8}")
+            print(f"  policy {policy:<19} max micro-batch {f['max_micro_batch'] or 'none':>6}   "
+                  f"max seq (at micro-batch {cfg.micro_batch}) {f['max_seq_len'] or 'none':>8}")
+        for policy, offload in fit_choices():
+            if not out["fits"][choice_label(policy, offload)]["max_micro_batch"]:
+                print("  " + _none_fits(cfg.replace(policy=policy, offload=offload, micro_batch=1), memory))
     return 0
+
+
+def _none_fits(cfg: ModelConfig, memory: int) -> str:
+    """Why even micro-batch 1 of ``cfg`` does not fit: the device memory or the host budget."""
+    est = _config_estimate(cfg)
+    head = f"policy {choice_label(cfg.policy, cfg.offload)}: even micro-batch 1 (seq {cfg.seq_len}) needs"
+    if cfg.host_memory_bytes is not None and est.host_bytes > cfg.host_memory_bytes:
+        return (f"{head} {est.host_bytes / 2**30:.2f} GiB of host memory, over --host-memory-gib "
+                f"{cfg.host_memory_bytes / 2**30:g}")
+    return f"{head} {est.total_bytes / 2**30:.2f} GiB of device memory, over --memory-gib {memory / 2**30:g}"
 
 
 def _report(args) -> int:

@@ -1022,14 +1022,17 @@ def _searched(config: ModelConfig, policy: str | None, offload: bool | None) -> 
 
 def max_micro_batch(memory_bytes: int, config: ModelConfig, *, policy: str | None = None,
                     offload: bool | None = None, upper: int = 1 << 20) -> int:
-    """Largest micro-batch whose :func:`estimate` total fits in ``memory_bytes`` (0: none does).
+    """Largest micro-batch whose :func:`estimate` fits in ``memory_bytes`` of device memory (and
+    the config's ``host_memory_bytes`` of host memory, when set); 0 when none does, as
+    :func:`max_seq_len`.
 
     ``policy`` and ``offload``, when given, replace ``config``'s."""
     check_memory_bytes(memory_bytes)
     _check_search(config, policy, offload, upper)
     base = _searched(config, policy, offload)
-    return _largest_fitting(memory_bytes, lambda b: _config_estimate(base.replace(micro_batch=b)).total_bytes
-                            <= memory_bytes, upper)
+    # fits(), not the device total alone: offloaded bytes grow with the batch and must fit the host budget too
+    return _largest_fitting(memory_bytes, lambda b: fits(_config_estimate(base.replace(micro_batch=b)), memory_bytes),
+                            upper)
 
 
 def fits(est: Estimate, memory_bytes: int) -> bool:

@@ -181,6 +181,11 @@ def diagnose_oom(exc: BaseException, config: ModelConfig | None = None, memory_b
     for policy, offload in fit_choices():
         diag.fits[choice_label(policy, offload)] = max_micro_batch(memory_bytes, config, policy=policy, offload=offload)
     current = config.micro_batch
+    budget = config.host_memory_bytes
+    if budget is not None and est.host_bytes > budget:  # the device total alone would read as fitting
+        diag.suggestions.append(
+            f"the offloaded activations need {est.host_bytes / _GiB:.2f} GiB of host memory, over the "
+            f"host_memory_bytes budget of {budget / _GiB:.2f} GiB")
     fitting_now = [p for p, b in diag.fits.items() if b >= current]
     if diag.fits.get(choice_label(config.policy, config.offload), 0) >= current:
         diag.suggestions.append(

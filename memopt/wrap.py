@@ -212,6 +212,14 @@ def _per_layer(names: Sequence[str], value, what: str, one: str, is_one: Callabl
                 f"memopt.wrap: {what} keys must be layer indices in [0, {len(names)}) or layer names "
                 f"{list(names)}, got {unknown}"
             )
+        # Index i and name names[i] are the same layer: both keys would leave one value silently unused.
+        twice = [(i, name) for i, name in enumerate(names) if i in value and name in value]
+        if twice:
+            i, name = twice[0]
+            raise ValueError(
+                f"memopt.wrap: {what} names layer {name!r} twice, as index {i} ({value[i]!r}) and as name "
+                f"{name!r} ({value[name]!r}); give it one key"
+            )
         chosen = [value.get(i, value.get(name, missing)) for i, name in enumerate(names)]
     elif isinstance(value, (list, tuple)):
         if len(value) != len(names):

@@ -133,3 +133,60 @@ def test_replaced_buffer_is_put_back_and_floor_error_restores_the_step_start():
     assert model.last_mean is kept and model.last_mean is not original
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k]), k
+
+
+class TwoHeads(torch.nn.Module):
+    """``a(x) + b(x)``; above ``limit`` samples the backward runs out of memory right after
+    ``a.weight``'s gradient is accumulated (a post-accumulate hook), before ``b``'s."""
+
+    def __init__(self, limit: int):
+        super().__init__()
+        self.a = torch.nn.Linear(4, 1, dtype=DT)
+        self.b = torch.nn.Linear(4, 1, dtype=DT)
+        self.limit, self.bomb = limit, False
+        self.a.weight.register_post_accumulate_grad_hook(self._explode)
+
+    def _explode(self, param):
+        if self.bomb:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated after a.weight.grad is written)")
+
+    def forward(self, x):
+        self.bomb = x.shape[0] > self.limit
+        return (self.a(x) + self.b(x)).squeeze(-1)
+
+
+@pytest.mark.parametrize("entry_grad", [False, True])
+@pytest.mark.parametrize("call", ["step", "accumulate"])
+def test_failed_micro_step_drops_gradients_of_parameters_outside_the_optimizer(call, entry_grad):
+    torch.manual_seed(0)
+    x, y = torch.randn(8, 4, dtype=DT), torch.randn(8, dtype=DT)
+    grads = {}
+    for limit, micro in [(2, 8), (10**9, 2)]:  # OOM at 8 and 4, retried at 2 / never OOM, 2 from the start
+        torch.manual_seed(1)
+        model = TwoHeads(limit)
+        if entry_grad:  # the caller's gradient of a: kept and added to (a backward would), by both
+            model.a.weight.grad = torch.full_like(model.a.weight, 0.5)
+        opt = torch.optim.SGD(model.b.parameters(), lr=0.1)  # a: not the optimizer's, still requires grad
+        stepper = memopt.AdaptiveBatch(model, opt, mse, micro_batch=micro)
+        result = getattr(stepper, call)((x, y))
+        assert result.oom_retries == (2 if limit == 2 else 0)
+        grads[limit] = {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    for name, ref in grads[10**9].items():
+        assert torch.equal(grads[2][name], ref), f"{name}.grad differs from the run that never ran out of memory"
+    # Independent reference: the whole batch's mean-loss gradient of a, in one backward.
+    torch.manual_seed(1)
+    plain = TwoHeads(10**9)
+    wa = torch.autograd.grad(mse(plain, (x, y)), plain.a.weight)[0] + (0.5 if entry_grad else 0.0)
+    torch.testing.assert_close(grads[2]["a.weight"], wa, rtol=1e-12, atol=1e-12)
+
+
+def test_floor_error_restores_gradients_of_parameters_outside_the_optimizer():
+    model = TwoHeads(limit=1)
+    model.a.weight.grad = torch.full_like(model.a.weight, 0.5)
+    stepper = memopt.AdaptiveBatch(model, torch.optim.SGD(model.b.parameters(), lr=0.1), mse, micro_batch=2,
+                                   min_micro_batch=2)
+    with pytest.raises(memopt.MicroBatchFloorError):
+        stepper.step((torch.randn(4, 4, dtype=DT), torch.randn(4, dtype=DT)))
+    assert torch.equal(model.a.weight.grad, torch.full_like(model.a.weight, 0.5))
+    assert model.a.bias.grad is None and model.b.weight.grad is None

@@ -117,6 +117,45 @@ def test_diagnose_oom_when_nothing_fits():
     assert "no policy fits micro-batch 1" in str(diag) and "optimizer state alone take" in str(diag)
 
 
+def _host_bound_xl() -> tuple[ModelConfig, int]:
+    """GPT-2 XL, selective offloaded, with a host budget under its micro-batch 1 (and its host bytes)."""
+    cfg = ModelConfig(**memopt.estimate_presets["gpt2-xl"], micro_batch=1, policy="selective", offload=True,
+                      host_memory_bytes=2**30)
+    # Offloaded per sequence: 48 layers x 1024 tokens x FusedCheckpointBlock's selective set (fp32).
+    host = 48 * 1024 * memopt.block.saved_bytes_per_token("selective", 1600, 25, 6400, dtype=torch.float32)
+    assert host > 2**30  # over the budget already at micro-batch 1
+    return cfg, host
+
+
+def test_estimate_fit_table_honours_the_host_budget(capsys):
+    cfg, host = _host_bound_xl()
+    argv = ["estimate", "--preset", "gpt2-xl", "--policy", "selective", "--offload", "--host-memory-gib", "1",
+            "--memory-gib", "80"]
+    out = run_json(capsys, *argv)
+    row = out["fits"]["selective, offload"]
+    assert row["max_micro_batch"] == 0  # was 64, whose offloaded activations need 64 x the budget-busting host
+    assert row["max_seq_len"] == memopt.max_seq_len(80 * 2**30, cfg) > 0
+    assert out["fits"]["selective"]["max_micro_batch"] == memopt.max_micro_batch(80 * 2**30, cfg, offload=False) > 0
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "policy selective, offload  max micro-batch   none" in text
+    assert (f"policy selective, offload: even micro-batch 1 (seq 1024) needs {host / 2**30:.2f} GiB of host memory, "
+            "over --host-memory-gib 1") in text
+
+
+def test_diagnose_oom_honours_the_host_budget():
+    cfg, host = _host_bound_xl()
+    diag = memopt.diagnose_oom(torch.OutOfMemoryError("CUDA out of memory."), config=cfg, memory_bytes=80 * 2**30)
+    assert diag.fits["selective, offload"] == 0 and diag.fits["checkpoint"] >= 1
+    text = str(diag)
+    assert "the estimate fits" not in text
+    assert f"need {host / 2**30:.2f} GiB of host memory, over the host_memory_bytes budget of 1.00 GiB" in text
+    assert "policy 'checkpoint' fits micro-batch 1" in text
+    unbounded = memopt.diagnose_oom(torch.OutOfMemoryError("x"), config=cfg.replace(host_memory_bytes=None),
+                                    memory_bytes=80 * 2**30)
+    assert unbounded.fits["selective, offload"] >= 1 and "the estimate fits" in str(unbounded)
+
+
 def test_diagnose_oom_without_config():
     diag = memopt.diagnose_oom(torch.OutOfMemoryError("CUDA out of memory."))
     assert "pass config=" in str(diag)

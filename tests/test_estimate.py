@@ -239,6 +239,24 @@ def test_max_micro_batch_and_seq_len_are_largest_fitting():
     assert memopt.max_micro_batch(1, cfg) == 0
 
 
+def test_max_micro_batch_honours_the_host_budget_as_max_seq_len_does():
+    cfg = ModelConfig(**SMALL, policy="selective", precision="pure", offload=True)
+    # Offloaded bytes per sequence: every layer's selective set (FusedCheckpointBlock's count).
+    per_sequence = cfg.n_layers * cfg.seq_len * saved_bytes_per_token("selective", 64, 4, 256, dtype=torch.bfloat16)
+    roomy = 2**40  # device memory never binds here
+    for sequences in (1, 5):
+        host = cfg.replace(host_memory_bytes=sequences * per_sequence)
+        assert memopt.max_micro_batch(roomy, host) == sequences
+        assert memopt.max_micro_batch(roomy, cfg.replace(host_memory_bytes=sequences * per_sequence - 1)) \
+            == sequences - 1
+        assert memopt.estimate(host.replace(micro_batch=sequences)).total_bytes <= roomy
+    # Even micro-batch 1 over the host budget: 0, as max_seq_len says when even one token does not fit.
+    tiny = cfg.replace(host_memory_bytes=per_sequence // cfg.seq_len - 1)
+    assert memopt.max_micro_batch(roomy, tiny) == 0
+    assert memopt.max_seq_len(roomy, tiny.replace(micro_batch=1)) == 0
+    assert memopt.max_micro_batch(roomy, cfg) == 1 << 20  # unbounded host: the search bound
+
+
 def test_registry_plugs_in_a_policy():
     def half_eager(cfg):
         return {"saved": 7 * cfg.micro_batch * cfg.seq_len, "attention_scores": 0}

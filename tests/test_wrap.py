@@ -304,6 +304,21 @@ def test_bad_policy_raises(policy, error, match):
         memopt.wrap(_encoder(2), policy=policy)
 
 
+def test_dict_naming_a_layer_by_index_and_by_name_raises():
+    model = _encoder(2)
+    with pytest.raises(ValueError, match=r"policy names layer 'layers.1' twice, as index 1 \('full'\) and as name "
+                                         r"'layers.1' \('none'\)"):
+        memopt.wrap(model, policy={1: "full", "layers.1": "none"})
+    with pytest.raises(ValueError, match="offload names layer 'layers.0' twice"):
+        memopt.wrap(model, offload={0: True, "layers.0": False})
+    with pytest.raises(ValueError, match="policy names layer '0' twice"):  # nn.Sequential: index 0 is named "0"
+        memopt.wrap(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), layers=nn.Linear, policy={0: "full", "0": "none"})
+    assert not wrap_module.is_wrapped(model)
+    # An index and another layer's name are two layers.
+    memopt.wrap(model, policy={0: "full", "layers.1": "selective"})
+    assert wrap_module.wrapped_policies(model) == {"layers.0": "full", "layers.1": "selective"}
+
+
 def test_offload_as_a_policy_says_what_to_write_instead():
     with pytest.raises(ValueError, match="policy for layer 'layers.0'='offload' is not a policy"):
         memopt.wrap(_encoder(2), policy="offload")

@@ -84,7 +84,8 @@ class _PackCachedWithHooks:
     cache, to be unpacked when the backward takes it (what torch 2.14 does op by op with
     ``respect_saved_tensors_hooks=True``). The cache holds, per op, a list of entries in torch
     2.11 and a dict keyed by call index from 2.13; each entry is a pytree of ``_VersionWrapper``
-    leaves, or a marker for a recomputed op.
+    leaves (a ``_SnapshotCacheEntry``, already packed, is left as it is), or a marker for a
+    recomputed op.
     """
 
     def __init__(self, caching_mode, hooks: tuple[Callable, Callable]):
@@ -178,11 +179,17 @@ class _CacheEntriesToHost:
 #    starts from the updated value. ``_CachedOutputGuard`` watches, during the forward, every op
 #    that writes into a tensor: before one writes into the storage of a cached output, the output
 #    is copied (a snapshot, packed with the saved-tensors hooks around the checkpoint so offload
-#    and the saved-bytes count see it), and ``_CachedOutputRestore`` hands the recompute that copy
-#    instead of the cache's tensor. In-place updates right after a saved matmul (``ReLU(inplace=
-#    True)``, ``scores /= sqrt(d)``) therefore just work. A write into a cached storage *after*
-#    the forward (through any tensor the forward made that aliases it) cannot be undone: the
-#    recompute raises, naming the op.
+#    and the saved-bytes count see it), and the copy takes the cached tensor's place in the cache
+#    (``_SnapshotCacheEntry``), so the recompute gets the value at save time. The cache's own
+#    entry is dropped unread: on torch 2.14 the hooks packed it when the op ran, and an offload
+#    engine refuses to unpack a tensor written into after its pack (its version check, which must
+#    stay for tensors autograd saves). Where the entry cannot be found in PyTorch's cache (a
+#    layout memopt does not know), ``_CachedOutputRestore`` swaps the copy in after the cache
+#    handed out its tensor instead (exact, but not under a version-checking engine). In-place
+#    updates right after a saved matmul (``ReLU(inplace=True)``, ``scores /= sqrt(d)``)
+#    therefore just work, offloaded or not. A write into a cached storage *after* the forward
+#    (through any tensor the forward made that aliases it) cannot be undone: the recompute raises,
+#    naming the op (or the offload engine's version check raises first).
 # 2. A recompute reruns the module's forward, so a layer that updates its buffers in training
 #    (BatchNorm's running statistics and ``num_batches_tracked``) would update them twice.
 #    ``_BufferGuard`` notes which buffers of the checkpointed module the forward changed
@@ -267,7 +274,8 @@ class _SelectiveGuardState:
         self.hooks = hooks  # the saved-tensors hooks around the checkpoint, or None
         self.is_cached = is_cached
         self.policy_name = policy_name
-        self.snapshots: dict[tuple, dict[int, Any]] = {}  # site -> {output leaf: packed copy}
+        # site -> {output leaf: packed copy}, for entries not found in PyTorch's cache (note above)
+        self.snapshots: dict[tuple, dict[int, Any]] = {}
         # site -> [(weakref to a tensor aliasing the cached storage, its version at forward end)]
         self.aliases: dict[tuple, list] = defaultdict(list)
 
@@ -277,10 +285,14 @@ class _CachedOutputGuard:
     op that PyTorch's caching mode runs (see :class:`_GuardedCachingMode`), ``finish`` when the
     forward ends."""
 
-    def __init__(self, state: _SelectiveGuardState):
+    def __init__(self, state: _SelectiveGuardState, cache: dict | None = None):
         self._state = state
+        # PyTorch's cache (the caching mode's ``storage``): op -> its entries, a list of the saved
+        # calls in torch 2.11, a dict keyed by call index (every call) from 2.13
+        self._cache = cache
         self._calls: dict[int, int] = {}  # id(op) -> calls so far
-        self._cached: dict = {}  # storage key -> [(site, leaf index, cached output)]
+        # storage key -> [(site, leaf index, cached output, (entries, index) of its cache entry or None)]
+        self._cached: dict = {}
         self._alias_of: dict = {}  # storage key -> [sites], kept after the snapshot for alias tracking
         # [first, last] byte address of each storage in _alias_of: an output whose data pointer
         # falls in none of them cannot alias one, and needs no storage key (~1 us each)
@@ -296,13 +308,40 @@ class _CachedOutputGuard:
     def before_write(self, func, args, kwargs) -> None:
         """Before ``func`` (a mutable op) runs: snapshot each cached output it writes into."""
         for t in _written_tensors(func, args, kwargs):
-            for site, leaf_index, cached in self._cached.pop(_storage_key(t), ()):
+            for site, leaf_index, cached, slot in self._cached.pop(_storage_key(t), ()):
                 # Outside the dispatch modes: selective checkpointing must not see memopt's copy
                 # as an op of the checkpointed function.
                 with _disable_current_modes():
                     copy = cached.clone()
-                    pack = self._state.hooks[0] if self._state.hooks else None
-                    self._state.snapshots.setdefault(site, {})[leaf_index] = pack(copy) if pack else copy
+                    hooks = self._state.hooks
+                    if slot is not None:
+                        entries, index = slot
+                        leaves, spec = tree_flatten(entries[index])
+                        leaves[leaf_index] = _SnapshotCacheEntry(copy, hooks)
+                        entries[index] = tree_unflatten(leaves, spec)
+                    else:
+                        self._state.snapshots.setdefault(site, {})[leaf_index] = hooks[0](copy) if hooks else copy
+
+    def _cache_slot(self, func, n: int, leaves: list):
+        """``(entries, index)``: where PyTorch's caching mode put the entry of ``func``'s call
+        ``n`` (whose outputs are ``leaves``), or None where that cannot be told for sure."""
+        entries = self._cache.get(func) if self._cache is not None else None  # the key of an aten op
+        if isinstance(entries, dict):
+            index = n  # torch numbers every call of the op, as the guard does
+        elif isinstance(entries, list) and entries:
+            index = len(entries) - 1  # torch appends the saved calls only: this one, just now
+        else:
+            return None
+        entry = entries.get(index) if isinstance(entries, dict) else entries[index]
+        wrappers = tree_leaves(entry)
+        if len(wrappers) != len(leaves) or not all(hasattr(w, "get_val") for w in wrappers):
+            return None
+        for wrapper, leaf in zip(wrappers, leaves):
+            val = getattr(wrapper, "val", None)
+            # Unpacked (no hooks at op time): the cached tensor is the output, detached.
+            if isinstance(val, torch.Tensor) and isinstance(leaf, torch.Tensor) and val.data_ptr() != leaf.data_ptr():
+                return None
+        return entries, index
 
     def after(self, func, out) -> None:
         n = self._calls.get(id(func), 0)
@@ -313,9 +352,12 @@ class _CachedOutputGuard:
         leaves = _output_leaves(out)
         if is_cached:
             site = (id(func), n)
+            slot = False  # looked up once, for the first output that may be written into
             for leaf_index, leaf in enumerate(leaves):
                 if isinstance(leaf, torch.Tensor) and (key := _storage_key(leaf)) is not None:
-                    self._cached.setdefault(key, []).append((site, leaf_index, leaf.detach()))
+                    if slot is False:
+                        slot = self._cache_slot(func, n, leaves)
+                    self._cached.setdefault(key, []).append((site, leaf_index, leaf.detach(), slot))
                     if key not in self._alias_of:
                         self._alias_of[key] = []
                         self._spans.append((key[0], key[0] + leaf.untyped_storage().nbytes()))
@@ -342,8 +384,35 @@ class _CachedOutputGuard:
         self._made.clear()
 
 
+class _SnapshotCacheEntry:
+    """Note [what a recompute may rely on], 1: takes the place of a selective-checkpoint cache
+    entry (PyTorch's ``_VersionWrapper``) whose tensor the forward wrote into: the copy taken just
+    before the write, packed with ``hooks`` (the saved-tensors hooks around the checkpoint) when
+    there are any. The backward calls ``get_val`` on it, as on PyTorch's wrapper.
+
+    Without hooks it carries ``val`` and ``version`` as PyTorch's wrapper does, so that
+    ``_CacheEntriesToHost`` can still move it to the host; with hooks it has no ``val``, so
+    neither that nor ``_PackCachedWithHooks`` packs it a second time.
+    """
+
+    def __init__(self, copy: torch.Tensor, hooks):
+        if hooks:
+            self._packed, self._unpack = hooks[0](copy), hooks[1]
+        else:
+            self._unpack = None
+            self.val, self.version = copy, copy._version
+
+    def get_val(self, allow_cache_entry_mutation: bool) -> torch.Tensor:
+        # memopt's own copy, which nothing else can write into: no version check to make.
+        if self._unpack is None:
+            return self.val
+        with _disable_current_modes():
+            return self._unpack(self._packed)
+
+
 class _CachedOutputRestore:
-    """Recompute side of note [what a recompute may rely on], 1: hands out the snapshots, and
+    """Recompute side of note [what a recompute may rely on], 1: hands out the snapshots that
+    could not take their entry's place in PyTorch's cache (``_CachedOutputGuard._cache_slot``), and
     refuses a cache entry that was written into after the forward (``after`` each op that
     PyTorch's cached mode gives the recompute, see :class:`_GuardedCachedMode`)."""
 
@@ -428,7 +497,7 @@ def _guarded_class(mixin: type, mode_class: type) -> type:
 
 def _guard_modes(forward_mode: TorchDispatchMode, recompute_mode: TorchDispatchMode, state: _SelectiveGuardState):
     forward_mode.__class__ = _guarded_class(_GuardedCachingMode, type(forward_mode))
-    forward_mode._memopt_guard = _CachedOutputGuard(state)
+    forward_mode._memopt_guard = _CachedOutputGuard(state, getattr(forward_mode, "storage", None))
     recompute_mode.__class__ = _guarded_class(_GuardedCachedMode, type(recompute_mode))
     recompute_mode._memopt_restore = _CachedOutputRestore(state)
 

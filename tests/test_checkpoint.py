@@ -293,6 +293,26 @@ def test_fallback_packs_every_cached_tensor_in_both_cache_layouts(layout):
     torch.testing.assert_close(single.get_val(False), second * 10)
 
 
+@pytest.mark.parametrize("layout", ["list", "dict"])
+def test_snapshot_finds_its_cache_entry_in_both_cache_layouts(layout):
+    """The copy taken before a write into a cached output takes the place of the output's entry in
+    PyTorch's cache: in torch 2.11's list of the saved calls of an op (the entry just appended,
+    the cached tensor being the output itself) and 2.13's dict keyed by the call's index."""
+    from torch.utils.checkpoint import _VersionWrapper
+
+    out, other = torch.randn(3), torch.randn(3)
+    entries = [_VersionWrapper(other), _VersionWrapper(out.detach())]
+    cache = {"op": entries if layout == "list" else {0: entries[0], 4: entries[1]}}
+    guard = ckpt._CachedOutputGuard(ckpt._SelectiveGuardState(None, lambda op, n: True, "'selective'"), cache)
+    assert guard._cache_slot("op", 4, [out]) == (cache["op"], 1 if layout == "list" else 4)
+    assert guard._cache_slot("missing", 0, [out]) is None
+    assert guard._cache_slot("op", 4, [out, out]) is None  # not this call's outputs
+    if layout == "list":
+        assert guard._cache_slot("op", 4, [torch.randn(3)]) is None  # the last entry is another call's
+    else:
+        assert guard._cache_slot("op", 3, [out]) is None  # no entry for that call
+
+
 @gpu
 @pytest.mark.parametrize("policy", ["none", "selective"])
 def test_offload_true_on_cuda(policy):

@@ -6,6 +6,8 @@ module buffers that a recompute would update a second time (BatchNorm).
 """
 
 import copy
+import importlib
+import warnings
 
 import pytest
 import torch
@@ -14,6 +16,8 @@ from torch import nn
 
 import memopt
 
+ckpt = importlib.import_module("memopt.checkpoint")
+offload_module = importlib.import_module("memopt.offload")
 POLICIES = ["selective", "full"]
 
 
@@ -222,3 +226,113 @@ def test_global_checkpoint_debug_does_not_break_selective():
         out = memopt.checkpoint(lambda x, w: (x @ w).sin(), x, w, policy="selective")
         (gx,) = torch.autograd.grad(out.sum(), x)
     torch.testing.assert_close(gx, ((x @ w).cos() @ w.t()).detach())
+
+
+# Under a version-checking offload engine. The real engine (CPU tensors taken as device tensors)
+# records the version of every tensor it packs and refuses to unpack one written into since, as
+# autograd does. On torch 2.14 the selective cache goes through the engine when the op runs, so a
+# cached output written into afterwards (ReLU(inplace=True)) used to make the backward raise
+# "memopt.offload saved for backward, is at version 1; expected version 0": the cache entry was
+# unpacked before the guard's copy from before the write replaced it.
+
+
+def _version_checking_engine():
+    return memopt.offload(min_bytes=0, pin_memory=False, allow_cpu_source=True)
+
+
+class _MatmulThenInPlace(nn.Module):
+    """Linear then ReLU(inplace=True), and a matmul output scaled in place: both cached outputs
+    are written into during the forward."""
+
+    def __init__(self, d=8):
+        super().__init__()
+        self.up = nn.Linear(d, 2 * d)
+        self.act = nn.ReLU(inplace=True)
+        self.down = nn.Linear(2 * d, d)
+
+    def forward(self, x):
+        h = self.act(self.up(x))
+        return x + self.down(h).mul_(2).tanh()
+
+
+def _param_and_input_grads(model, x, run):
+    out = run(model, x)
+    return torch.autograd.grad(out.square().sum(), [x, *model.parameters()])
+
+
+@pytest.mark.parametrize("hooks_path", ["torch", "fallback"])
+@pytest.mark.parametrize("how", ["offload=", "active engine"])
+@pytest.mark.parametrize("rank", [2, 3])
+def test_in_place_update_of_a_cached_output_is_exact_under_a_version_checking_offload(monkeypatch, hooks_path, how, rank):
+    if hooks_path == "fallback":
+        # The path of torch 2.11..2.13, which lack respect_saved_tensors_hooks.
+        monkeypatch.setattr(ckpt, "_CHECKPOINT_RESPECTS_HOOKS", False)
+    torch.manual_seed(0)
+    layer = _MatmulThenInPlace().double()
+    x = torch.randn(*((5,) if rank == 2 else (2, 5)), 8, dtype=torch.float64, requires_grad=True)
+    eager = _param_and_input_grads(layer, x, lambda m, t: m(t))
+    no_offload = _param_and_input_grads(layer, x, lambda m, t: memopt.checkpoint(m, t, policy="selective"))
+    engine = _version_checking_engine()
+
+    def offloaded(m, t):
+        if how == "offload=":
+            return memopt.checkpoint(m, t, policy="selective", offload=engine)
+        with engine:
+            return memopt.checkpoint(m, t, policy="selective")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch 2.14 asked nothing on the fallback path
+        got = _param_and_input_grads(layer, x, offloaded)
+    assert engine.stats()["copies_to_host"] > 0  # the cache really went through the engine
+    for g, plain, e in zip(got, no_offload, eager):
+        assert torch.equal(g, plain)  # offload is bit-identical to no offload
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+
+
+def test_wrap_selective_with_offload_true_and_an_in_place_update(monkeypatch):
+    engine = _version_checking_engine()
+    monkeypatch.setattr(offload_module, "_DEFAULT", engine)  # what offload=True takes outside any engine
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[_MatmulThenInPlace() for _ in range(3)]).double()
+    wrapped = memopt.wrap(copy.deepcopy(plain), policy="selective", offload=True)
+    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    expected = _param_and_input_grads(plain, x, lambda m, t: m(t))
+    got = _param_and_input_grads(wrapped, x, lambda m, t: m(t))
+    assert engine.stats()["copies_to_host"] > 0
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+
+
+def test_the_engine_still_refuses_what_was_written_into_after_it_was_saved():
+    """The fix hands the recompute the copy from before a write inside the forward; the engine's
+    version check still stands for a tensor autograd saved, and for a cached output written into
+    after the forward."""
+    engine = _version_checking_engine()
+    layer = _MatmulThenInPlace().double()
+    x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    with engine:
+        saved_by_exp = memopt.checkpoint(layer, x, policy="selective").exp()  # exp saves its result
+    with torch.no_grad():
+        saved_by_exp.add_(1)
+    with pytest.raises(RuntimeError, match="memopt.offload saved for backward, is at version 1; expected version 0"):
+        saved_by_exp.sum().backward()
+
+    w = torch.randn(8, 3, dtype=torch.float64, requires_grad=True)
+    y, z = memopt.checkpoint(lambda x, w: ((y := x @ w), y.sin()), x, w, policy="selective", offload=engine)
+    with torch.no_grad():
+        y.mul_(2)  # after the forward: the value at save time is gone
+    with pytest.raises(RuntimeError, match="modified by an inplace operation|changed in place after the checkpointed"):
+        z.sum().backward()
+
+
+def test_a_snapshot_not_placed_in_the_cache_is_handed_out_by_the_recompute(monkeypatch):
+    """Where the guard cannot find the cache entry in PyTorch's cache (a layout it does not know),
+    the recompute swaps the copy in itself: still exact without offload."""
+    monkeypatch.setattr(ckpt._CachedOutputGuard, "_cache_slot", lambda self, func, n, leaves: None)
+    torch.manual_seed(0)
+    layer = _MatmulThenInPlace().double()
+    x = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    expected = _param_and_input_grads(layer, x, lambda m, t: m(t))
+    got = _param_and_input_grads(layer, x, lambda m, t: memopt.checkpoint(m, t, policy="selective"))
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)

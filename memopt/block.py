@@ -484,13 +484,19 @@ def _block_params(block: nn.Module) -> list[torch.Tensor | None]:
 
 # The submodules whose parameters the forward reads, in PARAM_NAMES order, without calling them.
 _SUBMODULES = tuple(dict.fromkeys(module for module, _ in _PARAM_PATHS))
+_NORM_FORWARDS = {"layernorm": nn.LayerNorm.forward, "rmsnorm": nn.RMSNorm.forward}
 
 
 def _check_no_submodule_hooks(block: nn.Module) -> None:
-    """Raise if a submodule has module hooks: the forward reads the submodules' parameters and never
-    calls them, so their hooks would not run (``torch.nn.utils.prune``'s pre-hook that refreshes
-    ``weight``, for one: a stale weight). Per call: a few dict reads."""
+    """Raise if a submodule's call would do more than the block computes from its parameters:
+    the forward reads the submodules' parameters and never calls them, so module hooks would not
+    run (``torch.nn.utils.prune``'s pre-hook that refreshes ``weight``, for one: a stale weight),
+    nor a forward of another class (a PEFT LoRA layer in place of ``fc1``, whose ``weight`` is the
+    frozen base weight: the adapter would be silently skipped) or one patched onto the instance.
+    Parametrized submodules keep nn.Linear's / the norm's forward and pass. Per call: a few
+    attribute reads."""
     modules = block._modules
+    norm_forward = _NORM_FORWARDS[block.norm]
     for name in _SUBMODULES:
         sub = modules[name]
         if sub._forward_pre_hooks or sub._forward_hooks or sub._backward_pre_hooks or sub._backward_hooks:
@@ -499,6 +505,14 @@ def _check_no_submodule_hooks(block: nn.Module) -> None:
                 "backward hooks, e.g. from torch.nn.utils.prune or torch.nn.utils.weight_norm), which do not run: "
                 "the block reads its submodules' parameters without calling them. Remove the hooks; "
                 "parametrizations (torch.nn.utils.parametrize, torch.nn.utils.parametrizations.weight_norm) do work"
+            )
+        expected = norm_forward if name.startswith("norm") else nn.Linear.forward
+        if getattr(type(sub), "forward", None) is not expected or "forward" in sub.__dict__:
+            raise RuntimeError(
+                f"{type(block).__name__}: its submodule {name!r} is a {type(sub).__module__}.{type(sub).__qualname__} "
+                f"whose forward is not {expected.__qualname__} (an adapter such as PEFT's LoRA layer, or a patched "
+                "forward), which would not run: the block reads its submodules' parameters without calling them. "
+                "Adapt the eager block (to_eager()) or a model of torch layers under memopt.wrap instead"
             )
 
 

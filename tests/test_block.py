@@ -219,6 +219,25 @@ def test_hooks_on_submodules_raise_and_parametrizations_work():
     _assert_runs_close(_run(block, x, grad), _run(eager, x, grad), **F64_TOL)
 
 
+def test_adapters_and_patched_forwards_on_submodules_raise():
+    # A PEFT LoRA layer in place of fc1 keeps the base weight as .weight: read without calling
+    # it, the adapter had no effect (same output with the adapter on and off, no lora gradient).
+    peft = pytest.importorskip("peft")
+    holder = nn.ModuleDict({"block": _make(CONFIGS["pre-ln-gelu"])})
+    model = peft.get_peft_model(holder, peft.LoraConfig(target_modules=["fc1"], r=2, init_lora_weights=False))
+    x = torch.randn(2, 5, D_MODEL, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="submodule 'fc1' is a peft"):
+        model.base_model.model["block"](x)
+
+    block = _make(CONFIGS["pre-ln-gelu"])
+    block.out_proj.forward = lambda t: 2 * t  # patched onto the instance: would not run either
+    with pytest.raises(RuntimeError, match="submodule 'out_proj' is a torch.nn.modules.linear.Linear whose forward"):
+        block(x)
+    del block.out_proj.forward
+    eager = block.to_eager()
+    torch.testing.assert_close(block(x), eager(x), **F64_TOL)
+
+
 def test_batch_first_false_takes_seq_first_input():
     block = _make(CONFIGS["pre-ln-gelu"], batch_first=False)
     reference = _make(CONFIGS["pre-ln-gelu"])

@@ -82,6 +82,14 @@ def _unsupported_reason(layer: nn.Module, *, allow_autocast: bool, allow_dropout
     attn = layer.self_attn
     if type(attn) is not nn.MultiheadAttention or not attn._qkv_same_embed_dim:
         return "self_attn is not a plain nn.MultiheadAttention with kdim == vdim == embed_dim"
+    for name, linear in (("linear1", layer.linear1), ("linear2", layer.linear2), ("self_attn.out_proj", attn.out_proj)):
+        # An adapter in a linear's place (PEFT's LoRA layer) keeps the base weight as .weight:
+        # the block, which reads the weights, would drop the adapter without a word.
+        if not isinstance(linear, nn.Linear) or type(linear).forward is not nn.Linear.forward or "forward" in vars(linear):
+            return f"{name} is a {type(linear).__module__}.{type(linear).__qualname__}, not a plain nn.Linear (an adapter such as PEFT's LoRA layer?)"
+    extra = sorted(set(dict(layer.named_parameters())) - _LAYER_PARAMETERS)
+    if extra:
+        return f"it has parameters the block would not hold ({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''})"
     if attn.bias_k is not None or attn.add_zero_attn:
         return "self_attn has add_bias_kv or add_zero_attn"
     head_dim = attn.embed_dim // attn.num_heads
@@ -111,6 +119,14 @@ def _unsupported_reason(layer: nn.Module, *, allow_autocast: bool, allow_dropout
         # fp32 layers on CUDA included: the block would need autocast to run at all.
         return f"its dtype {params[0].dtype} is not one attention takes on {params[0].device} {allowed}"
     return None
+
+
+# The parameters of an nn.TransformerEncoderLayer (its biases optional): all the block holds.
+_LAYER_PARAMETERS = frozenset(
+    f"{module}.{kind}"
+    for module in ("self_attn.in_proj", "self_attn.out_proj", "linear1", "linear2", "norm1", "norm2")
+    for kind in ("weight", "bias")
+) | {"self_attn.in_proj_weight", "self_attn.in_proj_bias"}
 
 
 def _activation_name(activation) -> str:

@@ -95,3 +95,37 @@ def test_from_torch_keeps_frozen_parameters(share_parameters):
             assert got is expected, name  # (the same parameter, accumulated twice)
         else:
             torch.testing.assert_close(got, expected, **F64_TOL, msg=name)
+
+
+@pytest.mark.parametrize("targets", [["linear1"], ["out_proj"], ["linear2", "linear1"]])
+def test_an_adapter_on_a_linear_is_not_swapped_away(targets):
+    # PEFT's LoRA layer keeps the base weight as .weight: a block built from the weights would drop
+    # the adapter (wrap's swap gave a 1.3 output difference). supports() refuses such a layer, and
+    # wrap checkpoints it as it is instead.
+    peft = pytest.importorskip("peft")
+    encoder = nn.TransformerEncoder(_layer(norm_first=True), 2, enable_nested_tensor=False)
+    model = peft.get_peft_model(nn.ModuleDict({"encoder": encoder}), peft.LoraConfig(target_modules=targets, r=2, init_lora_weights=False))
+    inner = model.base_model.model["encoder"]
+    assert not memopt.FusedCheckpointBlock.supports(inner.layers[0])
+    assert re.search("not a plain nn.Linear", unsupported_reason(inner.layers[0]))
+    x = torch.randn(2, 5, D_MODEL, dtype=torch.float64)
+    grad = torch.randn_like(x)
+    lora = [p for n, p in model.named_parameters() if "lora_" in n]
+    # (torch's MultiheadAttention reads out_proj.weight without calling out_proj: a LoRA there does
+    # nothing in torch either, and its parameters get no gradient)
+    expected = inner(x)
+    used = expected.requires_grad  # False for out_proj alone (the base weights are frozen)
+    expected_grads = torch.autograd.grad(expected, lora, grad, allow_unused=True) if used else [None] * len(lora)
+    memopt.wrap(inner)
+    try:
+        assert all(type(layer) is nn.TransformerEncoderLayer for layer in inner.layers)
+        actual = inner(x)
+        assert actual.requires_grad == used
+        actual_grads = torch.autograd.grad(actual, lora, grad, allow_unused=True) if used else [None] * len(lora)
+    finally:
+        memopt.unwrap(inner)
+    torch.testing.assert_close(actual, expected, **F64_TOL)
+    assert [a is None for a in actual_grads] == [e is None for e in expected_grads]
+    for a, e in zip(actual_grads, expected_grads):
+        if e is not None:
+            torch.testing.assert_close(a, e, **F64_TOL)

@@ -119,10 +119,11 @@ def harness_table(result: dict) -> str:
         if row.get("status") != "ok":
             lines.append(f"| {row['config']} | {row.get('status', 'not run')} | | | | |")
             continue
-        peak = row.get("peak_gpu_bytes")
+        # None where the harness cannot count them (compiled configurations allocate past the dispatcher)
+        peak, saved = row.get("peak_gpu_bytes"), row.get("activation_bytes")
         lines.append(
             f"| {row['config']} | {row['step_time_ms_median']:.1f} ({row['step_time_ms_p20']:.1f}-{row['step_time_ms_p80']:.1f}) "
-            f"| {'-' if peak is None else f'{peak / 2**20:.0f}'} | {row['activation_bytes'] / 2**20:.1f} "
+            f"| {'-' if peak is None else f'{peak / 2**20:.0f}'} | {'-' if saved is None else f'{saved / 2**20:.1f}'} "
             f"| {_ratio(row, eager)} | {_ratio(row, ckpt)} |"
         )
     args = result.get("arguments", {})
@@ -171,10 +172,11 @@ def collect(out: Path, results_dir: Path = RESULTS_DIR, readme: Path | None = RO
     if not out.is_dir():
         raise FileNotFoundError(f"bench.collect: OUT must be the folder device_check.sh wrote, got {out}")
     env = read_environment(out / "environment.txt")
+    # Read and summarised before anything is copied: a file it cannot read leaves no half-made folder.
+    tests = read_junit(out / "gpu_tests.xml")
+    tables = [harness_table(json.loads(path.read_text())) for path in sorted(out.glob("compare-*.json"))]
     dest = destination(env, results_dir)
     shutil.copytree(out, dest)
-    tests = read_junit(dest / "gpu_tests.xml")
-    tables = [harness_table(json.loads(path.read_text())) for path in sorted(dest.glob("compare-*.json"))]
     try:
         folder = dest.relative_to(ROOT).as_posix()
     except ValueError:
@@ -193,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readme", type=Path, default=ROOT / "README.md")
     parser.add_argument("--no-readme", action="store_true", help="leave the repository README as it is")
     args = parser.parse_args(argv)
+    if not args.out.is_dir():
+        parser.error(f"out: {args.out} is not a folder (the $OUT that bench/device_check.sh wrote)")
     dest = collect(args.out, args.results_dir, None if args.no_readme else args.readme)
     print(f"results: {dest}")
     return 0

@@ -580,9 +580,14 @@ class AdaptiveBatch:
     def _sync_gradients(self) -> None:
         if not (_is_ddp(self.model) and _distributed()):
             return
-        # Shares were taken of the global count, so the global gradient is the sum.
-        for p in self._params:
-            if p.grad is None:
+        # Shares were taken of the global count, so the global gradient is the sum: of every
+        # parameter the backward wrote (not only the optimizer's, whose .grad a second optimizer,
+        # clipping or logging reads too). A frozen parameter keeps no gradient, as under plain DDP
+        # (a zero one would let weight decay move it); the set is the same on every rank.
+        for p in self._grad_params:
+            if not p.requires_grad:
+                continue
+            if p.grad is None:  # unused on this rank: it still takes its part in the sum
                 p.grad = torch.zeros_like(p)
             torch.distributed.all_reduce(p.grad, op=torch.distributed.ReduceOp.SUM)
 

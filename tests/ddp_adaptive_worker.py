@@ -2,7 +2,8 @@
 
 Each rank steps its half of a global batch of 12 with AdaptiveBatch; rank 1 raises OOM when a
 micro-batch exceeds 2 samples. Both ranks must agree on the halvings (6 -> 3 -> 1) and end with the gradient
-of the mean loss over all 12 samples, computed here without DDP as the reference.
+of the mean loss over all 12 samples, computed here without DDP as the reference. Then the same with a
+frozen parameter in the optimizer and a trainable one outside it.
 """
 
 import copy
@@ -51,6 +52,23 @@ def main(out: Path) -> None:
     local = slice(6 * rank, 6 * rank + 6)
     result = stepper.step((x[local], y[local]))
     for p, q in zip(net.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
+    # A frozen parameter the optimizer holds (AdamW over model.parameters(), weight decay on), and
+    # a trainable one it does not hold: the frozen one keeps no gradient and does not move, as
+    # under plain DDP; the other's .grad is the global one on both ranks, not each rank's share.
+    torch.manual_seed(1)
+    net2 = Net()
+    net2.l1.weight.requires_grad_(False)
+    frozen = net2.l1.weight.detach().clone()
+    ref2 = copy.deepcopy(net2)
+    ref2.limit = 10**9
+    F.mse_loss(ref2(x), y).backward()
+    net2.limit = 2 if rank == 1 else 10**9
+    ddp2 = torch.nn.parallel.DistributedDataParallel(net2)
+    opt2 = torch.optim.AdamW([net2.l1.weight, *net2.l2.parameters()], lr=0.1, weight_decay=0.1)
+    memopt.AdaptiveBatch(ddp2, opt2, loss_fn, micro_batch=6).step((x[local], y[local]))
+    assert net2.l1.weight.grad is None and torch.equal(net2.l1.weight, frozen)
+    for p, q in ((net2.l1.bias, ref2.l1.bias), *zip(net2.l2.parameters(), ref2.l2.parameters())):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-12, atol=1e-14)
     (out / f"rank{rank}.ok").write_text(f"micro_batch={result.micro_batch} retries={result.oom_retries}")
     # Every check has passed. Leave without tearing down gloo: its teardown at exit has aborted

@@ -40,6 +40,8 @@ def device_out(tmp_path):
         "kind": "compare",
         "arguments": {"preset": "h200", "dtype": "bfloat16", "d_model": 2048, "seq": 2048},
         "rows": [_row("eager-sdpa", 20.0), _row("torch-checkpoint", 25.0), _row("memopt-full", 22.5),
+                 # compiled code allocates past the dispatcher: the harness counts no bytes (None)
+                 {**_row("torch-compile", 18.0), "peak_gpu_bytes": None, "activation_bytes": None},
                  _row("memopt-offload", 0.0, status="skipped: out of time")],
     }  # fmt: skip
     (out / "compare-h200-cuda-20261224T100000Z.json").write_text(json.dumps(result))
@@ -65,6 +67,8 @@ def test_collect_copies_the_run_and_summarises_it(device_out, tmp_path):
     full = next(line for line in text.splitlines() if line.startswith("| memopt-full"))
     assert full.split("|")[-3].strip() == "1.12" and full.split("|")[-2].strip() == "0.90"
     assert "skipped: out of time" in text
+    compiled = next(line for line in text.splitlines() if line.startswith("| torch-compile"))
+    assert [cell.strip() for cell in compiled.split("|")[3:6]] == ["-", "-", "0.90"]
     assert "NVIDIA H200" in (dest / "README.md").read_text()
 
 

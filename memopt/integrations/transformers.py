@@ -32,8 +32,9 @@ Limits: :class:`MemoptTrainer` runs on one process (under DDP a rank's OOM would
 in the gradient all-reduce; :class:`memopt.AdaptiveBatch` itself handles DDP in its own loop).
 Exact for losses the model normalises with ``num_items_in_batch`` (every Hugging Face causal LM,
 or a ``compute_loss_func``); otherwise micro-batch losses are weighted by their share of samples,
-which is exact for per-sample means. trl's ``SFTTrainer`` is a ``Trainer`` subclass: untested here
-(trl is not installed in CI).
+which is exact for per-sample means. trl's ``SFTTrainer`` is a ``Trainer`` subclass: a memopt-wrapped
+model (:func:`take_over_checkpointing`) trains under it as under the plain run
+(``tests/test_integrations_trl.py``).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 import memopt
+from bench._args import positive_ints, probabilities
 from bench.compare import git_commit
 from memopt.ops import attention as attention_ops
 
@@ -298,26 +299,28 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description="memopt.attention benchmark")
+    parser = argparse.ArgumentParser(prog="python -m bench.attention", description="memopt.attention benchmark")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    parser.add_argument("--out", default=None, help="JSON path (default bench/results/attention_<preset>.json)")
-    parser.add_argument("--seqs", default=None, help="comma-separated sequence lengths replacing the preset's")
-    parser.add_argument("--dropouts", default=None, help="comma-separated dropout rates: only the preset's cases with these")
-    parser.add_argument("--head-dims", default=None, help="comma-separated head dims: only the preset's cases with these")
+    parser.add_argument("--out", default=None, help="JSON file, or an existing folder for attention_<preset>.json (default bench/results/)")
+    parser.add_argument("--seqs", type=positive_ints, default=None, help="comma-separated sequence lengths replacing the preset's")
+    parser.add_argument("--dropouts", type=probabilities, default=None, help="comma-separated dropout rates: only the preset's cases with these")
+    parser.add_argument("--head-dims", type=positive_ints, default=None, help="comma-separated head dims: only the preset's cases with these")
     args = parser.parse_args(argv)
     cases = PRESETS[args.preset]["cases"]
     if args.seqs:
-        seqs = tuple(int(s) for s in args.seqs.split(","))
-        cases = [replace(case, seqs=seqs) for case in cases]
+        cases = [replace(case, seqs=args.seqs) for case in cases]
     if args.dropouts:
-        cases = [case for case in cases if case.dropout in {float(p) for p in args.dropouts.split(",")}]
+        cases = [case for case in cases if case.dropout in set(args.dropouts)]
     if args.head_dims:
-        cases = [case for case in cases if case.head_dim in {int(d) for d in args.head_dims.split(",")}]
+        cases = [case for case in cases if case.head_dim in set(args.head_dims)]
     if not cases:
         parser.error(f"no case of preset {args.preset!r} has these dropout rates and head dims")
     PRESETS[args.preset]["cases"] = cases
     rows = run(args.preset)
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", f"attention_{args.preset}.json")
+    name = f"attention_{args.preset}.json"
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)
+    if os.path.isdir(out):
+        out = os.path.join(out, name)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(rows, f, indent=1)

@@ -43,6 +43,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from bench._args import config_names
 from bench.compare import (
     DTYPES, PRESETS, RESULTS_DIR, Settings, add_shape_arguments, configs_by_name, cpu_threads, environment,
     fastest_sdpa, loss_fn, preset_settings,
@@ -247,12 +248,15 @@ def markdown_table(results: dict[str, dict]) -> str:
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m bench.census", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="comma-separated harness configurations")
+    parser.add_argument("--configs", type=config_names, default=",".join(DEFAULT_CONFIGS), help="comma-separated harness configurations")
     add_shape_arguments(parser, device=False)
     parser.add_argument("--out", type=Path, help="the JSON file (default: bench/results/census-<preset>.json; the table beside it as .md)")
     args = parser.parse_args(argv)
     # CPU tensors whatever the preset says: the counts depend on the ops, not on the device.
-    return preset_settings(args, device="cpu"), args
+    settings = preset_settings(args, device="cpu")
+    if DTYPES[settings.dtype] in (torch.float16, torch.bfloat16):
+        parser.error(f"--dtype {settings.dtype}: runs on CPU tensors, which memopt's attention takes in float32/float64 only")
+    return settings, args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,8 +264,6 @@ def main(argv: list[str] | None = None) -> int:
     known = configs_by_name(args.configs, "bench.census")
     wanted = list(known)
     device, dtype = torch.device("cpu"), DTYPES[settings.dtype]
-    if dtype in (torch.float16, torch.bfloat16):
-        raise SystemExit("bench.census: runs on CPU tensors, which memopt's attention takes in float32/float64 only")
     blocks = make_reference_blocks(settings.layers, settings.d_model, settings.n_heads, settings.d_ff, settings.dropout, settings.seed)
     ctx = BuildContext(blocks, settings.d_model, settings.n_heads, settings.d_ff, settings.dropout, device, dtype, False)
     generator = torch.Generator().manual_seed(settings.seed + 1)

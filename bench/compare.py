@@ -51,6 +51,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import memopt
 from memopt.ops import cpu_linear
+from bench._args import config_names, device_name, int_type, nonnegative_float, positive_ints, probability
 from bench.configs import EAGER_REFERENCE, GRAD_REFERENCE, RATIO_REFERENCE, BenchConfig, BuildContext, default_configs, eager_stack
 from bench.memory import LiveTensorTracker
 from bench.model import make_reference_blocks
@@ -697,16 +698,20 @@ def markdown_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def write_results(result: dict, out_dir: Path, stem: str) -> Path:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"{stem}.json"
+def write_results(result: dict, out: Path, stem: str) -> Path:
+    """Write ``result`` to ``out`` when it names a ``.json`` file, else as ``<stem>.json`` in the
+    folder ``out``; returns the file's path."""
+    out = Path(out)
+    path = out if out.suffix == ".json" else out / f"{stem}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=1, default=str) + "\n")
     return path
 
 
 def save_run(result: dict, out_dir: Path, kind: str, preset: str, device: str, plot: bool) -> Path:
-    """Write ``result`` as ``<kind>-<preset>-<device type>-<date>.json`` in ``out_dir``, print its
-    path and, with ``plot``, the plots ``bench.plot`` draws from it; returns the JSON's path."""
+    """Write ``result`` as ``<kind>-<preset>-<device type>-<date>.json`` in ``out_dir`` (or to
+    ``out_dir`` itself when it names a ``.json`` file), print its path and, with ``plot``, the
+    plots ``bench.plot`` draws from it; returns the JSON's path."""
     stamp = result["environment"]["date"].replace("-", "").replace(":", "")
     path = write_results(result, out_dir, f"{kind}-{preset}-{resolve_device(device).type}-{stamp}")
     print(f"\nresults: {path}")
@@ -718,25 +723,28 @@ def save_run(result: dict, out_dir: Path, kind: str, preset: str, device: str, p
     return path
 
 
+OUT_HELP = "JSON file, or a folder for {kind}-<preset>-<device>-<date>.json and its plot (default bench/results/)"
+
+
 def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     parser = argparse.ArgumentParser(
         prog="python -m bench",
         description="Compare memory saved against time paid for memopt and PyTorch's checkpointing on a GPT-style layer stack.",
     )
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default", help="sizes and repeats (default: a CPU run of about 25 s on 2 cores)")
-    parser.add_argument("--device", help="cpu, cuda, cuda:1 or auto")
+    parser.add_argument("--device", type=device_name, help="cpu, cuda, cuda:1 or auto")
     parser.add_argument("--dtype", choices=sorted(DTYPES))
     for name in ("d_model", "n_heads", "d_ff", "seq", "batch", "layers", "warmup", "repeats", "seed", "threads"):
-        parser.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
-    parser.add_argument("--dropout", type=float)
+        parser.add_argument("--" + name.replace("_", "-"), type=int_type(name), dest=name)
+    parser.add_argument("--dropout", type=probability)
     parser.add_argument("--clock", choices=("wall", "cpu"), help="CPU runs: wall-clock time (default) or the process's CPU time, robust to other jobs on a shared machine (with --threads 1)")
     parser.add_argument("--interleave", action=argparse.BooleanOptionalAction, default=None, help="time the configurations in interleaved rounds (default: on CPU, where other jobs share the machine)")
-    parser.add_argument("--max-config-seconds", type=float, dest="max_config_seconds", help="fewer timed steps for slower configurations")
+    parser.add_argument("--max-config-seconds", type=nonnegative_float, dest="max_config_seconds", help="fewer timed steps for slower configurations")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None, help="include torch.compile (default: on in the h200 preset)")
-    parser.add_argument("--configs", help="comma-separated configuration names to run (default: all)")
+    parser.add_argument("--configs", type=config_names, help="comma-separated configuration names to run (default: all)")
     parser.add_argument("--sweep", choices=("layers", "seq"), help="repeat the comparison over a range of depths or sequence lengths")
-    parser.add_argument("--sweep-values", help="comma-separated values for --sweep (default: from the preset)")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for the JSON and PNG files")
+    parser.add_argument("--sweep-values", type=positive_ints, help="comma-separated values for --sweep (default: from the preset)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help=OUT_HELP.format(kind="compare"))
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
@@ -747,12 +755,10 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
         if getattr(args, k) is not None
     }
     settings = replace(settings, **overrides)
+    if args.sweep_values and not settings.sweep:
+        parser.error("--sweep-values needs --sweep layers or --sweep seq")
     if settings.sweep:
-        values = (
-            tuple(int(v) for v in args.sweep_values.split(","))
-            if args.sweep_values
-            else SWEEP_DEFAULTS[settings.preset][settings.sweep]
-        )
+        values = args.sweep_values or SWEEP_DEFAULTS[settings.preset][settings.sweep]
         settings = replace(settings, sweep_values=values)
     return settings, args
 
@@ -764,11 +770,11 @@ def add_shape_arguments(parser, device: bool = True) -> None:
     """The harness's shape options (``--dtype``, ``--d-model``, ..., ``--dropout``, and
     ``--device``) for the tools that run its configurations on a preset (profile, census)."""
     if device:
-        parser.add_argument("--device", help="cpu, cuda, cuda:1 or auto")
+        parser.add_argument("--device", type=device_name, help="cpu, cuda, cuda:1 or auto")
     parser.add_argument("--dtype", choices=sorted(DTYPES))
     for name in SHAPE_ARGUMENTS[1:-1]:
-        parser.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
-    parser.add_argument("--dropout", type=float)
+        parser.add_argument("--" + name.replace("_", "-"), type=int_type(name), dest=name)
+    parser.add_argument("--dropout", type=probability)
 
 
 def preset_settings(args, **fixed) -> Settings:

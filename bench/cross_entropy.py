@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 import memopt
-from bench.compare import DTYPES, RESULTS_DIR, cpu_threads, environment, resolve_device, save_run
+from bench._args import device_name, positive_int, positive_ints
+from bench.compare import DTYPES, OUT_HELP, RESULTS_DIR, cpu_threads, environment, resolve_device, save_run
 from bench.kernels import bytes_text, time_fwd_bwd
 from bench.memory import LiveTensorTracker
 from memopt.ops.cross_entropy import IMPLEMENTATIONS, default_chunk_tokens, linear_cross_entropy_ref
@@ -182,22 +183,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.cross_entropy",
                                      description="memopt.linear_cross_entropy against F.linear + F.cross_entropy: time and peak memory.")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default")
-    parser.add_argument("--device")
+    parser.add_argument("--device", type=device_name, help="cpu, cuda, cuda:1 or auto")
     parser.add_argument("--dtype", choices=sorted(DTYPES))
     parser.add_argument("--autocast", choices=sorted(DTYPES), help="run under torch.autocast with this dtype")
-    parser.add_argument("--tokens", help="comma-separated token counts")
-    parser.add_argument("--dim", type=int)
-    parser.add_argument("--vocab", type=int)
-    parser.add_argument("--chunk-tokens", type=int, dest="chunk_tokens")
-    parser.add_argument("--repeats", type=int)
+    parser.add_argument("--tokens", type=positive_ints, help="comma-separated token counts")
+    parser.add_argument("--dim", type=positive_int)
+    parser.add_argument("--vocab", type=positive_int)
+    parser.add_argument("--chunk-tokens", type=positive_int, dest="chunk_tokens")
+    parser.add_argument("--repeats", type=positive_int, help="timed repeats on CPU")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help=OUT_HELP.format(kind="cross_entropy"))
     args = parser.parse_args(argv)
     settings = PRESETS[args.preset]
-    overrides = {k: getattr(args, k) for k in ("device", "dtype", "autocast", "dim", "vocab", "chunk_tokens", "repeats", "compile")
+    overrides = {k: getattr(args, k) for k in ("device", "dtype", "autocast", "tokens", "dim", "vocab", "chunk_tokens", "repeats", "compile")
                  if getattr(args, k) is not None}
-    if args.tokens:
-        overrides["tokens"] = tuple(int(t) for t in args.tokens.split(","))
     settings = replace(settings, **overrides)
     result = run_cross_entropy(settings)
     env = result["environment"]

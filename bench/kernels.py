@@ -39,7 +39,8 @@ import torch
 import torch.nn.functional as F
 
 import memopt
-from bench.compare import DTYPES, RESULTS_DIR, cpu_threads, environment, quantile, resolve_device, run_header, save_run
+from bench._args import device_name, nonnegative_int, positive_int
+from bench.compare import DTYPES, OUT_HELP, RESULTS_DIR, cpu_threads, environment, quantile, resolve_device, run_header, save_run
 
 PROVIDERS = ("memopt", "eager", "compile")
 
@@ -503,14 +504,14 @@ def ratio_table(rows: list[dict], provider: str = "memopt") -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.kernels", description="Micro-benchmarks of memopt's ops against eager PyTorch and torch.compile.")
     parser.add_argument("--preset", choices=sorted(KERNEL_PRESETS), default="default")
-    parser.add_argument("--device")
+    parser.add_argument("--device", type=device_name, help="cpu, cuda, cuda:1 or auto")
     parser.add_argument("--dtype", choices=sorted(DTYPES))
     parser.add_argument("--ops", help="comma-separated op names (default: all)")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
     parser.add_argument("--shapes", help="comma-separated ROWSxWIDTH (default: the preset's), e.g. 512x512,4096x4096")
-    parser.add_argument("--repeats", type=int, help="timed repeats per case on CPU (default: the preset's)")
-    parser.add_argument("--threads", type=int, help="torch intra-op threads on CPU (default: the preset's, 1)")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--repeats", type=positive_int, help="timed repeats per case on CPU (default: the preset's)")
+    parser.add_argument("--threads", type=nonnegative_int, help="torch intra-op threads on CPU (default: the preset's, 1; 0: torch's own count)")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help=OUT_HELP.format(kind="kernels"))
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
@@ -523,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError:
             shapes = ()
         if not shapes or any(len(s) != 2 or min(s) <= 0 for s in shapes):
-            raise SystemExit(f"bench.kernels: --shapes must be comma-separated ROWSxWIDTH, got {args.shapes!r}")
+            parser.error(f"--shapes must be comma-separated ROWSxWIDTH, got {args.shapes!r}")
         settings = replace(settings, shapes=shapes)
     known = [s.name for s in op_specs(settings)]
     ops = None
@@ -531,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         ops = [o.strip() for o in args.ops.split(",")]
         unknown = [o for o in ops if o not in known]
         if unknown:
-            raise SystemExit(f"bench.kernels: --ops has unknown names {unknown}; known: {known}")
+            parser.error(f"--ops has unknown names {unknown}; known: {known}")
     result = run_kernels(settings, ops, progress=not args.no_progress)
     env = result["environment"]
     print(run_header(env))

@@ -40,7 +40,8 @@ from pathlib import Path
 import torch
 
 import memopt
-from bench.compare import DTYPES, RESULTS_DIR, cpu_threads, environment, resolve_device, save_run
+from bench._args import device_name, positive_ints
+from bench.compare import DTYPES, OUT_HELP, RESULTS_DIR, cpu_threads, environment, resolve_device, save_run
 from bench.cross_entropy import ChunkAwareTracker
 from bench.kernels import bytes_text
 from memopt.estimate import ModelConfig, strategies
@@ -232,22 +233,18 @@ def main(argv: list[str] | None = None) -> int:
                                      description="Peak training memory against sequence length per strategy, "
                                                  "measured beside memopt.estimate's prediction.")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default")
-    parser.add_argument("--device")
-    parser.add_argument("--seqs", help="comma-separated sequence lengths")
-    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
+    parser.add_argument("--device", type=device_name, help="cpu, cuda, cuda:1 or auto")
+    parser.add_argument("--seqs", type=positive_ints, help="comma-separated sequence lengths, each above 1")
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR, help=OUT_HELP.format(kind="long_context"))
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
     settings = PRESETS[args.preset]
     if args.device:
         settings = replace(settings, device=args.device)
     if args.seqs:
-        try:
-            seqs = tuple(int(s) for s in args.seqs.split(","))
-        except ValueError:
-            parser.error(f"--seqs must be comma-separated positive ints, got {args.seqs!r}")
-        if any(s <= 1 for s in seqs):
-            parser.error(f"--seqs must be comma-separated ints above 1, got {args.seqs!r}")
-        settings = replace(settings, seqs=seqs)
+        if min(args.seqs) <= 1:
+            parser.error(f"--seqs must be comma-separated ints above 1, got {','.join(map(str, args.seqs))!r}")
+        settings = replace(settings, seqs=args.seqs)
     result = run_long_context(settings, progress=True)
     env = result["environment"]
     print(f"memopt {env['memopt']} | torch {env['torch']} | {env['device_name']} | commit {env['commit'][:12]}\n")

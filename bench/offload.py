@@ -122,9 +122,9 @@ def measure(depth: int, provider: str, cfg: dict) -> dict:
 
 
 def main(argv=None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.offload", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    parser.add_argument("--out", default=None, help="JSON file for the rows (default bench/results/...)")
+    parser.add_argument("--out", default=None, help="JSON file for the rows, or an existing folder for offload-<preset>-<date>.json (default bench/results/)")
     args = parser.parse_args(argv)
     cfg = PRESETS[args.preset]
     if cfg["device"] == "cuda" and not torch.cuda.is_available():
@@ -142,8 +142,10 @@ def main(argv=None) -> str:
                 rows.append({"config": config, "layers": depth, "provider": provider, "metric": metric,
                              "unit": unit, "value": value, **common})
                 print(f"{config:60s} {provider:18s} {metric:16s} {value:14.3f} {unit}")
-    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                   f"offload-{args.preset}-{now.strftime('%Y%m%dT%H%M%SZ')}.json")
+    name = f"offload-{args.preset}-{now.strftime('%Y%m%dT%H%M%SZ')}.json"
+    out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)
+    if os.path.isdir(out):
+        out = os.path.join(out, name)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         json.dump(rows, f, indent=1)

@@ -167,22 +167,37 @@ PLOTTERS = {"compare": plot_compare, "sweep-layers": plot_sweep, "sweep-seq": pl
             "long_context": plot_long_context}
 
 
+KINDS_TEXT = "bench.plot draws results files of kind " + ", ".join(sorted(PLOTTERS))
+
+
 def plot_file(path: Path | str, out: Path | str | None = None) -> list[Path]:
-    """Draw the plot of one results JSON file; returns the PNG paths written."""
+    """Draw the plot of one results JSON file; returns the PNG paths written. A file that is not
+    JSON or not a results file of a kind in ``PLOTTERS`` raises ``ValueError`` saying so."""
     path = Path(path)
-    result = json.loads(path.read_text())
-    kind = result.get("kind")
+    try:
+        result = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path} is not JSON ({exc}); {KINDS_TEXT}") from None
+    kind = result.get("kind") if isinstance(result, dict) else None
     if kind not in PLOTTERS:
-        raise ValueError(f"bench.plot: {path} has kind {kind!r}; expected one of {sorted(PLOTTERS)}")
+        # bench.attention and bench.offload write a bare list of rows, with no kind to plot.
+        what = f"has kind {kind!r}" if isinstance(result, dict) else f"is a JSON {type(result).__name__}, not a results file"
+        raise ValueError(f"{path} {what}; {KINDS_TEXT}")
     return [PLOTTERS[kind](result, Path(out) if out else path.with_suffix(".png"))]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.plot", description="Re-draw plots from bench results JSON files.")
-    parser.add_argument("files", nargs="+", type=Path)
+    parser.add_argument("files", nargs="+", type=Path, help=KINDS_TEXT.replace("bench.plot draws ", ""))
     args = parser.parse_args(argv)
     for f in args.files:
-        for png in plot_file(f):
+        try:
+            pngs = plot_file(f)
+        except OSError as exc:
+            parser.error(f"cannot read {f}: {exc.strerror or exc}; {KINDS_TEXT}")
+        except ValueError as exc:
+            parser.error(str(exc))
+        for png in pngs:
             print(png)
     return 0
 

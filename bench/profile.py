@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from bench._args import config_names, nonnegative_int, positive_int
 from bench.compare import (
     DTYPES, PRESETS, RESULTS_DIR, add_shape_arguments, configs_by_name, cpu_threads, environment,
     fastest_sdpa, loss_fn, preset_settings, resolve_device,
@@ -160,15 +161,13 @@ def markdown_table(results: dict[str, dict]) -> str:
 def parse_args(argv):
     parser = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.splitlines()[0])
     parser.add_argument("--preset", choices=sorted(PRESETS), default="default")
-    parser.add_argument("--configs", default=",".join(DEFAULT_CONFIGS), help="comma-separated harness configurations")
+    parser.add_argument("--configs", type=config_names, default=",".join(DEFAULT_CONFIGS), help="comma-separated harness configurations")
     add_shape_arguments(parser)
-    parser.add_argument("--steps", type=int, default=3, help="profiled steps per configuration")
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--top", type=int, default=25, help="kernels listed per configuration")
+    parser.add_argument("--steps", type=positive_int, default=3, help="profiled steps per configuration")
+    parser.add_argument("--warmup", type=nonnegative_int, default=2)
+    parser.add_argument("--top", type=positive_int, default=25, help="kernels listed per configuration")
     parser.add_argument("--out", type=Path, help="the JSON file (default: bench/results/profile-<preset>-<device>.json)")
     args = parser.parse_args(argv)
-    if args.steps < 1 or args.warmup < 0 or args.top < 1:
-        parser.error("--steps and --top must be >= 1, --warmup >= 0")
     return preset_settings(args), args
 
 

@@ -32,7 +32,6 @@ No optimizer step: the weights stay the initial ones for every configuration.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -42,6 +41,7 @@ import torch
 from torch import nn
 
 import memopt
+from bench._args import device_name, int_type, positive_floats
 from bench.compare import (
     DTYPES,
     GRAD_RTOL,
@@ -427,12 +427,12 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
         description="memopt.wrap and memopt.plan against Hugging Face gradient checkpointing on GPT-2 and Llama.",
     )
     parser.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
-    parser.add_argument("--device", help="cpu, cuda, cuda:1 or auto")
+    parser.add_argument("--device", type=device_name, help="cpu, cuda, cuda:1 or auto")
     parser.add_argument("--dtype", choices=sorted(DTYPES))
     parser.add_argument("--models", help=f"comma-separated, among {','.join(MODELS)}")
     for name in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "seq", "batch", "warmup", "repeats", "seed", "threads"):
-        parser.add_argument("--" + name.replace("_", "-"), type=int, dest=name)
-    parser.add_argument("--budgets", help="comma-separated fractions of the plain model's saved bytes, e.g. 0.25,0.5")
+        parser.add_argument("--" + name.replace("_", "-"), type=int_type(name), dest=name)
+    parser.add_argument("--budgets", type=positive_floats, help="comma-separated fractions of the plain model's saved bytes, e.g. 0.25,0.5")
     parser.add_argument("--out", type=Path, help="JSON file, or a folder for wrap-<preset>-<device>-<date>.json (default bench/results/)")
     args = parser.parse_args(argv)
     overrides = {
@@ -446,11 +446,7 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
         if unknown:
             parser.error(f"--models has unknown names {unknown}; known: {list(MODELS)}")
     if args.budgets:
-        overrides["budgets"] = tuple(float(b) for b in args.budgets.split(","))
-        if not all(0 < b for b in overrides["budgets"]):
-            parser.error(f"--budgets must be positive fractions, got {args.budgets}")
-    if overrides.get("repeats", 1) < 1:
-        parser.error("--repeats must be at least 1")
+        overrides["budgets"] = args.budgets
     return replace(PRESETS[args.preset], **overrides), args
 
 
@@ -461,13 +457,7 @@ def main(argv: list[str] | None = None) -> int:
     result["wall_s"] = time.perf_counter() - t0
     env = result["environment"]
     stamp = env["date"].replace("-", "").replace(":", "")
-    out = args.out or RESULTS_DIR
-    if out.suffix == ".json":
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(result, indent=1, default=str) + "\n")
-        path = out
-    else:
-        path = write_results(result, out, f"wrap-{settings.preset}-{resolve_device(settings.device).type}-{stamp}")
+    path = write_results(result, args.out or RESULTS_DIR, f"wrap-{settings.preset}-{resolve_device(settings.device).type}-{stamp}")
     print(f"memopt {env['memopt']} | torch {env['torch']} | triton {env['triton']} | {env['device_name']} | commit {env['commit'][:12]}")
     print(
         f"{','.join(settings.models)}: {settings.layers} layers, hidden {settings.hidden}, {settings.heads} heads "

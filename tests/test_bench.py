@@ -3,6 +3,8 @@ failing configurations, memory accounting, plots."""
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import json
 import platform
 import re
@@ -403,8 +405,9 @@ def test_profile_tiny_run_writes_categories_that_add_up(tmp_path, capsys):
     assert result["configs"]["memopt-offload"]["status"].startswith("not available")
     table = capsys.readouterr().out
     assert "| ms per step | eager-sdpa | memopt-selective |" in table and "memopt-offload: not available" in table
-    with pytest.raises(SystemExit, match="unknown names"):
+    with pytest.raises(SystemExit) as exc:
         profile.main(["--preset", "tiny", "--configs", "nope", "--out", str(out)])
+    assert exc.value.code == 2 and "argument --configs: unknown names ['nope']" in capsys.readouterr().err
 
 
 @gpu
@@ -444,3 +447,125 @@ def test_results_name_the_commit_given_in_memopt_commit(monkeypatch):
     monkeypatch.setenv("MEMOPT_COMMIT", "")  # empty: not given, git's answer (or "unknown")
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(compare.__file__).parent, capture_output=True, text=True)
     assert compare.git_commit().removesuffix("-dirty") == (head.stdout.strip() if head.returncode == 0 else "unknown")
+
+
+# Bad arguments to every bench tool: argparse's exit code 2 and one "error:" line naming the
+# option, before anything runs (no traceback, no run of nonsense sizes).
+BAD_ARGUMENTS = [
+    ("bench.compare", ["--seq", "-4"], "--seq"),
+    ("bench.compare", ["--device", "foo"], "--device"),
+    ("bench.compare", ["--sweep", "layers", "--sweep-values", "1,x"], "--sweep-values"),
+    ("bench.compare", ["--sweep-values", "1,2"], "--sweep-values"),
+    ("bench.compare", ["--repeats", "-1"], "--repeats"),
+    ("bench.compare", ["--layers", "0"], "--layers"),
+    ("bench.compare", ["--dropout", "1.5"], "--dropout"),
+    ("bench.compare", ["--max-config-seconds", "nan"], "--max-config-seconds"),
+    ("bench.compare", ["--configs", "bogus"], "--configs"),
+    ("bench.attention", ["--seqs", "x"], "--seqs"),
+    ("bench.attention", ["--seqs", "-8", "--dropouts", "0.0"], "--seqs"),
+    ("bench.attention", ["--dropouts", "x"], "--dropouts"),
+    ("bench.attention", ["--head-dims", "0"], "--head-dims"),
+    ("bench.cross_entropy", ["--preset", "tiny", "--tokens", "x"], "--tokens"),
+    ("bench.cross_entropy", ["--preset", "tiny", "--vocab", "-3"], "--vocab"),
+    ("bench.cross_entropy", ["--preset", "tiny", "--chunk-tokens", "0"], "--chunk-tokens"),
+    ("bench.cross_entropy", ["--preset", "tiny", "--device", "foo"], "--device"),
+    ("bench.census", ["--preset", "tiny", "--layers", "-1"], "--layers"),
+    ("bench.census", ["--preset", "tiny", "--configs", "eager-sdpa,bogus"], "--configs"),
+    ("bench.census", ["--preset", "tiny", "--dtype", "bfloat16"], "--dtype"),
+    ("bench.profile", ["--preset", "tiny", "--configs", "bogus"], "--configs"),
+    ("bench.profile", ["--preset", "tiny", "--steps", "0"], "--steps"),
+    ("bench.wrap", ["--budgets", "x"], "--budgets"),
+    ("bench.wrap", ["--models", "llama", "--layers", "-2"], "--layers"),
+    ("bench.wrap", ["--repeats", "0"], "--repeats"),
+    ("bench.kernels", ["--preset", "tiny", "--repeats", "0"], "--repeats"),
+    ("bench.kernels", ["--preset", "tiny", "--ops", "bogus"], "--ops"),
+    ("bench.kernels", ["--preset", "tiny", "--shapes", "64x"], "--shapes"),
+    ("bench.long_context", ["--preset", "tiny", "--seqs", "1,64"], "--seqs"),
+    ("bench.long_context", ["--preset", "tiny", "--seqs", "x"], "--seqs"),
+    ("bench.offload", ["--preset", "nope"], "--preset"),
+]
+
+
+def assert_exits_naming(call, capsys, *names):
+    with pytest.raises(SystemExit) as exc:
+        call()
+    err = capsys.readouterr().err
+    assert exc.value.code == 2, err
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert ": error: " in last and all(name in last for name in names), last
+
+
+@pytest.mark.parametrize("module_name, argv, option", BAD_ARGUMENTS, ids=lambda v: v if isinstance(v, str) else " ".join(v))
+def test_bad_arguments_exit_2_naming_the_option(module_name, argv, option, capsys, tmp_path):
+    module = importlib.import_module(module_name)
+    assert_exits_naming(lambda: module.main(argv + ["--out", str(tmp_path / "out.json")]), capsys, option)
+
+
+class _Parsed(Exception):
+    def __init__(self, namespace):
+        super().__init__()
+        self.namespace = namespace
+
+
+# One valid argument set per tool, each at the edge of what is accepted, and what it parses to.
+VALID_ARGUMENTS = [
+    ("bench.compare", ["--preset", "tiny", "--device", "cuda:1", "--seq", "8", "--warmup", "0", "--threads", "0",
+                       "--seed", "-1", "--dropout", "0", "--max-config-seconds", "0", "--configs", "eager-math,memopt-full",
+                       "--sweep", "seq", "--sweep-values", "8,16", "--out", "x.json"],
+     {"seq": 8, "warmup": 0, "threads": 0, "seed": -1, "dropout": 0.0, "sweep_values": (8, 16), "device": "cuda:1",
+      "configs": "eager-math,memopt-full"}),
+    ("bench.attention", ["--preset", "h200", "--seqs", "4096", "--dropouts", "0,0.1", "--head-dims", "128", "--out", "a.json"],
+     {"seqs": (4096,), "dropouts": (0.0, 0.1), "head_dims": (128,)}),
+    ("bench.cross_entropy", ["--preset", "tiny", "--device", "cpu", "--tokens", "64,97", "--dim", "16", "--vocab", "1003",
+                             "--chunk-tokens", "16", "--repeats", "1", "--out", "ce.json"],
+     {"tokens": (64, 97), "vocab": 1003, "chunk_tokens": 16, "device": "cpu"}),
+    ("bench.census", ["--preset", "tiny", "--configs", "eager-sdpa,memopt-full", "--layers", "1", "--dropout", "0.1"],
+     {"layers": 1, "dropout": 0.1}),
+    ("bench.profile", ["--preset", "tiny", "--device", "auto", "--steps", "1", "--warmup", "0", "--top", "5"],
+     {"steps": 1, "warmup": 0, "top": 5, "device": "auto"}),
+    ("bench.wrap", ["--models", "llama", "--layers", "2", "--kv-heads", "1", "--budgets", "0.25,0.5", "--warmup", "0"],
+     {"layers": 2, "budgets": (0.25, 0.5), "warmup": 0}),
+    ("bench.kernels", ["--preset", "tiny", "--ops", "dropout_add", "--shapes", "64x128", "--repeats", "1", "--threads", "0"],
+     {"repeats": 1, "threads": 0}),
+    ("bench.long_context", ["--preset", "tiny", "--device", "cpu", "--seqs", "64,128"], {"seqs": (64, 128)}),
+    ("bench.offload", ["--preset", "cpu", "--out", "o.json"], {"preset": "cpu"}),
+    ("bench.plot", ["a.json", "b.json"], {"files": [Path("a.json"), Path("b.json")]}),
+]
+
+
+@pytest.mark.parametrize("module_name, argv, want", VALID_ARGUMENTS, ids=[case[0] for case in VALID_ARGUMENTS])
+def test_valid_arguments_still_parse(module_name, argv, want, monkeypatch):
+    module = importlib.import_module(module_name)
+    real_parse_args = argparse.ArgumentParser.parse_args
+
+    def parse_then_stop(self, args=None, namespace=None):
+        raise _Parsed(real_parse_args(self, args, namespace))
+
+    with monkeypatch.context() as patch:
+        patch.setattr(argparse.ArgumentParser, "parse_args", parse_then_stop)
+        with pytest.raises(_Parsed) as parsed:
+            module.main(argv)
+    assert {k: getattr(parsed.value.namespace, k) for k in want} == want
+    if hasattr(module, "parse_args"):  # the checks after parsing pass too
+        module.parse_args(argv)
+
+
+def test_plot_refuses_files_it_cannot_plot_naming_the_kinds_it_can(tmp_path, capsys):
+    rows = tmp_path / "attention_cpu.json"  # bench.attention and bench.offload write a bare list
+    rows.write_text(json.dumps([{"name": "attention", "median": 1.0}]))
+    census = tmp_path / "census.json"
+    census.write_text(json.dumps({"kind": "census", "configs": {}}))
+    text = tmp_path / "notes.json"
+    text.write_text("not json")
+    for path, words in ((rows, ("JSON list",)), (census, ("'census'",)), (text, ("not JSON",)),
+                        (tmp_path / "missing.json", ("cannot read",))):
+        assert_exits_naming(lambda: plot.main([str(path)]), capsys, str(path), *words, "compare, kernels, long_context")
+
+
+def test_out_may_name_a_json_file_or_a_folder(tmp_path):
+    result = {"kind": "cross_entropy", "rows": []}
+    assert compare.write_results(result, tmp_path / "x.json", "stem") == tmp_path / "x.json"
+    assert json.loads((tmp_path / "x.json").read_text()) == result
+    assert compare.write_results(result, tmp_path / "folder", "stem") == tmp_path / "folder" / "stem.json"
+    assert (tmp_path / "folder" / "stem.json").is_file()

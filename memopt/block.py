@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memopt import _extension
+from memopt._stock_forward import has_module_hooks, runs_stock_forward
 from memopt.block_functions import MAX_HEAD_DIM, PARAM_NAMES, BlockSpec, apply_block, head_dim_supported, saved_names
 from memopt.offload import Offload, offload_group
 from memopt.ops._common import _AUTOCAST_CASTABLE
@@ -407,7 +408,7 @@ class FusedCheckpointBlock(_TransformerBlockBase):
             eps=self.eps, attention_dropout=drop, residual_dropout=drop, compute_dtype=compute_dtype(x),
             ffn_chunk_tokens=self.ffn_chunk_tokens,
         )  # fmt: skip
-        _check_no_submodule_hooks(self)
+        _check_submodules_run_stock_forward(self)
         params = _block_params(self)
         if batch * seq == 0:
             # No token: an empty output, as torch's layers give, whose backward gives the
@@ -487,19 +488,18 @@ _SUBMODULES = tuple(dict.fromkeys(module for module, _ in _PARAM_PATHS))
 _NORM_FORWARDS = {"layernorm": nn.LayerNorm.forward, "rmsnorm": nn.RMSNorm.forward}
 
 
-def _check_no_submodule_hooks(block: nn.Module) -> None:
-    """Raise if a submodule's call would do more than the block computes from its parameters:
-    the forward reads the submodules' parameters and never calls them, so module hooks would not
-    run (``torch.nn.utils.prune``'s pre-hook that refreshes ``weight``, for one: a stale weight),
-    nor a forward of another class (a PEFT LoRA layer in place of ``fc1``, whose ``weight`` is the
-    frozen base weight: the adapter would be silently skipped) or one patched onto the instance.
-    Parametrized submodules keep nn.Linear's / the norm's forward and pass. Per call: a few
-    attribute reads."""
+def _check_submodules_run_stock_forward(block: nn.Module) -> None:
+    """Raise unless calling each submodule would run its stock forward (see
+    memopt/_stock_forward.py): the block reads its submodules' parameters and never calls them, so
+    module hooks would not run (``torch.nn.utils.prune``'s pre-hook that refreshes ``weight``, for
+    one: a stale weight), nor a forward of another class (a PEFT LoRA layer in place of ``fc1``,
+    whose ``weight`` is the frozen base weight: the adapter would be silently skipped) or one
+    patched onto the instance. Parametrized submodules pass. Per call: a few attribute reads."""
     modules = block._modules
     norm_forward = _NORM_FORWARDS[block.norm]
     for name in _SUBMODULES:
         sub = modules[name]
-        if sub._forward_pre_hooks or sub._forward_hooks or sub._backward_pre_hooks or sub._backward_hooks:
+        if has_module_hooks(sub):
             raise RuntimeError(
                 f"{type(block).__name__}: its submodule {name!r} has module hooks (forward, forward pre- or "
                 "backward hooks, e.g. from torch.nn.utils.prune or torch.nn.utils.weight_norm), which do not run: "
@@ -507,7 +507,7 @@ def _check_no_submodule_hooks(block: nn.Module) -> None:
                 "parametrizations (torch.nn.utils.parametrize, torch.nn.utils.parametrizations.weight_norm) do work"
             )
         expected = norm_forward if name.startswith("norm") else nn.Linear.forward
-        if getattr(type(sub), "forward", None) is not expected or "forward" in sub.__dict__:
+        if not runs_stock_forward(sub, expected):
             raise RuntimeError(
                 f"{type(block).__name__}: its submodule {name!r} is a {type(sub).__module__}.{type(sub).__qualname__} "
                 f"whose forward is not {expected.__qualname__} (an adapter such as PEFT's LoRA layer, or a patched "

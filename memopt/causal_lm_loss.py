@@ -43,6 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memopt._stock_forward import runs_stock_forward
 from memopt.ops.cross_entropy import linear_cross_entropy
 
 LOSSES = ("chunked", "plain")
@@ -160,15 +161,10 @@ def _aux_loss_coefficient(cls: type) -> tuple[tuple[str, ...] | None, str | None
 
 
 def _is_plain_linear(head: nn.Module) -> bool:
-    """Whether ``head(x)`` is ``F.linear(x, head.weight, head.bias)``: an ``nn.Linear`` with
-    nn.Linear's forward and no hooks (a PEFT LoRA layer, an accelerate hook or a weight computed
-    by a pre-hook would be bypassed by the chunked loss, which reads weight and bias)."""
-    return (
-        isinstance(head, nn.Linear)
-        and type(head).forward is nn.Linear.forward
-        and "forward" not in vars(head)
-        and not (head._forward_hooks or head._forward_pre_hooks or head._backward_hooks or head._backward_pre_hooks)
-    )
+    """Whether ``head(x)`` is ``F.linear(x, head.weight, head.bias)`` (see memopt/_stock_forward.py:
+    a PEFT LoRA layer, an accelerate hook or a weight computed by a pre-hook would be bypassed by
+    the chunked loss, which reads weight and bias)."""
+    return isinstance(head, nn.Linear) and runs_stock_forward(head, nn.Linear.forward)
 
 
 def causal_lm(model: nn.Module) -> nn.Module | None:

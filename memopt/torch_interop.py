@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memopt._stock_forward import has_module_hooks, runs_stock_forward
 from memopt.block import FusedCheckpointBlock, compute_dtype
 from memopt.block_functions import MAX_HEAD_DIM, head_dim_supported
 from memopt.checkpoint import checkpoint
@@ -77,7 +78,7 @@ def _unsupported_reason(layer: nn.Module, *, allow_autocast: bool, allow_dropout
         return f"{type(layer).__name__} overrides nn.TransformerEncoderLayer's forward"
     if "forward" in layer.__dict__:
         return "its forward was replaced on the instance"
-    if any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks for m in layer.modules()):
+    if any(has_module_hooks(m) for m in layer.modules()):
         return "it has module hooks, which the block would not run"
     attn = layer.self_attn
     if type(attn) is not nn.MultiheadAttention or not attn._qkv_same_embed_dim:
@@ -85,7 +86,7 @@ def _unsupported_reason(layer: nn.Module, *, allow_autocast: bool, allow_dropout
     for name, linear in (("linear1", layer.linear1), ("linear2", layer.linear2), ("self_attn.out_proj", attn.out_proj)):
         # An adapter in a linear's place (PEFT's LoRA layer) keeps the base weight as .weight:
         # the block, which reads the weights, would drop the adapter without a word.
-        if not isinstance(linear, nn.Linear) or type(linear).forward is not nn.Linear.forward or "forward" in vars(linear):
+        if not isinstance(linear, nn.Linear) or not runs_stock_forward(linear, nn.Linear.forward):
             return f"{name} is a {type(linear).__module__}.{type(linear).__qualname__}, not a plain nn.Linear (an adapter such as PEFT's LoRA layer?)"
     extra = sorted(set(dict(layer.named_parameters())) - _LAYER_PARAMETERS)
     if extra:

@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 from memopt.estimate import ATTENTIONS, OPTIMIZER_STATES, PRECISIONS, PRESETS, ModelConfig, _config_estimate
-from memopt.estimate import ARCHS, LLAMA_LINEARS, LORA_DEFAULT_TARGETS, LOSSES, choice_label, fit_choices
+from memopt.estimate import ARCHS, FIXED_TERMS, LLAMA_LINEARS, LORA_DEFAULT_TARGETS, LOSSES, choice_label, fit_choices
 from memopt.estimate import max_micro_batch, max_seq_len, registered_policies, seq_len_limit, strategies
 
 __all__ = ["main"]
@@ -126,11 +126,21 @@ def _max_seq_table(cfg: ModelConfig, memory: int) -> dict[str, dict]:
     out = {}
     for name, strategy in strategies(cfg).items():
         limit = seq_len_limit(memory, strategy)
+        fixed = {k: v for k, v in limit.estimate.breakdown.items() if k in FIXED_TERMS and v}
         out[name] = {"max_seq_len": limit.max_seq_len, "binding": limit.binding,
                      "total_bytes": limit.estimate.total_bytes, "host_bytes": limit.estimate.host_bytes,
+                     "fixed_bytes": sum(fixed.values()), "fixed_terms": list(fixed),
                      "policy": strategy.policy, "offload": strategy.offload, "loss": strategy.loss,
                      "ffn_chunk_tokens": strategy.ffn_chunk_tokens}
     return out
+
+
+def _binding_text(row: dict, memory: int) -> str:
+    """What stops a longer sequence, in words: the growing term, or the fixed terms' total."""
+    if row["binding"] != "fixed terms":
+        return row["binding"]
+    return (f"fixed terms: {' + '.join(row['fixed_terms'])} (they do not grow with the sequence) need "
+            f"{row['fixed_bytes'] / 2**30:.2f} GiB alone, over {memory / 2**30:g} GiB")
 
 
 def _estimate(args) -> int:
@@ -161,7 +171,7 @@ def _estimate(args) -> int:
         print(f"\nlongest sequence (estimated, micro-batch {cfg.micro_batch}) in {args.memory_gib:g} GiB of device "
               f"memory, host memory {host}:")
         for name, row in out["max_seq"].items():
-            print(f"  {name:<28} {row['max_seq_len']:>10,} tokens   binds: {row['binding']}")
+            print(f"  {name:<28} {row['max_seq_len']:>10,} tokens   binds: {_binding_text(row, memory)}")
     elif memory is not None:
         print(f"\nin {args.memory_gib:g} GiB:")
         for policy, f in out["fits"].items():

@@ -858,45 +858,127 @@ def _config_estimate(cfg: ModelConfig) -> Estimate:
                     transients={"logits_loss": logits_loss, "layer_backward": workspace, "library": library})
 
 
-def _batch_size(example) -> int:
+def _batched_tensor(example, dim: int, inferred: str | None) -> torch.Tensor:
+    """The tensor of ``example`` whose dimension ``dim`` is the batch: ``example`` itself, or the
+    first tensor with more than ``dim`` dimensions in it, depth first."""
+    where = "a leading batch dimension" if dim == 0 else f"a batch dimension {dim} (batch_dim={dim}{inferred or ''})"
     if isinstance(example, torch.Tensor):
-        if example.dim() == 0:
-            raise ValueError("example_input must have a leading batch dimension, got a 0-d tensor")
-        return example.shape[0]
-    batched = _first_batched(example)
+        if example.dim() <= dim:
+            raise ValueError(f"example_input must have {where}, got a {example.dim()}-d tensor")
+        return example
+    batched = _first_batched(example, dim)
     if batched is None:
         raise ValueError(
-            "example_input must be a tensor, or a tuple/list/dict holding a tensor with a leading batch "
-            f"dimension, got {type(example).__name__}"
+            f"example_input must be a tensor, or a tuple/list/dict holding a tensor with {where}, "
+            f"got {type(example).__name__}"
         )
-    return batched.shape[0]
+    return batched
 
 
-def _first_batched(example) -> torch.Tensor | None:
-    """The first tensor of at least one dimension in ``example``, depth first, or None. Other
+def _first_batched(example, dim: int = 0) -> torch.Tensor | None:
+    """The first tensor of more than ``dim`` dimensions in ``example``, depth first, or None. Other
     values are skipped, as AdaptiveBatch's ``_leading_size`` skips them: keyword arguments such
     as ``use_cache=False`` or a 0-d ``num_items_in_batch`` are not batched."""
     if isinstance(example, torch.Tensor):
-        return example if example.dim() > 0 else None
+        return example if example.dim() > dim else None
     if isinstance(example, (tuple, list, dict)):
         for value in example.values() if isinstance(example, dict) else example:
-            found = _first_batched(value)
+            found = _first_batched(value, dim)
             if found is not None:
                 return found
     return None
 
 
+def _declared_layouts(model: torch.nn.Module) -> dict[bool, list[str]]:
+    """The modules of ``model`` that declare their layout (a bool ``batch_first`` attribute:
+    ``nn.MultiheadAttention`` inside ``nn.TransformerEncoderLayer``/``DecoderLayer``, ``nn.Transformer``,
+    ``nn.RNN``/``LSTM``/``GRU``, memopt's ``FusedCheckpointBlock``), by their ``batch_first``."""
+    layouts: dict[bool, list[str]] = {True: [], False: []}
+    for name, module in model.named_modules():
+        batch_first = getattr(module, "batch_first", None)
+        if isinstance(batch_first, bool):
+            layouts[batch_first].append(name)
+    return layouts
+
+
+def _names(names: list[str], shown: int = 3) -> str:
+    listed = ", ".join(repr(n) if n else "the model itself" for n in names[:shown])
+    return listed + (f" and {len(names) - shown} more" if len(names) > shown else "")
+
+
+_PASS_BATCH_DIM = "pass batch_dim= (the dimension of example_input's tensors that holds the samples)"
+
+
+def _batch_dim(model: torch.nn.Module, batch_dim) -> tuple[int, list[str]]:
+    """``(dim, seq_first)``: the batch dimension of the example, and the sequence-first layers it was
+    inferred from (to be confirmed by the forward; empty when nothing needs confirming)."""
+    if batch_dim is not None:
+        if not _is_int(batch_dim) or batch_dim < 0:
+            raise ValueError(f"batch_dim must be a non-negative int (the dimension of example_input's tensors "
+                             f"that holds the samples) or None, got {batch_dim!r}")
+        return batch_dim, []
+    layouts = _declared_layouts(model)
+    if layouts[False] and layouts[True]:
+        raise ValueError(
+            f"the model's layers disagree on where the batch is: {_names(layouts[False])} have batch_first=False, "
+            f"{_names(layouts[True])} batch_first=True; {_PASS_BATCH_DIM}"
+        )
+    return (1, layouts[False]) if layouts[False] else (0, [])
+
+
+class _SeenBatches:
+    """Forward pre-hooks on sequence-first layers recording the batch each ran on: dimension 1 of
+    its first 3-d tensor input, ``(seq, batch, features)``."""
+
+    def __init__(self, model: torch.nn.Module, names: list[str]):
+        self.seen: list[tuple[str, int]] = []
+        modules = dict(model.named_modules())
+        self.handles = [modules[name].register_forward_pre_hook(self._hook(name), with_kwargs=True)
+                        for name in names if name in modules]
+
+    def _hook(self, name: str):
+        def hook(module, args, kwargs):
+            first = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor) and t.dim() == 3), None)
+            if first is not None:
+                self.seen.append((name, first.shape[1]))
+        return hook
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+    def confirm(self, seq_first: list[str], example_batch: int) -> None:
+        """That the layers ran on the batch the example holds in dimension 1."""
+        if not self.seen:
+            raise ValueError(
+                f"the model's layers {_names(seq_first)} have batch_first=False, so example_input's batch would be "
+                f"its dimension 1, but none of them ran on a (seq, batch, features) tensor to confirm it; "
+                f"{_PASS_BATCH_DIM}"
+            )
+        other = next(((name, n) for name, n in self.seen if n != example_batch), None)
+        if other is not None:
+            raise ValueError(
+                f"the model's layers {_names(seq_first)} have batch_first=False, so example_input's batch would be "
+                f"its dimension 1 ({example_batch}), but {_names([other[0]])} ran on a batch of {other[1]} (dimension 1 "
+                f"of its (seq, batch, features) input); {_PASS_BATCH_DIM}"
+            )
+
+
 def _module_estimate(model: torch.nn.Module, example_input, micro_batch: int | None, optimizer: str,
-                     loss_fn: Callable | None, precision: str, low_dtype: torch.dtype) -> Estimate:
+                     loss_fn: Callable | None, precision: str, low_dtype: torch.dtype,
+                     batch_dim: int | None = None) -> Estimate:
     if not isinstance(optimizer, str) or optimizer not in OPTIMIZER_STATES:
         raise ValueError(f"optimizer must be one of {sorted(OPTIMIZER_STATES)}, got {optimizer!r}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if loss_fn is not None and not callable(loss_fn):
         raise TypeError(f"loss_fn must be callable(output) -> loss or None, got {type(loss_fn).__name__}")
-    example_batch = _batch_size(example_input)
+    dim, seq_first = _batch_dim(model, batch_dim)
+    inferred = f", inferred from the layers with batch_first=False: {_names(seq_first)}" if seq_first else None
+    example_batch = _batched_tensor(example_input, dim, inferred).shape[dim]
     if example_batch == 0:
-        raise ValueError("example_input must hold at least one sample (its leading batch dimension is 0): "
+        where = "its leading batch dimension" if dim == 0 else f"its batch dimension {dim}"
+        raise ValueError(f"example_input must hold at least one sample ({where} is 0): "
                          "the activations are measured on it and scaled to micro_batch")
     if micro_batch is None:
         micro_batch = example_batch
@@ -908,11 +990,17 @@ def _module_estimate(model: torch.nn.Module, example_input, micro_batch: int | N
     args = example_input if isinstance(example_input, (tuple, list)) else (example_input,)
     autocast = torch.autocast(next(iter(params)).device.type if params else "cpu", dtype=low_dtype,
                               enabled=precision == "autocast")
-    with SavedTensorCounter(exclude=excluded) as counter, autocast:
-        out = model(**example_input) if isinstance(example_input, dict) else model(*args)
-        if loss_fn is not None:
-            out = loss_fn(out)
-    del out
+    seen = _SeenBatches(model, seq_first)
+    try:
+        with SavedTensorCounter(exclude=excluded) as counter, autocast:
+            out = model(**example_input) if isinstance(example_input, dict) else model(*args)
+            if loss_fn is not None:
+                out = loss_fn(out)
+        del out
+    finally:
+        seen.remove()
+    if seq_first:
+        seen.confirm(seq_first, example_batch)
     scale = micro_batch / example_batch
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
@@ -926,14 +1014,15 @@ def _module_estimate(model: torch.nn.Module, example_input, micro_batch: int | N
         "optimizer_state": n_trainable * states * step_bytes,
         "activations": math.ceil(counter.total_bytes * scale),
     }
-    notes = [f"activations measured at batch {example_batch} and scaled linearly to {micro_batch}",
+    source = f"dimension {dim} of example_input" + (f" (the layers have batch_first=False)" if seq_first else "")
+    notes = [f"activations measured at batch {example_batch} ({source}) and scaled linearly to {micro_batch}",
              "no backward workspace or loss transient beyond what loss_fn saves"]
     return Estimate(breakdown=breakdown, num_parameters=sum(p.numel() for p in params), notes=notes)
 
 
 def estimate(config=None, example_input=None, *, micro_batch: int | None = None, optimizer: str | None = None,
              loss_fn: Callable | None = None, precision: str | None = None,
-             low_dtype: torch.dtype | None = None, **config_fields) -> Estimate:
+             low_dtype: torch.dtype | None = None, batch_dim: int | None = None, **config_fields) -> Estimate:
     """Peak memory of one training step.
 
     Three ways to call it::
@@ -949,7 +1038,15 @@ def estimate(config=None, example_input=None, *, micro_batch: int | None = None,
 
     The measured form runs ``model(example_input)`` (``loss_fn(output)`` too, if given) once at
     the example's batch size, counts the bytes saved for backward with
-    :class:`memopt.SavedTensorCounter` and scales them linearly to ``micro_batch``.
+    :class:`memopt.SavedTensorCounter` and scales them linearly to ``micro_batch``. The example's
+    batch size is dimension ``batch_dim`` of its first tensor with that dimension (depth first).
+    ``batch_dim=None`` (the default) is 0, or 1 when the model's layers that declare a layout
+    (a bool ``batch_first``: ``nn.MultiheadAttention``, so ``nn.TransformerEncoderLayer`` and
+    ``DecoderLayer``; ``nn.Transformer``, ``nn.LSTM``/``GRU``/``RNN``, ``FusedCheckpointBlock``)
+    all have ``batch_first=False``: a ``(seq, batch, ...)`` input. That is checked against the
+    batch those layers run on (dimension 1 of their ``(seq, batch, features)`` input), and
+    ``ValueError`` asks for ``batch_dim=`` when it does not match, when none of them runs on
+    such a tensor, or when the layers declare both layouts.
 
     Returns:
         :class:`Estimate` with ``breakdown``, ``total_bytes``, a table as ``str()`` and
@@ -963,7 +1060,11 @@ def estimate(config=None, example_input=None, *, micro_batch: int | None = None,
         if config_fields:
             raise TypeError(f"unexpected keyword arguments for an nn.Module estimate: {sorted(config_fields)}")
         return _module_estimate(config, example_input, micro_batch, optimizer or "adam", loss_fn,
-                                precision or "fp32", _as_dtype(low_dtype or torch.bfloat16, "low_dtype", _LOW_DTYPES))
+                                precision or "fp32", _as_dtype(low_dtype or torch.bfloat16, "low_dtype", _LOW_DTYPES),
+                                batch_dim)
+    if batch_dim is not None:
+        raise TypeError("batch_dim applies to the measured form, estimate(model, example_input, batch_dim=...); "
+                        f"a ModelConfig's batch is micro_batch, got batch_dim={batch_dim!r}")
     if config is None:
         fields = dict(config_fields, **overrides)
         missing = [f for f in ("n_layers", "d_model", "n_heads", "vocab_size", "seq_len", "micro_batch")
@@ -1053,6 +1154,12 @@ def max_seq_len(memory_bytes: int, config: ModelConfig, *, policy: str | None = 
     return seq_len_limit(memory_bytes, config, policy=policy, offload=offload, upper=upper).max_seq_len
 
 
+FIXED_TERMS = ("parameters", "gradients", "master_weights", "optimizer_state", "autocast_weights")
+"""The terms of a breakdown that do not grow with the sequence length (the GPT-2 layout's learned
+position table aside, one row per position): ``seq_len_limit`` never names one of them as what
+binds a longer sequence, and says ``"fixed terms"`` when they alone exceed the memory."""
+
+
 @dataclass(frozen=True)
 class SeqLenLimit:
     """The longest sequence that fits and what stops a longer one.
@@ -1060,8 +1167,13 @@ class SeqLenLimit:
     Attributes:
         max_seq_len: the longest fitting length (0: none; ``upper`` when the search bound is hit).
         binding: what a sequence one token longer runs out of: ``"host memory"`` when its host
-            bytes exceed the budget, else the largest device term of its breakdown (``"limit"``
-            when ``upper`` itself fits).
+            bytes exceed the budget; else the term of its breakdown that grew the most from
+            length 1 to that length, the term that takes the memory as the sequence grows (never
+            one that does not grow with it, such as ``optimizer_state``). When even length 1 does
+            not fit (``max_seq_len`` 0): ``"fixed terms"`` when the terms that do not grow with the
+            sequence (:data:`FIXED_TERMS`: weights, gradients, optimizer state) alone exceed the
+            memory, else the largest other term at length 1. ``"limit"`` when ``upper`` itself
+            fits.
         estimate: the :class:`Estimate` at ``max_seq_len`` (at length 1 when nothing fits).
     """
 
@@ -1084,8 +1196,18 @@ def seq_len_limit(memory_bytes: int, config: ModelConfig, *, policy: str | None 
     budget = base.host_memory_bytes
     if budget is not None and over.host_bytes > budget:
         binding = "host memory"
+    elif longest == 0:
+        # Nothing fits: nothing grew yet. Either the terms that do not depend on the sequence
+        # exceed the memory on their own, or (with a hair of room left) what one token adds does.
+        fixed = sum(over.breakdown.get(k, 0) for k in FIXED_TERMS)
+        others = {k: v for k, v in over.breakdown.items() if k not in FIXED_TERMS}
+        binding = "fixed terms" if fixed > memory_bytes else max(others, key=others.get)
     else:
-        binding = over.largest(1)[0][0]
+        # The largest term is not what binds: optimizer state can outweigh everything and never
+        # grow with the sequence. What grew from length 1 to the first length that does not fit is.
+        shortest = at(1).breakdown
+        growth = {k: v - shortest.get(k, 0) for k, v in over.breakdown.items()}
+        binding = max(growth, key=growth.get)
     return SeqLenLimit(longest, binding, at(max(longest, 1)))
 
 

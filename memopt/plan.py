@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
+from memopt import causal_lm_loss
 from memopt.checkpoint import checkpoint, copy_cache, is_cache
 from memopt.offload import Offload, default_offload, is_parameter_like
 from memopt.policy import POLICIES, check_offload, check_policy
@@ -55,6 +56,10 @@ CHOICE_STRENGTH: dict[Choice, float] = {
 Between plans of equal time it takes the weaker sum (a measured cost of 0 is noise as often as
 it is free), then stronger choices on earlier layers (their activations are freed last in
 backward). Offloading a selective set moves less than offloading everything, hence the halves."""
+
+
+PLAN_LOSSES = ("plain", "chunked")
+"""The values of :attr:`Plan.loss` besides None (``memopt.wrap``'s ``loss`` choices)."""
 
 
 def _strength(choice: Choice) -> float:
@@ -162,6 +167,11 @@ class Plan:
             and outside a layer (counted on both sides). :func:`plan` checks its choice by
             counting the model under it.
         budget_bytes: the budget the plan was made for, or None.
+        loss: the LM-head loss the plan was measured with, ``"plain"`` or ``"chunked"`` (as
+            ``memopt.wrap``'s ``loss``; what the loss saves is in ``other_bytes``):
+            ``wrap(model, plan=plan)`` runs this loss, and refuses a ``loss=`` that contradicts
+            it. None: not recorded (a plan saved before plans recorded it); ``wrap`` then runs
+            its ``loss=`` as given.
     """
 
     layer_names: list[str]
@@ -170,6 +180,7 @@ class Plan:
     other_bytes: int
     shared_bytes: int = 0
     budget_bytes: int | None = None
+    loss: str | None = None
 
     @property
     def policies(self) -> list[str]:
@@ -198,18 +209,21 @@ class Plan:
             "other_bytes": self.other_bytes,
             "shared_bytes": self.shared_bytes,
             "budget_bytes": self.budget_bytes,
+            "loss": self.loss,
         }
 
     @classmethod
     def from_dict(cls, data: dict) -> "Plan":
-        """A plan from :meth:`to_dict`'s data (e.g. ``json.load``-ed); validated with :meth:`check`."""
+        """A plan from :meth:`to_dict`'s data (e.g. ``json.load``-ed); validated with :meth:`check`.
+        ``shared_bytes``, ``budget_bytes`` and ``loss`` may be missing (data saved before them):
+        0, None and None."""
         if not isinstance(data, dict):
             raise TypeError(f"memopt.Plan.from_dict: data must be a dict (Plan.to_dict's), got {type(data).__name__}")
         required = {"layer_names", "choices", "layer_costs", "other_bytes"}
         missing = required - set(data)
         if missing:
             raise ValueError(f"memopt.Plan.from_dict: data lacks {sorted(missing)}")
-        unknown = set(data) - required - {"shared_bytes", "budget_bytes"}
+        unknown = set(data) - required - {"shared_bytes", "budget_bytes", "loss"}
         if unknown:
             raise ValueError(f"memopt.Plan.from_dict: unknown keys {sorted(unknown)}")
         owner = "memopt.Plan.from_dict"
@@ -226,6 +240,7 @@ class Plan:
             other_bytes=data["other_bytes"],
             shared_bytes=data.get("shared_bytes", 0),
             budget_bytes=data.get("budget_bytes"),
+            loss=data.get("loss"),
         )
         plan.check()
         return plan
@@ -245,6 +260,9 @@ class Plan:
         _check_bytes(self.other_bytes, owner, "other_bytes")
         _check_bytes(self.shared_bytes, owner, "shared_bytes")
         _check_bytes(self.budget_bytes, owner, "budget_bytes", allow_none=True)
+        if self.loss is not None and self.loss not in PLAN_LOSSES:
+            raise ValueError(f"{owner}: loss must be None or one of {PLAN_LOSSES} (the LM-head loss the plan was "
+                             f"measured with), got {self.loss!r}")
         for name, choice, cost in zip(names, self.choices, self.layer_costs):
             _check_choice(choice, f"{owner}: layer {name!r}")
             cost.check(f"{owner}: layer {name!r}")
@@ -285,7 +303,8 @@ class Plan:
             f"predicted {self.predicted_bytes / 2**20:.2f} MiB saved on the device (other "
             f"{self.other_bytes / 2**20:.2f} MiB, shared inputs {self.shared_bytes / 2**20:.2f} MiB), "
             f"{self.predicted_host_bytes / 2**20:.2f} MiB on the host, "
-            f"+{self.predicted_extra_seconds * 1e3:.2f} ms per step, budget {budget}"
+            f"+{self.predicted_extra_seconds * 1e3:.2f} ms per step, budget {budget}, "
+            f"loss {self.loss or 'not recorded'}"
         )
         return "\n".join(rows)
 
@@ -665,8 +684,9 @@ def plan(
             (``memopt.offload.default_offload``), False for no offloading choices.
         repeats: timed forward + backward passes per layer signature and choice.
         loss: the LM-head loss of a Hugging Face causal LM the model is measured with, as
-            ``memopt.wrap``'s ``loss`` (pass the same to ``wrap``): ``"plain"`` saves the logits,
-            ``"chunked"`` does not; None is wrap's default.
+            ``memopt.wrap``'s ``loss``: ``"plain"`` saves the logits, ``"chunked"`` does not; None is
+            wrap's default (``"chunked"`` where the model takes it, ``"plain"`` otherwise). The plan
+            records the one it measured (:attr:`Plan.loss`), and ``wrap(model, plan=plan)`` runs it.
 
     Returns:
         a :class:`Plan`. Raises ``ValueError`` when even the cheapest choice exceeds the budget,
@@ -686,6 +706,8 @@ def plan(
     if inner is not None:
         raise RuntimeError(f"memopt.plan: model is wrapped inside: {inner}; call memopt.unwrap on that module first")
     found = find_layers(model, layers)
+    # The loss wrap will run (None: chunked where the model takes it), recorded in the plan.
+    loss = "plain" if causal_lm_loss.chosen_loss(model, loss) is None else "chunked"
     param_like = list(model.parameters()) + list(model.buffers())
     device = next(iter(param_like), torch.empty(0)).device
     choices, engine = _candidate_choices(choices, offload, device)
@@ -712,7 +734,7 @@ def plan(
         shortfall = 0
         for _ in range(_FIT_ATTEMPTS):
             chosen = choose(costs, budget_bytes - captured.other_bytes - shared_bytes - shortfall)
-            result = Plan(names, chosen, costs, captured.other_bytes, shared_bytes, budget_bytes)
+            result = Plan(names, chosen, costs, captured.other_bytes, shared_bytes, budget_bytes, loss)
             if result.predicted_bytes + shortfall > budget_bytes:
                 raise ValueError(
                     f"memopt.plan: budget_bytes={budget_bytes} is below the least this model can save with "

@@ -389,7 +389,9 @@ def wrap(
         loss: a Hugging Face causal LM's loss with ``labels=``: ``"chunked"`` computes it with
             :func:`memopt.linear_cross_entropy`, without the logits (the output's ``logits`` is
             None; see :mod:`memopt.causal_lm_loss`), ``"plain"`` keeps Hugging Face's; None (the
-            default) is ``"chunked"`` where the model takes it, ``"plain"`` otherwise.
+            default) is ``"chunked"`` where the model takes it, ``"plain"`` otherwise. With
+            ``plan``, None is the plan's loss (:attr:`memopt.Plan.loss`, the one its bytes were
+            measured with), and the other loss raises ``ValueError``.
         ffn_chunk_tokens: None, or a positive int: every layer's MLP (:func:`memopt.tiled_ffn.find_ffn`:
             the ``mlp`` / ``feed_forward`` / ``ffn`` submodule of a Hugging Face layer; a swapped
             ``nn.TransformerEncoderLayer``'s fused block; another encoder layer's ``_ff_block``)
@@ -443,6 +445,8 @@ def wrap(
         )
     if budget_bytes is not None and plan is not None:
         raise ValueError("memopt.wrap: pass either budget_bytes or plan, not both")
+    if plan is not None:
+        loss = _plan_loss(plan, loss)
     chunked_loss_lm = causal_lm_loss.chosen_loss(model, loss)
     tiled_ffn.check_ffn_chunk_tokens(ffn_chunk_tokens, "memopt.wrap")
     if budget_bytes is not None or plan is not None:
@@ -537,6 +541,26 @@ def model_wide_settings(model: nn.Module, loss: str | None = None):
         if loss_forward is not None:
             causal_lm_loss.remove(loss_forward)
         _restore_use_cache(configs)
+
+
+def _plan_loss(given_plan, loss: str | None) -> str | None:
+    """The loss ``wrap(plan=given_plan, loss=loss)`` runs: the plan's (the one its bytes were
+    measured with) when ``loss`` is None; ``ValueError`` when ``loss`` names the other one."""
+    from memopt.plan import Plan
+
+    if not isinstance(given_plan, Plan):
+        raise TypeError(f"memopt.wrap: plan must be a memopt.Plan, got {type(given_plan).__name__}")
+    given_plan.check()
+    planned = given_plan.loss
+    if planned is None or loss is None:
+        return loss if planned is None else planned
+    if loss in causal_lm_loss.LOSSES and loss != planned:
+        raise ValueError(
+            f"memopt.wrap: loss={loss!r} contradicts the plan, which was measured with loss={planned!r} "
+            f"(its budget_bytes={given_plan.budget_bytes} counts what that loss saves); pass loss={planned!r} or "
+            f"leave loss unset, or make a plan for loss={loss!r} with memopt.plan(..., loss={loss!r})"
+        )
+    return loss
 
 
 def _planned(model, layers, offload, budget_bytes, example_inputs, given_plan, loss) -> tuple[list[str], list]:

@@ -197,3 +197,23 @@ def test_max_seq_table(capsys):
     for name in ("no checkpointing", "Hugging Face checkpointing", "memopt selective", "memopt full", "memopt long-context"):
         assert name in text
     assert text.count("binds:") == 5
+
+
+def test_max_seq_names_the_term_that_grows_and_says_when_fixed_terms_do_not_fit(capsys):
+    """Full fine-tuning of Llama-3-8B: Adam's state is the largest term but does not grow with the
+    sequence, so it never binds (it was named for every strategy in 80 GiB); in 40 GiB the fixed
+    terms alone do not fit, and the table says so with their total."""
+    argv = ["estimate", "--preset", "llama-3-8b", "--max-seq"]
+    out = run_json(capsys, *argv, "--memory-gib", "80")
+    bindings = {name: row["binding"] for name, row in out["max_seq"].items()}
+    assert bindings == {"no checkpointing": "activations", "Hugging Face checkpointing": "logits_loss",
+                        "memopt selective": "activations", "memopt full": "activations",
+                        "memopt long-context": "workspace"}
+    fixed = sum(out["breakdown"][k] for k in ("parameters", "gradients", "optimizer_state"))
+    assert all(row["fixed_bytes"] == fixed for row in out["max_seq"].values())
+    assert main([*argv, "--memory-gib", "40"]) == 0
+    text = capsys.readouterr().out
+    assert "optimizer_state\n" not in text and "binds: optimizer_state" not in text
+    line = f"0 tokens   binds: fixed terms: parameters + gradients + optimizer_state (they do not grow with the " \
+           f"sequence) need {fixed / 2**30:.2f} GiB alone, over 40 GiB"
+    assert text.count(line) == 5

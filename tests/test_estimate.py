@@ -210,6 +210,76 @@ def test_measured_estimate_takes_the_batch_from_the_first_batched_tensor(example
         memopt.estimate(model, {"use_cache": False, "scale": torch.tensor(2.0)})
 
 
+def _seq_first_encoder(batch_first=False):
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=batch_first)
+    return torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+
+class _TransposingEncoder(torch.nn.Module):
+    """Takes (batch, seq) token ids and runs sequence-first layers on them."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 32)
+        self.encoder = _seq_first_encoder()
+
+    def forward(self, ids):
+        return self.encoder(self.embed(ids).transpose(0, 1))
+
+
+def test_measured_estimate_finds_the_batch_of_a_sequence_first_model():
+    """nn.TransformerEncoderLayer(batch_first=False) fed (seq, batch, d_model): the batch is
+    dimension 1. It was taken from dimension 0, so the estimate scaled by the sequence length
+    (micro_batch=6 from (12, 2, 32) gave 6/12 of the bytes, not 6/2)."""
+    torch.manual_seed(0)
+    model = _seq_first_encoder()
+    x, big = torch.randn(12, 2, 32), torch.randn(12, 6, 32)
+    est = memopt.estimate(model, x, micro_batch=6)
+    assert est.breakdown["activations"] == _counted(model, model, big) == 3 * _counted(model, model, x)
+    assert "batch 2 (dimension 1 of example_input (the layers have batch_first=False))" in est.notes[0]
+    # The same layers batch-first, fed (batch, seq, d_model): dimension 0, as before.
+    model = _seq_first_encoder(batch_first=True)
+    assert memopt.estimate(model, x.transpose(0, 1), micro_batch=6).breakdown["activations"] == \
+        _counted(model, model, big.transpose(0, 1))
+    # A tuple example (tgt, memory) of a sequence-first decoder layer.
+    decoder = torch.nn.TransformerDecoderLayer(32, 4, 64, dropout=0.0)
+    small = (torch.randn(12, 2, 32), torch.randn(7, 2, 32))
+    large = (torch.randn(12, 6, 32), torch.randn(7, 6, 32))
+    assert memopt.estimate(decoder, small, micro_batch=6).breakdown["activations"] == \
+        _counted(decoder, decoder, *large)
+
+
+def test_measured_estimate_batch_dim_and_its_refusals():
+    torch.manual_seed(0)
+    # (batch, seq) ids into sequence-first layers: inferring dimension 1 would be the sequence;
+    # the layers ran on batch 2, not 12, so it is refused, and batch_dim=0 says where the batch is.
+    model = _TransposingEncoder()
+    ids, big = torch.randint(50, (2, 12)), torch.randint(50, (6, 12))
+    with pytest.raises(ValueError, match=r"batch would be its dimension 1 \(12\), but 'encoder.layers.0.self_attn' "
+                                         r"ran on a batch of 2 .* pass batch_dim="):
+        memopt.estimate(model, ids, micro_batch=6)
+    assert memopt.estimate(model, ids, micro_batch=6, batch_dim=0).breakdown["activations"] == \
+        _counted(model, model, big)
+    # Layers that declare both layouts: which one the example has is not guessed.
+    mixed = torch.nn.Sequential(torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0),
+                                torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True))
+    with pytest.raises(ValueError, match="disagree on where the batch is: '0.self_attn' have batch_first=False, "
+                                         "'1.self_attn' batch_first=True; pass batch_dim="):
+        memopt.estimate(mixed, torch.randn(12, 2, 32))
+    # Sequence-first layers that never run on a (seq, batch, features) tensor: nothing confirms dimension 1.
+    unbatched = _seq_first_encoder()
+    with pytest.raises(ValueError, match="none of them ran on a \\(seq, batch, features\\) tensor"):
+        memopt.estimate(unbatched, torch.randn(12, 32))
+    linear = torch.nn.Linear(32, 32)
+    for bad in (-1, True, 1.0, "1"):
+        with pytest.raises(ValueError, match="batch_dim must be a non-negative int"):
+            memopt.estimate(linear, torch.randn(2, 32), batch_dim=bad)
+    with pytest.raises(ValueError, match="must have a batch dimension 2 \\(batch_dim=2\\), got a 2-d tensor"):
+        memopt.estimate(linear, torch.randn(2, 32), batch_dim=2)
+    with pytest.raises(TypeError, match="batch_dim applies to the measured form"):
+        memopt.estimate(ModelConfig(**SMALL), batch_dim=1)
+
+
 def test_keywords_override_a_config():
     cfg = ModelConfig(**SMALL)
     est = memopt.estimate(cfg, optimizer="sgd", micro_batch=5, precision="master")

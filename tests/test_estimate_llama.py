@@ -174,6 +174,40 @@ def test_seq_len_limit_is_largest_fitting_and_names_the_binding_term():
     assert seq_len_limit(2**40, offloaded).binding == "host memory"
 
 
+def test_binding_term_is_one_that_grows_with_the_sequence():
+    """Full fine-tuning of Llama-3-8B in 80 GiB: Adam's state (29.9 GiB) is the largest term at
+    every length, but it does not grow with the sequence; what binds is the term that does (it used
+    to be named optimizer_state for every strategy). The binding term is the one that grew the most
+    from length 1 to the first length that does not fit."""
+    from memopt.estimate import _config_estimate
+
+    FIXED_TERMS = ("parameters", "gradients", "master_weights", "optimizer_state", "autocast_weights")
+    cfg = ModelConfig(**memopt.estimate_presets["llama-3-8b"], micro_batch=1)
+    expected = {"no checkpointing": "activations", "Hugging Face checkpointing": "logits_loss",
+                "memopt selective": "activations", "memopt full": "activations", "memopt long-context": "workspace"}
+    for name, strategy in strategies(cfg).items():
+        limit = seq_len_limit(80 * 2**30, strategy)
+        longest = limit.max_seq_len
+        assert longest > 0
+        over = _config_estimate(strategy.replace(seq_len=longest + 1))
+        shortest = _config_estimate(strategy.replace(seq_len=1)).breakdown
+        assert over.total_bytes > 80 * 2**30 and over.largest(1)[0][0] == "optimizer_state"
+        growth = {k: v - shortest[k] for k, v in over.breakdown.items()}
+        assert all(growth[k] == 0 for k in FIXED_TERMS)  # none of them grows with the sequence
+        assert limit.binding == max(growth, key=growth.get) == expected[name], name
+    # In 40 GiB the weights, gradients and Adam state alone (59.8 GiB) do not fit: no length fits,
+    # and that is what the binding says, for every strategy.
+    for strategy in strategies(cfg).values():
+        limit = seq_len_limit(40 * 2**30, strategy)
+        fixed = sum(limit.estimate.breakdown[k] for k in FIXED_TERMS)
+        assert (limit.max_seq_len, limit.binding) == (0, "fixed terms") and fixed > 40 * 2**30
+    # Fixed terms that fit with a few bytes to spare: length 1 does not fit, and the term that binds
+    # is the largest one that depends on the sequence, not a fixed one.
+    fixed = sum(_config_estimate(cfg.replace(seq_len=1)).breakdown[k] for k in FIXED_TERMS)
+    limit = seq_len_limit(fixed + 1, cfg)
+    assert limit.max_seq_len == 0 and limit.binding not in FIXED_TERMS + ("fixed terms",)
+
+
 def test_headline_strategies_order():
     """Llama-3-8B + LoRA in 141 GiB with 128 GiB of host memory: each memopt step reaches further,
     long-context at least 8x Hugging Face checkpointing and 700K tokens (the numbers the README

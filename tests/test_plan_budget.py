@@ -297,3 +297,49 @@ def test_budget_is_planned_with_the_loss_wrap_runs():
     memopt.wrap(model, budget_bytes=small, example_inputs=inputs)
     assert model(**inputs).logits is None
     assert _counted(model, inputs) <= small
+
+
+def test_plan_records_its_loss_and_wrap_runs_it():
+    """A plan records the LM-head loss it was measured with; wrap(plan=p) runs that loss when
+    loss= is not given and refuses the other one. Before, wrap(plan=p) ran its own default (the
+    chunked loss) on a plan measured with the plain loss, and loss="plain" on a plan measured with
+    the chunked one saved the logits on top of the plan's budget without a word."""
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=4000,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 4000, (1, 64), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "labels": ids}
+    budget = int(0.8 * _counted(model, inputs))
+    chunked = memopt.plan(model, inputs, budget, repeats=1)  # loss=None: chunked, where the model takes it
+    plain = memopt.plan(model, inputs, budget, loss="plain", repeats=1)
+    # loss= not given: the plan's loss runs, and the plan's budget holds.
+    for made, logits in ((chunked, False), (plain, True)):
+        memopt.wrap(model, plan=made)
+        out = model(**inputs)
+        assert (out.logits is not None) == logits
+        assert _counted(model, inputs) <= budget
+        memopt.unwrap(model)
+    assert (chunked.loss, plain.loss) == ("chunked", "plain")
+    assert memopt.Plan.from_dict(plain.to_dict()).loss == "plain"
+    # The same loss given explicitly: as above.
+    memopt.wrap(model, plan=plain, loss="plain")
+    assert _counted(model, inputs) <= budget
+    memopt.unwrap(model)
+    # The other loss: refused, naming both, and the model is left unwrapped (it broke the budget:
+    # the plan measured with the chunked loss, run with the plain one, saved the logits on top).
+    for made, other in ((chunked, "plain"), (plain, "chunked")):
+        with pytest.raises(ValueError, match=f"loss='{other}' contradicts the plan, which was measured with "
+                                             f"loss='{made.loss}'"):
+            memopt.wrap(model, plan=made, loss=other)
+        assert not wrap_module.is_wrapped(model)
+    # A plan saved before plans recorded their loss: wrap runs the loss= given, as it did.
+    old = chunked.to_dict()
+    del old["loss"]
+    loaded = memopt.Plan.from_dict(old)
+    assert loaded.loss is None
+    memopt.wrap(model, plan=loaded, loss="plain")
+    assert model(**inputs).logits is not None
+    memopt.unwrap(model)

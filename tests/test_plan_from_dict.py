@@ -38,6 +38,22 @@ def test_round_trip_of_a_valid_plan():
     assert plan.predicted_bytes == 512 + 64 + 2048 + 0
 
 
+@pytest.mark.parametrize("loss", ["plain", "chunked", None])
+def test_the_loss_round_trips(loss):
+    data = {**_valid(), "loss": loss}
+    plan = memopt.Plan.from_dict(data)
+    assert plan.loss == loss and plan.to_dict() == data
+    assert f"loss {loss or 'not recorded'}" in str(plan)
+
+
+def test_data_saved_before_plans_recorded_their_loss_still_loads():
+    data = _valid()
+    del data["loss"]
+    plan = memopt.Plan.from_dict(data)
+    assert plan.loss is None
+    assert plan.to_dict() == {**data, "loss": None}
+
+
 def _set(path, value):
     def edit(data):
         target = data
@@ -85,6 +101,8 @@ MALFORMED = {
     "layer_costs not a list": (_set(["layer_costs"], {}), "layer_costs must be a list"),
     "missing key": (_set(["choices"], _DELETE), "lacks"),
     "unknown key": (_set(["policies"], []), "unknown keys"),
+    "invented loss": (_set(["loss"], "fused"), "loss must be None or one of"),
+    "loss not a string": (_set(["loss"], True), "loss must be None or one of"),
 }
 
 

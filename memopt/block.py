@@ -45,6 +45,11 @@ __all__ = [
 ]
 
 
+def _check_eps(eps, owner: str) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
+        raise ValueError(f"{owner}: eps must be a non-negative finite float, got {eps!r}")
+
+
 def _check_choice(value, choices, name: str, owner: str) -> None:
     if value not in choices:
         raise ValueError(f"{owner}: {name} must be one of {list(choices)}, got {value!r}")
@@ -96,28 +101,38 @@ class _TransformerBlockBase(nn.Module):
             raise ValueError(f"{owner}: dropout must be a float in [0, 1), got {dropout!r}")
         _check_choice(activation, ACTIVATIONS, "activation", owner)
         _check_choice(norm, NORMS, "norm", owner)
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 <= eps < math.inf:
-            raise ValueError(f"{owner}: eps must be a non-negative finite float, got {eps!r}")
+        _check_eps(eps, owner)
         self.d_model, self.n_heads, self.n_kv_heads, self.d_ff = d_model, n_heads, n_kv_heads, d_ff
         self.head_dim = d_model // n_heads
         self.dropout, self.activation, self.norm = float(dropout), activation, norm
-        self.norm_first, self.causal, self.bias, self.eps = bool(norm_first), bool(causal), bool(bias), float(eps)
+        self.norm_first, self.causal, self.bias = bool(norm_first), bool(causal), bool(bias)
         self.batch_first = bool(batch_first)
 
         factory = {"device": device, "dtype": dtype}
         qkv_width = (n_heads + 2 * n_kv_heads) * self.head_dim
         fc1_width = 2 * d_ff if activation == "swiglu" else d_ff
-        self.norm1 = self._make_norm(factory)
+        self.norm1 = self._make_norm(float(eps), factory)
         self.qkv = nn.Linear(d_model, qkv_width, bias=bias, **factory)
         self.out_proj = nn.Linear(d_model, d_model, bias=bias, **factory)
-        self.norm2 = self._make_norm(factory)
+        self.norm2 = self._make_norm(float(eps), factory)
         self.fc1 = nn.Linear(d_model, fc1_width, bias=bias, **factory)
         self.fc2 = nn.Linear(d_ff, d_model, bias=bias, **factory)
 
-    def _make_norm(self, factory) -> nn.Module:
+    def _make_norm(self, eps: float, factory) -> nn.Module:
         if self.norm == "layernorm":
-            return nn.LayerNorm(self.d_model, eps=self.eps, bias=self.bias, **factory)
-        return nn.RMSNorm(self.d_model, eps=self.eps, **factory)
+            return nn.LayerNorm(self.d_model, eps=eps, bias=self.bias, **factory)
+        return nn.RMSNorm(self.d_model, eps=eps, **factory)
+
+    @property
+    def eps(self) -> float:
+        """The norms' eps: ``norm1.eps``, which the fused block requires ``norm2.eps`` to equal
+        (it runs both norms with one eps). Setting it sets both norms'."""
+        return self.norm1.eps
+
+    @eps.setter
+    def eps(self, value: float) -> None:
+        _check_eps(value, type(self).__name__)
+        self.norm1.eps = self.norm2.eps = float(value)
 
     def config(self) -> dict:
         """Constructor keyword arguments that rebuild this block's shape (not its weights)."""
@@ -277,6 +292,7 @@ class EagerTransformerBlock(_TransformerBlockBase):
     def to_fused(self, policy: str = "selective") -> "FusedCheckpointBlock":
         """A :class:`FusedCheckpointBlock` with this block's configuration and weights."""
         config = {k: v for k, v in self.config().items() if k != "attention"}
+        config["eps"] = _shared_norm_eps(self)  # the fused block runs both norms with one eps
         block = FusedCheckpointBlock(**config, policy=policy, **self._factory())
         block.load_state_dict(self.state_dict())
         _copy_requires_grad(block, self)
@@ -405,7 +421,7 @@ class FusedCheckpointBlock(_TransformerBlockBase):
             policy=self.policy,
             norm=self.norm, norm_first=self.norm_first, activation=self.activation,
             n_heads=self.n_heads, n_kv_heads=self.n_kv_heads, head_dim=self.head_dim, causal=causal,
-            eps=self.eps, attention_dropout=drop, residual_dropout=drop, compute_dtype=compute_dtype(x),
+            eps=_shared_norm_eps(self), attention_dropout=drop, residual_dropout=drop, compute_dtype=compute_dtype(x),
             ffn_chunk_tokens=self.ffn_chunk_tokens,
         )  # fmt: skip
         _check_submodules_run_stock_forward(self)
@@ -432,6 +448,7 @@ class FusedCheckpointBlock(_TransformerBlockBase):
         config.pop("policy")
         config.pop("ffn_chunk_tokens")
         block = EagerTransformerBlock(**config, **self._factory())
+        block.norm2.eps = self.norm2.eps  # eps is no state_dict entry
         block.load_state_dict(self.state_dict())
         _copy_requires_grad(block, self)
         return block.train(self.training)
@@ -514,6 +531,18 @@ def _check_submodules_run_stock_forward(block: nn.Module) -> None:
                 "forward), which would not run: the block reads its submodules' parameters without calling them. "
                 "Adapt the eager block (to_eager()) or a model of torch layers under memopt.wrap instead"
             )
+
+
+def _shared_norm_eps(block: nn.Module) -> float:
+    """The one eps the fused block runs both norms with: ``norm1.eps``, which ``norm2.eps`` must
+    equal (each is a plain attribute a user may set, as on any nn.LayerNorm / nn.RMSNorm)."""
+    eps1, eps2 = block.norm1.eps, block.norm2.eps
+    if eps1 != eps2 or isinstance(eps1, bool) or not isinstance(eps1, (int, float)) or not 0 <= eps1 < math.inf:
+        raise ValueError(
+            f"{type(block).__name__}: norm1.eps ({eps1!r}) and norm2.eps ({eps2!r}) must be one non-negative finite "
+            "float: the fused block runs both norms with one eps. Set block.eps to set both"
+        )
+    return eps1
 
 
 # ----------------------------------------------------------------------------------------------

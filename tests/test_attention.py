@@ -563,6 +563,31 @@ def test_interpreter_rejects_half_precision_and_unit_stride_violations():
             memopt.attention(q, _t(1, 2, 8, 32), _t(1, 2, 8, 32))
 
 
+@needs_interpreter
+def test_interpreter_refuses_float64_inside_the_block_too():
+    # The block resolves the backend and calls its kernels directly: a float64 block under
+    # cpu_backend("triton") ran the float32 interpreter path (4e-8 output error, not 1e-15).
+    block = memopt.FusedCheckpointBlock(32, 2, 48, dtype=torch.float64)
+    x = torch.randn(2, 5, 32, dtype=torch.float64)
+    with cpu_backend("triton"), pytest.raises(ValueError, match="in the Triton interpreter, got torch.float64"):
+        block(x)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("backend", ["triton", "cpu_flash"])
+def test_head_dim_1_with_any_last_stride_runs(backend):
+    # A (.., seq, 1) view from a transpose is contiguous with a last stride of seq; the stride of
+    # a size-1 dim is never used, and .contiguous() returns the same view: no way to satisfy a
+    # unit-stride check, which the Triton backend applied.
+    q, k, v = (torch.randn(1, 2, 1, 7).transpose(-1, -2).requires_grad_() for _ in range(3))
+    assert q.is_contiguous() and q.stride(-1) == 7
+    key = rng_key(3)
+    with cpu_backend(backend):
+        got, ref = _run_and_reference(q, k, v, True, 0.25, key)
+    for actual, expected in zip(got, ref):
+        _assert_close(actual, expected, torch.float32)
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: the Triton kernels against F.scaled_dot_product_attention in half precision.
 # ---------------------------------------------------------------------------------------------

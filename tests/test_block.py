@@ -238,6 +238,34 @@ def test_adapters_and_patched_forwards_on_submodules_raise():
     torch.testing.assert_close(block(x), eager(x), **F64_TOL)
 
 
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_norm_eps_set_on_the_submodules_is_used(norm):
+    # norm1.eps is a plain attribute, as on any nn.LayerNorm: the fused block read its own copy
+    # and ignored a new value (0.53 output difference at eps 1.0 on small inputs).
+    block = _make(CONFIGS["pre-ln-gelu"], norm=norm)
+    x = torch.randn(2, 5, D_MODEL, dtype=torch.float64) * 1e-2
+    grad = torch.randn_like(x)
+    block.norm1.eps = block.norm2.eps = 0.5
+    eager = block.to_eager()
+    assert (eager.norm1.eps, eager.norm2.eps, block.eps) == (0.5, 0.5, 0.5)
+    _assert_runs_close(_run(block, x, grad), _run(eager, x, grad), **F64_TOL)
+    block.eps = 1.0  # sets both
+    assert (block.norm1.eps, block.norm2.eps) == (1.0, 1.0)
+    eager.norm1.eps = eager.norm2.eps = 1.0
+    _assert_runs_close(_run(block, x, grad), _run(eager, x, grad), **F64_TOL)
+
+    # One eps runs both norms: norms that disagree are refused, not silently unified.
+    block.norm2.eps = 0.1
+    with pytest.raises(ValueError, match=r"norm1.eps \(1.0\) and norm2.eps \(0.1\)"):
+        block(x)
+    assert block.to_eager().norm2.eps == 0.1
+    eager.norm2.eps = 0.1
+    with pytest.raises(ValueError, match="norm2.eps"):
+        eager.to_fused()
+    with pytest.raises(ValueError, match="eps must be a non-negative finite float"):
+        block.eps = float("nan")
+
+
 def test_batch_first_false_takes_seq_first_input():
     block = _make(CONFIGS["pre-ln-gelu"], batch_first=False)
     reference = _make(CONFIGS["pre-ln-gelu"])

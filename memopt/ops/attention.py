@@ -270,13 +270,19 @@ def resolve_backend(backend: str, q, k, v, causal: bool, dropout_p: float) -> st
                 )
         return backend
     if backend == "auto":
-        if _cpu_backend is not None:
-            return _cpu_backend
-        return "cpu_flash"
-    if backend not in CPU_BACKENDS:
+        if _cpu_backend is None:
+            return "cpu_flash"
+        backend = _cpu_backend
+    elif backend not in CPU_BACKENDS:
         raise ValueError(f"memopt.attention: backend {backend!r} does not run on CPU; CPU backends are {CPU_BACKENDS}")
     if backend == "triton":
         _require_interpreter()
+        # Checked here, not only in _check_inputs: the block's autograd functions resolve the
+        # backend and call its kernels directly, and the interpreter path computes in float32.
+        if q.dtype not in INTERPRETER_DTYPES:
+            raise ValueError(
+                f"memopt.attention: q, k, v dtype must be one of {INTERPRETER_DTYPES} in the Triton interpreter, got {q.dtype}"
+            )
     if backend == "aten_flash":
         _check_aten_keeps_contract(backend, q, k, causal, dropout_p)
     return backend
@@ -350,7 +356,7 @@ def _check_inputs(q, k, v, causal, dropout_p, rng_key, backend="auto") -> str:
         raise ValueError(f"memopt.attention: q, k, v dtype must be one of {allowed} {where}, got {q.dtype}")
     if resolved == "triton":
         for name, t in (("q", q), ("k", k), ("v", v)):
-            if t.stride(-1) != 1:
+            if t.stride(-1) != 1 and t.shape[-1] > 1:  # a size-1 dim's stride is never used
                 raise ValueError(f"memopt.attention: {name} must have a unit stride in its last dim, got strides {t.stride()}")
     return resolved
 

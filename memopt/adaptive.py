@@ -21,6 +21,12 @@ What the snippets people copy get wrong, and what this does instead:
   only records the failure; references are dropped, ``gc.collect()`` and
   ``torch.cuda.empty_cache()`` run, and then the retry starts.
 
+Micro-batches are cut along dimension 0 of the batch's tensors, or along ``batch_dim=`` (one
+dimension for all, or one per tensor). A model with a layer that declares ``batch_first=False``
+(``nn.TransformerEncoderLayer`` and the like: ``(seq, batch, d)`` inputs) is refused until
+``batch_dim=`` says where the samples are: cutting dimension 0 there would split the sequence
+and accumulate a wrong gradient without an error.
+
 Rollback is exact because every micro-step backpropagates into fresh ``.grad`` tensors while
 the gradients accumulated so far are held aside, and is added to them only once it has
 succeeded; after the first micro-step this costs one transient gradient-sized buffer. The
@@ -69,6 +75,8 @@ from typing import Any, Callable
 
 import torch
 
+from memopt.estimate import _declared_layouts, _names
+
 __all__ = ["AdaptiveBatch", "MicroBatchFloorError", "StepResult"]
 
 logger = logging.getLogger("memopt.adaptive")
@@ -97,30 +105,141 @@ class StepResult:
     skipped: bool
 
 
-def _leading_size(batch) -> int:
+def _tensor_dims(batch, batch_dim) -> list[tuple[Any, torch.Tensor, int]]:
+    """``(key, tensor, dim)`` for each tensor of ``batch`` (a tensor, or a tuple/list/dict whose
+    other values are passed to every micro-batch as they are): the dimension ``batch_dim`` says
+    holds its samples. ``batch_dim`` is an int for every tensor, or a tuple/list (for a tuple/list
+    batch) or dict (for a dict batch) with an int for each tensor and None for each other value."""
     if isinstance(batch, torch.Tensor):
-        if batch.dim() == 0:
-            raise ValueError("batch must have a leading batch dimension, got a 0-d tensor")
-        return batch.shape[0]
-    if isinstance(batch, dict):
-        sizes = {k: _leading_size(v) for k, v in batch.items() if isinstance(v, torch.Tensor)}
-    elif isinstance(batch, (tuple, list)):
-        sizes = {i: _leading_size(v) for i, v in enumerate(batch) if isinstance(v, torch.Tensor)}
+        if not _is_int(batch_dim):
+            raise ValueError(f"batch is a tensor: batch_dim must be an int, got {batch_dim!r}")
+        items = [(None, batch, batch_dim)]
+    elif isinstance(batch, (dict, tuple, list)):
+        pairs = batch.items() if isinstance(batch, dict) else enumerate(batch)
+        if _is_int(batch_dim):
+            items = [(k, v, batch_dim) for k, v in pairs if isinstance(v, torch.Tensor)]
+        else:
+            items = _tensor_dims_per_item(batch, list(pairs), batch_dim)
     else:
         raise TypeError(f"batch must be a tensor or a tuple/list/dict of tensors, got {type(batch).__name__}")
-    if not sizes:
+    for key, tensor, dim in items:
+        if tensor.dim() <= dim:
+            what = "batch" if key is None else f"batch tensor {key!r}"
+            if dim == 0:
+                raise ValueError(f"{what} must have a leading batch dimension, got a 0-d tensor")
+            raise ValueError(f"{what} has {tensor.dim()} dimensions, no dimension {dim} to split "
+                             f"(batch_dim={batch_dim!r})")
+    return items
+
+
+def _tensor_dims_per_item(batch, pairs: list, batch_dim) -> list[tuple[Any, torch.Tensor, int]]:
+    """:func:`_tensor_dims` of a tuple/list/dict batch with one ``batch_dim`` entry per item."""
+    if isinstance(batch, dict) and isinstance(batch_dim, dict):
+        extra = [k for k in batch_dim if k not in batch]
+        if extra:
+            raise ValueError(f"batch_dim names {extra[0]!r}, not in the batch (keys {list(batch)})")
+        dims = batch_dim
+    elif not isinstance(batch, dict) and isinstance(batch_dim, (tuple, list)):
+        if len(batch_dim) != len(batch):
+            raise ValueError(f"batch_dim {batch_dim!r} has {len(batch_dim)} entries, the batch {len(batch)}: "
+                             "one per item (an int for a tensor, None for anything else)")
+        dims = dict(enumerate(batch_dim))
+    else:
+        kind = "dict" if isinstance(batch, dict) else type(batch).__name__
+        want = "an int or a dict" if isinstance(batch, dict) else "an int or a tuple/list"
+        raise ValueError(f"batch is a {kind}: batch_dim must be {want} (one entry per item), got {batch_dim!r}")
+    items = []
+    for key, value in pairs:
+        dim = dims.get(key)
+        if isinstance(value, torch.Tensor):
+            if dim is None:
+                missing = (f"batch_dim[{key!r}] is None, but the batch's item {key!r} is a tensor" if key in dims
+                           else f"batch_dim has no entry for the batch's tensor {key!r}")
+                raise ValueError(f"{missing}: give the dimension that holds its samples")
+            items.append((key, value, dim))
+        elif dim is not None:
+            raise ValueError(f"batch_dim[{key!r}] is {dim!r}, but the batch's item {key!r} is not a tensor (it is "
+                             "passed to every micro-batch as it is): give None")
+    return items
+
+
+def _leading_size(batch, batch_dim=0) -> int:
+    """The number of samples in ``batch``: the size of every tensor's batch dimension (see
+    :func:`_tensor_dims`; dimension 0 by default), which must agree."""
+    items = _tensor_dims(batch, batch_dim)
+    if not items:
         raise ValueError("batch holds no tensor")
+    sizes = {key: tensor.shape[dim] for key, tensor, dim in items}
     if len(set(sizes.values())) != 1:
-        raise ValueError(f"batch tensors must share their leading (batch) dimension, got sizes {sizes}")
+        if all(dim == 0 for _, _, dim in items):
+            raise ValueError(f"batch tensors must share their leading (batch) dimension, got sizes {sizes}")
+        raise ValueError(f"batch tensors must agree on their batch size (the dimension batch_dim={batch_dim!r} "
+                         f"gives each), got sizes {sizes}")
     return next(iter(sizes.values()))
 
 
-def _slice(batch, start: int, stop: int):
+def _slice(batch, start: int, stop: int, batch_dim=0):
+    """Samples ``start:stop`` of ``batch``: a view of each tensor along its batch dimension."""
+    def cut(tensor, dim):
+        return tensor[start:stop] if dim == 0 else tensor.narrow(dim, start, stop - start)
+
     if isinstance(batch, torch.Tensor):
-        return batch[start:stop]
+        return cut(batch, batch_dim)
+    if _is_int(batch_dim):  # the batch was checked by _leading_size
+        if isinstance(batch, dict):
+            return {k: cut(v, batch_dim) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        return type(batch)(cut(v, batch_dim) if isinstance(v, torch.Tensor) else v for v in batch)
+    dims = {key: dim for key, _, dim in _tensor_dims(batch, batch_dim)}
     if isinstance(batch, dict):
-        return {k: _slice(v, start, stop) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    return type(batch)(_slice(v, start, stop) if isinstance(v, torch.Tensor) else v for v in batch)
+        return {k: cut(v, dims[k]) if k in dims else v for k, v in batch.items()}
+    return type(batch)(cut(v, dims[i]) if i in dims else v for i, v in enumerate(batch))
+
+
+def _check_batch_dim(batch_dim) -> None:
+    def is_dim(d):
+        return _is_int(d) and d >= 0
+
+    if batch_dim is None or is_dim(batch_dim):
+        return
+    if isinstance(batch_dim, (tuple, list, dict)):
+        entries = batch_dim.values() if isinstance(batch_dim, dict) else batch_dim
+        if all(d is None or is_dim(d) for d in entries):
+            return
+    raise ValueError(
+        f"batch_dim must be a non-negative int (the dimension of every batch tensor that holds the samples), a "
+        f"tuple/list or dict of them for a tuple/list or dict batch (None for an item that is not a tensor), or "
+        f"None, got {batch_dim!r}"
+    )
+
+
+def _layers(names: list[str]) -> str:
+    return "layer" if len(names) == 1 else "layers"
+
+
+def _have(names: list[str]) -> str:
+    return "has" if len(names) == 1 else "have"
+
+
+def _default_batch_dim(model: torch.nn.Module) -> int:
+    """0, unless a layer of ``model`` declares a sequence-first layout (``batch_first=False``):
+    then where the batch is cannot be known, and splitting dimension 0 would cut the sequence."""
+    layouts = _declared_layouts(model)
+    if not layouts[False]:
+        return 0
+    how = ("pass batch_dim= saying where the batch tensors hold their samples: batch_dim=1 when every tensor is "
+           "(seq, batch, ...), one per tensor when they differ (batch_dim=(1, 0) for (src, src_key_padding_mask), "
+           "a dict for a dict batch), or batch_dim=0 when the model takes (batch, ...) inputs and transposes inside")
+    if layouts[True]:
+        raise ValueError(
+            f"memopt.AdaptiveBatch: the model's layers disagree on where the batch is: {_names(layouts[False])} "
+            f"{_have(layouts[False])} batch_first=False, {_names(layouts[True])} batch_first=True; micro-batches "
+            f"cut along the wrong dimension would split sequences and give a wrong gradient; {how}"
+        )
+    raise ValueError(
+        f"memopt.AdaptiveBatch: the model's {_layers(layouts[False])} {_names(layouts[False])} {_have(layouts[False])} "
+        f"batch_first=False, a (seq, batch, ...) layout: micro-batches cut along dimension 0 (the default) would "
+        f"split the sequence, not the samples, and give a wrong gradient; {how}"
+    )
 
 
 def _is_int(value) -> bool:
@@ -227,7 +346,7 @@ class AdaptiveBatch:
             return F.cross_entropy(model(ids).flatten(0, 1), targets.flatten())
 
         stepper = memopt.AdaptiveBatch(model, optimizer, loss_fn, micro_batch=32, grow_after=100)
-        for batch in loader:                  # (ids, targets), batch dimension first
+        for batch in loader:                  # (ids, targets), batch dimension first (see batch_dim)
             result = stepper.step(batch)      # optimizer.step() ran once over the whole batch
             optimizer.zero_grad(set_to_none=True)
 
@@ -256,9 +375,24 @@ class AdaptiveBatch:
             sum over its samples or tokens divided by the whole batch's count, as Hugging Face
             models do with ``num_items_in_batch``): the micro-step losses are added as they are,
             unweighted.
+        batch_dim: where each tensor of a batch holds its samples, the dimension micro-batches are
+            cut along: an int for every tensor, or a tuple/list (a tuple/list batch) or dict (a
+            dict batch) with one int per tensor and None for each item that is not a tensor
+            (passed to every micro-batch as it is). The tensors' sizes there must agree.
+            ``None`` (the default) is 0, a ``(batch, ...)`` layout, unless a layer of the model
+            declares a sequence-first layout (a bool ``batch_first`` attribute that is False:
+            ``nn.MultiheadAttention``, so ``nn.TransformerEncoderLayer``/``DecoderLayer``;
+            ``nn.Transformer``, ``nn.LSTM``/``GRU``/``RNN``, ``FusedCheckpointBlock``): the
+            constructor then raises ``ValueError`` naming those layers, because cutting dimension
+            0 of a ``(seq, batch, d)`` input splits the sequence and accumulates a wrong gradient.
+            Say ``batch_dim=1`` for ``(seq, batch, ...)`` tensors, ``batch_dim=(1, 0)`` for
+            ``(src, src_key_padding_mask)`` (the mask is ``(batch, seq)``), ``batch_dim=0`` for a
+            model that takes ``(batch, ...)`` and transposes inside. The layers are looked at once,
+            here.
 
     Attributes:
         micro_batch: the current micro-batch size.
+        batch_dim: the batch dimension(s) micro-batches are cut along, as resolved at construction.
         skipped_steps: steps the grad scaler skipped.
         oom_count: out-of-memory errors recovered from.
     """
@@ -268,7 +402,8 @@ class AdaptiveBatch:
                  min_micro_batch: int = 1, grow_after: int | None = None,
                  num_tokens: Callable[[Any], int] | None = None, amp_dtype: torch.dtype | None = None,
                  grad_scaler: "torch.amp.GradScaler | None" = None,
-                 backward: Callable[[torch.Tensor], Any] | None = None, pre_weighted: bool = False):
+                 backward: Callable[[torch.Tensor], Any] | None = None, pre_weighted: bool = False,
+                 batch_dim: int | tuple | list | dict | None = None):
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -296,6 +431,9 @@ class AdaptiveBatch:
                              "which makes one); let backward scale the loss (accelerator.backward does)")
         if not isinstance(pre_weighted, bool):
             raise TypeError(f"pre_weighted must be a bool, got {pre_weighted!r}")
+        _check_batch_dim(batch_dim)
+        # The layout scan runs once, here: each step only reads the resolved batch_dim.
+        self.batch_dim = _default_batch_dim(model) if batch_dim is None else batch_dim
         self.model, self.optimizer, self.loss_fn = model, optimizer, loss_fn
         self.max_micro_batch = micro_batch
         self.micro_batch = micro_batch
@@ -333,13 +471,13 @@ class AdaptiveBatch:
     # The count every weight is a share of: samples or tokens, global under distributed.
     def _count(self, batch) -> float:
         if self.num_tokens is None:
-            return float(_leading_size(batch))
+            return float(_leading_size(batch, self.batch_dim))
         count = self.num_tokens(batch)
         if isinstance(count, torch.Tensor) and count.numel() == 1 and not count.is_floating_point():
             count = int(count.item())
         if not _is_int(count) or count < 0:
             raise ValueError(f"num_tokens must return a non-negative int for every batch and micro-batch, "
-                             f"got {count!r} for one of {_leading_size(batch)} samples")
+                             f"got {count!r} for one of {_leading_size(batch, self.batch_dim)} samples")
         return float(count)
 
     def _all_reduce(self, value: float, op: str) -> float:
@@ -401,7 +539,8 @@ class AdaptiveBatch:
         return (oom, None) if oom is not None else (None, loss)
 
     def step(self, batch) -> StepResult:
-        """Run one optimizer step over ``batch`` (tensors with the batch dimension first)."""
+        """Run one optimizer step over ``batch`` (tensors with the batch in dimension ``batch_dim``:
+        the first, by default)."""
         loss_sum, micro, micro_steps, retries = self._backward_batch(batch, add_to_grads=False)
         self._sync_gradients()
         skipped = self._optimizer_step()
@@ -438,9 +577,13 @@ class AdaptiveBatch:
         """Every micro-step of ``batch``; its gradient ends in ``.grad`` (added to what was there
         with ``add_to_grads``, else in its place). Returns (loss sum, micro-batch, micro-steps,
         retries)."""
-        size = _leading_size(batch)
+        size = _leading_size(batch, self.batch_dim)
         if size == 0:
-            raise ValueError("batch is empty (leading dimension 0)")
+            if self.batch_dim == 0:
+                raise ValueError("batch is empty (leading dimension 0)")
+            where = (f"batch dimension {self.batch_dim}" if _is_int(self.batch_dim)
+                     else f"the batch dimensions batch_dim={self.batch_dim!r} give")
+            raise ValueError(f"batch is empty ({where} is 0)")
         if _distributed() and self._all_reduce(size, "min") != self._all_reduce(size, "max"):
             raise ValueError(f"under torch.distributed every rank's batch must hold the same number of samples "
                              f"(this rank: {size}): the ranks step through micro-batches together")
@@ -491,7 +634,7 @@ class AdaptiveBatch:
         start, micro_steps, retries = 0, 0, 0
         while start < size:
             stop = min(start + micro, size)
-            piece = _slice(batch, start, stop)
+            piece = _slice(batch, start, stop, self.batch_dim)
             count = self._count(piece)
             weight = count / total
             message, loss = None, None

@@ -348,3 +348,163 @@ def test_diagnose_a_real_cuda_oom():
     except torch.OutOfMemoryError as err:
         diag = memopt.diagnose_oom(err)
     assert diag.requested_bytes is not None and diag.requested_bytes >= 1.9 * total
+
+
+# --- Where the batch is: sequence-first models (nn.TransformerEncoderLayer(batch_first=False)) ---
+
+SEQ, NB, DM = 6, 4, 16
+
+
+def _seq_first_layer():
+    torch.manual_seed(0)
+    return torch.nn.TransformerEncoderLayer(DM, 2, 32, dropout=0.0, batch_first=False).double()
+
+
+def _pow2_mean(m, batch):
+    if isinstance(batch, dict):
+        return m(batch["src"], src_key_padding_mask=batch["mask"]).pow(2).mean()
+    if isinstance(batch, tuple):
+        return m(batch[0], src_key_padding_mask=batch[1]).pow(2).mean()
+    return m(batch).pow(2).mean()
+
+
+def _whole_batch_grads(model, batch):
+    """The reference: plain PyTorch, the whole batch's mean loss in one backward."""
+    model.zero_grad(set_to_none=True)
+    _pow2_mean(model, batch).backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return grads
+
+
+def _padding_mask():
+    mask = torch.zeros(NB, SEQ, dtype=torch.bool)  # (batch, seq): a seq-first model's mask holds the batch in dim 0
+    mask[1, 4:] = True
+    mask[3, 2:] = True
+    return mask
+
+
+def test_seq_first_model_without_batch_dim_is_refused():
+    # It split dimension 0 of a (seq, batch, d) input: the sequence, 0.024 off the whole-batch gradient.
+    model = _seq_first_layer()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    with pytest.raises(ValueError, match=r"'self_attn'.*batch_first=False.*batch_dim="):
+        memopt.AdaptiveBatch(model, opt, _pow2_mean, micro_batch=2)
+    stack = torch.nn.TransformerEncoder(_seq_first_layer(), num_layers=3, enable_nested_tensor=False)
+    with pytest.raises(ValueError, match=r"'layers.0.self_attn', 'layers.1.self_attn', 'layers.2.self_attn' have "
+                                         r"batch_first=False"):
+        memopt.AdaptiveBatch(stack, torch.optim.SGD(stack.parameters(), lr=0.0), _pow2_mean)
+
+
+def test_mixed_layouts_are_refused_without_batch_dim():
+    model = torch.nn.ModuleDict({"a": torch.nn.MultiheadAttention(8, 2, batch_first=True),
+                                 "b": torch.nn.LSTM(8, 8)})
+    with pytest.raises(ValueError, match=r"disagree.*'b' has batch_first=False.*'a' batch_first=True.*batch_dim="):
+        memopt.AdaptiveBatch(model, torch.optim.SGD(model.parameters(), lr=0.0), _pow2_mean)
+
+
+@pytest.mark.parametrize("micro", [1, 2, 3])
+def test_seq_first_batch_dim_1_matches_whole_batch(micro):
+    model = _seq_first_layer()
+    torch.manual_seed(1)
+    x = torch.randn(SEQ, NB, DM, dtype=DT)
+    ref = _whole_batch_grads(model, x)
+    seen = []
+
+    def loss_fn(m, batch):
+        seen.append(tuple(batch.shape))
+        return _pow2_mean(m, batch)
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    stepper = memopt.AdaptiveBatch(model, opt, loss_fn, micro_batch=micro, batch_dim=1)
+    result = stepper.step(x)
+    sizes = [micro] * (NB // micro) + ([NB % micro] if NB % micro else [])
+    assert seen == [(SEQ, n, DM) for n in sizes]
+    assert result.micro_steps == len(sizes)
+    assert max((p.grad - r).abs().max().item() for p, r in zip(model.parameters(), ref)) < 1e-12
+    # The whole-batch micro-batch (the default) is dimension 1's size.
+    seen.clear()
+    assert memopt.AdaptiveBatch(model, opt, loss_fn, batch_dim=1).step(x).micro_batch == NB
+    assert seen == [(SEQ, NB, DM)]
+
+
+def test_seq_first_batch_dim_per_tensor_matches_whole_batch_with_oom_retry():
+    # (src (seq, batch, d), key_padding_mask (batch, seq)): each tensor split where it holds the batch.
+    class Flaky(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = _seq_first_layer()
+
+        def forward(self, src, src_key_padding_mask=None):
+            if src.shape[1] > 1:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return self.layer(src, src_key_padding_mask=src_key_padding_mask)
+
+    model = Flaky()
+    torch.manual_seed(2)
+    x, mask = torch.randn(SEQ, NB, DM, dtype=DT), _padding_mask()
+    ref = [r for r in _whole_batch_grads(model.layer, (x, mask))]
+    for batch, dims in [((x, mask), (1, 0)), ({"src": x, "mask": mask}, {"src": 1, "mask": 0})]:
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        stepper = memopt.AdaptiveBatch(model, opt, _pow2_mean, micro_batch=4, batch_dim=dims)
+        result = stepper.step(batch)
+        assert (result.micro_batch, result.micro_steps, result.oom_retries) == (1, NB, 2)
+        assert max((p.grad - r).abs().max().item() for p, r in zip(model.layer.parameters(), ref)) < 1e-12
+        model.zero_grad(set_to_none=True)
+        stepper.accumulate(batch)  # accumulate slices the same way
+        assert max((p.grad - r).abs().max().item() for p, r in zip(model.layer.parameters(), ref)) < 1e-12
+        model.zero_grad(set_to_none=True)
+
+
+def test_batch_dim_0_takes_a_batch_first_input_to_a_model_that_transposes_inside():
+    class BatchFirstOutside(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = _seq_first_layer()
+
+        def forward(self, x):  # (batch, seq, d)
+            return self.layer(x.transpose(0, 1)).transpose(0, 1)
+
+    model = BatchFirstOutside()
+    torch.manual_seed(3)
+    x = torch.randn(NB, SEQ, DM, dtype=DT)
+    ref = _whole_batch_grads(model, x)
+    with pytest.raises(ValueError, match="batch_first=False"):
+        memopt.AdaptiveBatch(model, torch.optim.SGD(model.parameters(), lr=0.0), _pow2_mean)
+    stepper = memopt.AdaptiveBatch(model, torch.optim.SGD(model.parameters(), lr=0.0), _pow2_mean,
+                                   micro_batch=3, batch_dim=0)
+    assert stepper.step(x).micro_steps == 2
+    assert max((p.grad - r).abs().max().item() for p, r in zip(model.parameters(), ref)) < 1e-12
+
+
+@pytest.mark.parametrize("batch_dim", [-1, True, 1.0, "1", (1, -1), {"src": 1.5}, [None, "0"]])
+def test_bad_batch_dim(batch_dim):
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="batch_dim must be"):
+        memopt.AdaptiveBatch(model, torch.optim.SGD(model.parameters(), lr=0.1), mse, batch_dim=batch_dim)
+
+
+def test_batch_dim_that_does_not_fit_the_batch_raises_and_leaves_model_unchanged():
+    model = _seq_first_layer()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x, mask = torch.randn(SEQ, NB, DM, dtype=DT), _padding_mask()
+    before = copy.deepcopy(model.state_dict())
+    cases = [
+        (1, (x, mask), r"agree on their batch size.*sizes \{0: 4, 1: 6\}"),  # the mask's dim 1 is the sequence
+        ((1,), (x, mask), r"batch_dim \(1,\) has 1 entries, the batch 2"),
+        ((1, None), (x, mask), r"batch_dim\[1\] is None, but the batch's item 1 is a tensor"),
+        ((1, 0, 0), (x, mask, False), r"batch_dim\[2\] is 0, but the batch's item 2 is not a tensor"),
+        ({"src": 1}, {"src": x, "mask": mask}, r"batch_dim has no entry for the batch's tensor 'mask'"),
+        ({"src": 1, "mask": 0, "msk": 0}, {"src": x, "mask": mask}, r"batch_dim names 'msk', not in the batch"),
+        ((1, 0), x, r"batch is a tensor: batch_dim must be an int"),
+        ({"src": 1}, (x, mask), r"batch is a tuple: batch_dim must be an int or a tuple/list"),
+        (3, x, r"has 3 dimensions, no dimension 3"),
+        (1, torch.randn(SEQ, 0, DM, dtype=DT), r"empty \(batch dimension 1 is 0\)"),
+    ]
+    for dims, batch, match in cases:
+        stepper = memopt.AdaptiveBatch(model, opt, _pow2_mean, micro_batch=2, batch_dim=dims)
+        with pytest.raises(ValueError, match=match):
+            stepper.step(batch)
+    assert all(p.grad is None for p in model.parameters())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k])

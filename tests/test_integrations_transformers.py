@@ -100,6 +100,22 @@ def test_memopt_selected_through_training_arguments_matches_unwrapped_trainer(tm
     _assert_params_close(_params(ours.model), _params(plain.model), rtol=1e-4, atol=1e-5)
 
 
+def test_model_with_a_sequence_first_layer_inside_trains_on_batch_first_batches(tmp_path):
+    """A Trainer's batches are (batch, ...) tensors also for models holding batch_first=False
+    layers (Encodec's LSTM): AdaptiveBatch, which refuses to guess for such models, is told so."""
+
+    def model():
+        llama = _llama()
+        llama.side = torch.nn.LSTM(4, 4)  # declares batch_first=False; unused by the forward
+        return llama
+
+    plain = _train(RecordingTrainer, model(), _args(tmp_path / "plain", gradient_accumulation_steps=2))
+    ours = _train(RecordingMemoptTrainer, model(), _args(tmp_path / "memopt", gradient_accumulation_steps=2))
+    assert ours.adaptive_batch.batch_dim == 0
+    torch.testing.assert_close(torch.tensor(ours.step_losses), torch.tensor(plain.step_losses), rtol=1e-5, atol=1e-6)
+    _assert_params_close(_params(ours.model), _params(plain.model), rtol=1e-4, atol=1e-5)
+
+
 def test_chunked_loss_runs_inside_the_trainer(tmp_path):
     """memopt.wrap's default loss for a causal LM is the chunked one: the Trainer's
     num_items_in_batch normalisation goes through it, with the same losses as Hugging Face's."""

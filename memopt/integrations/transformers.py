@@ -188,9 +188,11 @@ class MemoptTrainer(transformers.Trainer):
             return loss if pre_weighted else loss / accumulation_steps
 
         if self.adaptive_batch is None or self.adaptive_batch.model is not model:
-            self.adaptive_batch = AdaptiveBatch(
-                model, self.optimizer, loss_fn, backward=self.accelerator.backward, **self._adaptive_options
-            )
+            # A Trainer's batches are dicts of (batch, ...) tensors (its collators' convention),
+            # also for models with batch_first=False layers inside (Encodec's LSTM), which
+            # AdaptiveBatch would otherwise refuse to guess about.
+            options = {"batch_dim": 0, **self._adaptive_options}
+            self.adaptive_batch = AdaptiveBatch(model, self.optimizer, loss_fn, backward=self.accelerator.backward, **options)
         self.adaptive_batch.loss_fn = loss_fn
         self.adaptive_batch.pre_weighted = pre_weighted
         return self.adaptive_batch.accumulate(inputs).loss.to(self.args.device)

@@ -21,7 +21,11 @@ Guarantees:
 
 * Results and gradients are bit-identical to running without offload (the bytes make a round
   trip; nothing is recomputed or converted).
-* A tensor modified in place after it was saved raises at backward, as plain autograd does.
+* A tensor modified in place after it was saved raises at backward, as plain autograd does
+  ("modified by an inplace operation", with its shape and versions). While saved-tensors hooks
+  are active autograd checks no version itself: the engine checks what it copies, and
+  ``Offload`` what it leaves where it is (parameters, tensors under ``min_bytes`` or refused by
+  the budget, CPU tensors, inputs kept on the device).
 * Views of one storage come back as views of one restored storage; a storage saved twice (a
   tensor saved by two ops, or two views of it) is copied once.
 * Parameters (and views of them), tensors below ``min_bytes``, non-strided tensors and tensor
@@ -214,6 +218,36 @@ class OffloadHandle:
             pass
 
 
+class _Kept:
+    """What the pack hook returns for a saved tensor it leaves where it is (see ``Offload._pack``):
+    the tensor and its version at save time. While saved-tensors hooks are active autograd checks
+    no version counter itself, so ``Offload._unpack`` does, as the engine does for what it copies."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, tensor: torch.Tensor, version: int):
+        self.tensor = tensor
+        self.version = version
+
+
+def _scalar_type_name(dtype: torch.dtype) -> str:
+    """c10's name of ``dtype`` ("Double", "BFloat16"), as the engine's error message prints it."""
+    try:
+        return torch.empty((), dtype=dtype).type().rsplit(".", 1)[-1].removesuffix("Tensor")
+    except Exception:  # noqa: BLE001  (a dtype without a legacy tensor type name)
+        return str(dtype).removeprefix("torch.")
+
+
+def _modified_in_place(t: torch.Tensor, saved_version: int, version: int) -> RuntimeError:
+    # The engine's wording (csrc/offload.cpp, OffloadEngine::unpack), which follows autograd's.
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"[{_scalar_type_name(t.dtype)} {list(t.shape)}], which memopt.offload saved for backward, is at version "
+        f"{version}; expected version {saved_version} instead. Hint: do not modify a tensor in place after autograd "
+        "saved it, or clone it first."
+    )
+
+
 def is_parameter_like(t: torch.Tensor) -> bool:
     """A parameter, a view of one, or another leaf that requires grad: the engine leaves these
     on the device (they outlive the step anyway)."""
@@ -262,7 +296,9 @@ class Offload:
         the storages kept on the device for the current call, and at least ``min_bytes``."""
         if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_quantized:
             return False
-        on_device = t.device.type == "cuda" or (t.device.type == "cpu" and self.engine.allow_cpu_source)
+        # is_cuda / is_cpu rather than t.device.type: building the device object costs ~0.5 us,
+        # and this runs for every saved tensor.
+        on_device = t.is_cuda or (t.is_cpu and self.engine.allow_cpu_source)
         if not on_device:
             return False
         if t.is_conj() or t.is_neg() or is_parameter_like(t):
@@ -283,18 +319,26 @@ class Offload:
             self._kept_storages -= keys
 
     def _pack(self, t: torch.Tensor):
+        # A tensor left where it is (not offloaded, or refused by the host budget) is returned
+        # with its version: autograd checks none while these hooks are active, so _unpack does.
         if not self.should_offload(t):
             self.skipped_tensors += 1
-            return t
+            return _Kept(t, t._version)
         handle = self.engine.pack(t)
         if handle < 0:
-            return t
+            return _Kept(t, t._version)
         return OffloadHandle(self.engine, handle)
 
     def _unpack(self, packed):
+        if type(packed) is _Kept:
+            t = packed.tensor
+            version = t._version
+            if version != packed.version:
+                raise _modified_in_place(t, packed.version, version)
+            return t
         if isinstance(packed, OffloadHandle):
             return packed.engine.unpack(packed.id)
-        return packed
+        return packed  # packed by other hooks (memopt.checkpoint composes its hooks with these)
 
     def next_group(self) -> int:
         """Mark a group (layer) boundary: tensors saved from now on belong to a new group."""

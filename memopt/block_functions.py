@@ -53,6 +53,7 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import FakeTensor
 
 from memopt.ops import activation as _activation_ops
 from memopt.ops import cpu_linear
@@ -172,9 +173,19 @@ class SiteKeys(NamedTuple):
 
 # Philox counter offset of each dropout site inside one block's key. Sites are 2^50 counters
 # apart: a site would need 2^52 elements to run into the next one.
-_SITE_OFFSETS = torch.tensor([[0, 0], [0, 1 << 50], [0, 2 << 50]], dtype=torch.int64, device="cpu")
+_SITE_OFFSET_VALUES = ((0, 0), (0, 1 << 50), (0, 2 << 50))
+_SITE_OFFSETS = torch.tensor(_SITE_OFFSET_VALUES, dtype=torch.int64, device="cpu")
 # The ops take a key even when they drop nothing; one placeholder serves every call.
 _NO_DROPOUT_KEYS = SiteKeys(*torch.zeros(3, 2, dtype=torch.int64, device="cpu").unbind(0))
+
+# Note: the two module-level tensors above are real, and a real tensor cannot reach an op together
+# with fake ones under a plain FakeTensorMode (shape inference without torch.compile; the
+# attention op's placeholder key had the same problem, 7a98d8e). Where the block's tensors are
+# FakeTensors, _site_keys builds both per call (the placeholders as a method of one of the
+# block's tensors, the offsets under the active mode, where the key was drawn); everywhere else
+# (eager, and torch.compile / torch.export, which trace the constants) one isinstance check
+# (~0.1 us) is all it adds, not the ~5 us (placeholders) or ~7 us (offsets) of building them
+# per call.
 
 
 # The last key's SiteKeys: (key, its version counter, SiteKeys). A block's forward makes its
@@ -183,9 +194,14 @@ _NO_DROPOUT_KEYS = SiteKeys(*torch.zeros(3, 2, dtype=torch.int64, device="cpu").
 _last_site_keys: tuple = (None, -1, None)
 
 
-def _site_keys(rng_key: Tensor | None) -> SiteKeys:
+def _site_keys(rng_key: Tensor | None, like: Tensor | None = None) -> SiteKeys:
+    """The sites' keys from the block's key; for no key (no dropout) the placeholder keys.
+    ``like``: a tensor of the call; when it is a FakeTensor the placeholders are made per call
+    (the Note above)."""
     global _last_site_keys
     if rng_key is None:
+        if isinstance(like, FakeTensor):  # (a method of like: fake even where its mode is not entered)
+            return SiteKeys(*like.new_zeros((3, 2), dtype=torch.int64, device="cpu").unbind(0))
         return _NO_DROPOUT_KEYS
     # Traced once under torch.compile; an inference tensor has no version counter to key on.
     cached = not torch.compiler.is_compiling() and not rng_key.is_inference()
@@ -193,6 +209,9 @@ def _site_keys(rng_key: Tensor | None) -> SiteKeys:
         key, version, keys = _last_site_keys  # one read: another thread may replace it meanwhile
         if key is rng_key and version == rng_key._version:
             return keys
+    if isinstance(rng_key, FakeTensor):  # not cached either: the entry would keep its mode alive
+        offsets = torch.tensor(_SITE_OFFSET_VALUES, dtype=torch.int64, device="cpu")
+        return SiteKeys(*(rng_key + offsets).unbind(0))
     keys = SiteKeys(*(rng_key + _SITE_OFFSETS).unbind(0))
     if cached:
         _last_site_keys = (rng_key, rng_key._version, keys)
@@ -291,8 +310,10 @@ class BlockCall(NamedTuple):
 
     @classmethod
     def make(
-        cls, spec: BlockSpec, device_type: str, rng_key, batch: int, seq: int, params: BlockParams, graph: bool = False
+        cls, spec: BlockSpec, like: Tensor, rng_key, batch: int, seq: int, params: BlockParams, graph: bool = False
     ) -> BlockCall:
+        """``like``: a tensor of the call (its input, or a saved one): its device type, and
+        whether the call runs on FakeTensors (:func:`_site_keys`)."""
         dtype = spec.compute_dtype
         compute = params
         for p in params:
@@ -301,8 +322,8 @@ class BlockCall(NamedTuple):
                 break
         half = dtype in (torch.float16, torch.bfloat16)
         accumulate = torch.float32 if half else dtype
-        upcast = device_type == "cpu" and half
-        return cls(spec, batch, seq, params, compute, _site_keys(rng_key), upcast, accumulate, graph)
+        upcast = half and like.device.type == "cpu"
+        return cls(spec, batch, seq, params, compute, _site_keys(rng_key, like), upcast, accumulate, graph)
 
 
 def _cast(t: Tensor | None, dtype: torch.dtype) -> Tensor | None:
@@ -752,7 +773,7 @@ class TransformerBlockFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, spec, x, rng_key, batch, seq, *params):
-        call = BlockCall.make(spec, x.device.type, rng_key, batch, seq, BlockParams(*params))
+        call = BlockCall.make(spec, x, rng_key, batch, seq, BlockParams(*params))
         # The compute dtype is explicit (spec.compute_dtype): autocast off keeps the forward and
         # the "full" recompute bit-identical.
         with autocast_off(x.device.type):
@@ -772,11 +793,11 @@ class TransformerBlockFunction(torch.autograd.Function):
         x, attention, ffn, h = _saved_halves(ctx.saved_tensor_names, saved[:count])
         params = BlockParams(*saved[count + 1 :])
         if building_graph():
-            call = BlockCall.make(ctx.spec, x.device.type, saved[count], ctx.batch, ctx.seq, params, graph=True)
+            call = BlockCall.make(ctx.spec, x, saved[count], ctx.batch, ctx.seq, params, graph=True)
             forward = lambda: _ffn_half_forward(call, _attention_forward(call, x)[1])[1]  # noqa: E731
             grad_x, *grads = _grads_with_graph(forward, (x, *params), grad_y)
             return (None, grad_x, None, None, None, *grads)
-        call = BlockCall.make(ctx.spec, x.device.type, saved[count], ctx.batch, ctx.seq, params)
+        call = BlockCall.make(ctx.spec, x, saved[count], ctx.batch, ctx.seq, params)
         # Absent parameters (None) never need a gradient.
         need = BlockParams(*ctx.needs_input_grad[-len(PARAM_NAMES) :])
         with torch.no_grad(), autocast_off(x.device.type):
@@ -855,8 +876,7 @@ def _restore_half(ctx, half: str) -> tuple[dict[str, Tensor], BlockCall, BlockPa
     count = len(ctx.saved_tensor_names)
     by_name = dict(zip(ctx.saved_tensor_names, saved[:count]))
     params = _half_params(half, saved[count + 1 :])
-    device_type = saved[0].device.type
-    call = BlockCall.make(ctx.spec, device_type, saved[count], ctx.batch, ctx.seq, params)
+    call = BlockCall.make(ctx.spec, saved[0], saved[count], ctx.batch, ctx.seq, params)
     return by_name, call, _half_needs(half, ctx.needs_input_grad[-6:])
 
 
@@ -867,7 +887,7 @@ class BlockAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, spec, x, rng_key, batch, seq, *params):
-        call = BlockCall.make(spec, x.device.type, rng_key, batch, seq, _half_params("attention", params))
+        call = BlockCall.make(spec, x, rng_key, batch, seq, _half_params("attention", params))
         with autocast_off(x.device.type):
             attention, h = _attention_forward(call, x)
         _save_half(ctx, "attention", spec, batch, seq, lambda n: _saved_tensor(n, attention, None, h), rng_key, params)
@@ -895,7 +915,7 @@ class BlockFFNFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, spec, h, rng_key, batch, seq, *params):
-        call = BlockCall.make(spec, h.device.type, rng_key, batch, seq, _half_params("ffn", params))
+        call = BlockCall.make(spec, h, rng_key, batch, seq, _half_params("ffn", params))
         with autocast_off(h.device.type):
             ffn, y = _ffn_half_forward(call, h)
         _save_half(ctx, "ffn", spec, batch, seq, lambda n: _saved_tensor(n, None, ffn, h), rng_key, params)
@@ -934,10 +954,10 @@ _FFN_IN_SLOTS = {True: (6, 7, 8), False: (8,)}  # (norm2 weight, norm2 bias,) fc
 _FFN_OUT_SLOTS = {True: (9, 10, 11), False: (6, 7, 9, 10, 11)}  # (norm2 weight, bias,) fc1 bias, fc2
 
 
-def _ffn_split_call(spec: BlockSpec, device_type: str, rng_key, batch: int, seq: int, params, slots) -> BlockCall:
+def _ffn_split_call(spec: BlockSpec, like: Tensor, rng_key, batch: int, seq: int, params, slots) -> BlockCall:
     """The call of one of the split FFN half's nodes: its ``params`` at ``slots`` of a
     BlockParams, None elsewhere."""
-    return BlockCall.make(spec, device_type, rng_key, batch, seq, _at_slots(params, slots, None))
+    return BlockCall.make(spec, like, rng_key, batch, seq, _at_slots(params, slots, None))
 
 
 @functools.lru_cache(maxsize=None)
@@ -963,7 +983,7 @@ class BlockFFNInFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec, h, batch, seq, *params):
         slots = _FFN_IN_SLOTS[spec.norm_first]
-        call = _ffn_split_call(spec, h.device.type, None, batch, seq, params, slots)
+        call = _ffn_split_call(spec, h, None, batch, seq, params, slots)
         with autocast_off(h.device.type):
             n2, stats, u = _ffn_in_forward(call, h)
         record = FFNHalf(h, u, stats, n2=n2)
@@ -978,7 +998,7 @@ class BlockFFNInFunction(torch.autograd.Function):
         slots, count = _FFN_IN_SLOTS[spec.norm_first], len(ctx.saved_tensor_names)
         by_name = dict(zip(ctx.saved_tensor_names, saved[:count]))
         h = by_name["h"]
-        call = _ffn_split_call(spec, h.device.type, None, ctx.batch, ctx.seq, saved[count:], slots)
+        call = _ffn_split_call(spec, h, None, ctx.batch, ctx.seq, saved[count:], slots)
         need = _at_slots(ctx.needs_input_grad[-len(slots) :], slots, False)
         if building_graph():
             call = call._replace(graph=True)
@@ -1005,7 +1025,7 @@ class BlockFFNOutFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec, u, h, rng_key, batch, seq, *params):
         slots = _FFN_OUT_SLOTS[spec.norm_first]
-        call = _ffn_split_call(spec, u.device.type, rng_key, batch, seq, params, slots)
+        call = _ffn_split_call(spec, u, rng_key, batch, seq, params, slots)
         with autocast_off(u.device.type):
             record, y = _ffn_out_half_forward(call, u, h)
         names = _ffn_split_names(spec.policy, spec.norm, spec.norm_first, True)
@@ -1021,7 +1041,7 @@ class BlockFFNOutFunction(torch.autograd.Function):
         slots, count = _FFN_OUT_SLOTS[spec.norm_first], len(ctx.saved_tensor_names)
         by_name = dict(zip(ctx.saved_tensor_names, saved[:count]))
         u, h, rng_key = by_name["u"], saved[count], saved[count + 1]
-        call = _ffn_split_call(spec, u.device.type, rng_key, ctx.batch, ctx.seq, saved[count + 2 :], slots)
+        call = _ffn_split_call(spec, u, rng_key, ctx.batch, ctx.seq, saved[count + 2 :], slots)
         need = _at_slots(ctx.needs_input_grad[-len(slots) :], slots, False)
         if building_graph():
             call = call._replace(graph=True)

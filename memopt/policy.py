@@ -19,8 +19,11 @@ Policies (:data:`POLICIES`):
   ``torch.utils.checkpoint.checkpoint(..., context_fn=partial(create_selective_checkpoint_contexts,
   policy_fn))``; ``MUST_CPU_OFFLOAD``/``PREFER_CPU_OFFLOAD`` (torch 2.14's enum; eager torch
   recomputes those) are saved and go to host memory through memopt's engine, as ``offload=True``
-  would move them (see :class:`PolicyFunctionCall`). The fused blocks decide their saved set
-  themselves and take the names only.
+  would move them (see :class:`PolicyFunctionCall`). It may save random ops (dropout masks,
+  ``rand_like``): the recompute puts the generator where the forward left it after each, so later
+  random ops draw the same numbers (note [what a recompute may rely on], 3, in
+  ``memopt/checkpoint.py``). The fused blocks decide their saved set themselves and take the
+  names only.
 
 Offload (``offload=``):
 

@@ -336,3 +336,176 @@ def test_a_snapshot_not_placed_in_the_cache_is_handed_out_by_the_recompute(monke
     got = _param_and_input_grads(layer, x, lambda m, t: memopt.checkpoint(m, t, policy="selective"))
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Buffers that the forward reads and updates (note [what a recompute may rely on], 2): the
+# recompute must see them as the forward started, not as the forward left them.
+
+
+class _RunningScale(nn.Module):
+    """Scales by a running statistic it updates after using it: in place, or by reassigning it."""
+
+    def __init__(self, d: int, reassign: bool = False):
+        super().__init__()
+        self.reassign = reassign
+        self.register_buffer("scale", torch.ones(d, dtype=torch.float64))
+
+    def forward(self, x):
+        y = torch.tanh(x * self.scale.clone())  # autograd must not save the buffer it updates
+        if self.training:
+            with torch.no_grad():
+                if self.reassign:
+                    self.scale = 0.5 * self.scale + 0.5 * x.abs().mean(0)
+                else:
+                    self.scale.mul_(0.5).add_(0.5 * x.abs().mean(0))
+        return y
+
+
+class _Queue(nn.Module):
+    """MoCo's negative queue: the logits read the queue, then the batch is enqueued in place. The
+    queue is larger than what memopt copies up front, so its first write is watched for."""
+
+    def __init__(self, d: int, size: int):
+        super().__init__()
+        self.register_buffer("queue", torch.randn(d, size, dtype=torch.float64))
+        self.register_buffer("ptr", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        logits = x @ self.queue.clone()  # as MoCo: autograd must not save the buffer it updates
+        if self.training:
+            with torch.no_grad():
+                n, start = x.shape[0], int(self.ptr)
+                self.queue[:, start : start + n] = x.t()
+                self.ptr.fill_((start + n) % self.queue.shape[1])
+        return logits.softmax(-1)
+
+
+class _PowerIteration(nn.Module):
+    """A power iteration written with out=: the selective cache keeps ``mm.out``'s output, which
+    is the buffer itself, and the recompute must see it written."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d, d, dtype=torch.float64))
+        self.register_buffer("u", torch.randn(d, 1, dtype=torch.float64))
+        self.register_buffer("v", torch.randn(d, 1, dtype=torch.float64))
+
+    def forward(self, x):
+        if self.training:
+            with torch.no_grad():
+                torch.mm(self.weight, self.v, out=self.u)  # "selective" saves mm.out: the buffer
+                self.u.div_(self.u.norm())
+                torch.mm(self.weight.t(), self.u, out=self.v)
+        sigma = (self.u.t() @ self.weight @ self.v).squeeze() / self.v.norm()
+        return x @ (self.weight / sigma)
+
+
+class _SharedScale(nn.Module):
+    """One buffer held by two submodules: updated by the first, read by both."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.first = _RunningScale(d)
+        self.second = nn.Module()
+        self.second.scale = self.first.scale  # the same tensor, a buffer of both
+
+    def forward(self, x):
+        return self.first(x) * self.second.scale
+
+
+def _buffer_models():
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    torch.manual_seed(0)
+    d = 16
+    return {
+        "spectral_norm": nn.Sequential(spectral_norm(nn.Linear(d, d)), nn.Tanh(), nn.Linear(d, 4)),
+        "running_scale": nn.Sequential(nn.Linear(d, d), _RunningScale(d), nn.Linear(d, 4)),
+        "reassigned": nn.Sequential(nn.Linear(d, d), _RunningScale(d, reassign=True), nn.Linear(d, 4)),
+        "shared": nn.Sequential(nn.Linear(d, d), _SharedScale(d), nn.Linear(d, 4)),
+        "queue": nn.Sequential(nn.Linear(d, d), _Queue(d, 9000), nn.Linear(9000, 4)),
+        "out_into_buffer": nn.Sequential(_PowerIteration(d), nn.Tanh(), nn.Linear(d, 4)),
+    }
+
+
+def _save_mm(ctx, op, *args, **kwargs):
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default):
+        return CheckpointPolicy.MUST_SAVE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _step(model, x, policy, steps=2, **options):
+    """Two training steps; the gradients of the last one, and the buffers after both."""
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        xx = x.clone().requires_grad_(True)
+        out = model(xx) if policy is None else memopt.checkpoint(model, xx, policy=policy, **options)
+        out.square().sum().backward()
+    grads = {"x": xx.grad, **{name: p.grad for name, p in model.named_parameters()}}
+    return grads, dict(model.named_buffers())
+
+
+@pytest.mark.parametrize("policy", ["selective", "full", "function", "nested", "offload", "offload-fallback"])
+@pytest.mark.parametrize("name", ["spectral_norm", "running_scale", "reassigned", "shared", "queue", "out_into_buffer"])
+def test_recompute_reads_buffers_as_the_forward_started(monkeypatch, name, policy):
+    """Before: the recompute read the buffers as the forward left them (spectral norm's _u/_v
+    after its power iteration, a running scale after its update), so the recomputed
+    activations differed from the forward's: gradients off by 2.3e-5 (spectral norm, float64)
+    to 0.46 (running scale), with no error; torch.utils.checkpoint does the same."""
+    if name == "queue":  # larger than what memopt copies up front: its first write is watched for
+        monkeypatch.setattr(ckpt._BufferGuard, "COPY_UP_FRONT_BYTES", 1 << 20)
+    base = _buffer_models()[name].double().train()
+    x = torch.randn(8, 16, dtype=torch.float64)
+    expected_grads, expected_buffers = _step(copy.deepcopy(base), x, None)
+    model = copy.deepcopy(base)
+    if policy == "nested":
+        inner = model[1] if name not in ("spectral_norm", "out_into_buffer") else model[0]
+        forward = inner.forward
+        inner.forward = lambda t: memopt.checkpoint(forward, t, policy="selective")
+        got_grads, got_buffers = _step(model, x, "full")
+    elif policy.startswith("offload"):
+        if policy == "offload-fallback":
+            monkeypatch.setattr(ckpt, "_CHECKPOINT_RESPECTS_HOOKS", False)  # torch 2.11..2.13's path
+        engine = _version_checking_engine()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # torch 2.14 asked nothing on the fallback path
+            got_grads, got_buffers = _step(model, x, "selective", offload=engine)
+        assert engine.stats()["copies_to_host"] > 0
+    else:
+        got_grads, got_buffers = _step(model, x, _save_mm if policy == "function" else policy)
+    for key, want in expected_grads.items():
+        torch.testing.assert_close(got_grads[key], want, rtol=1e-12, atol=1e-12, msg=lambda m: f"grad {key}: {m}")
+    assert got_buffers.keys() == expected_buffers.keys()
+    for key, want in expected_buffers.items():
+        torch.testing.assert_close(got_buffers[key], want, rtol=1e-12, atol=1e-12, msg=lambda m: f"buffer {key}: {m}")
+
+
+def test_reassigned_buffer_is_back_after_the_recompute():
+    """The recompute runs with the buffer the forward started from, and the module holds the
+    forward's new one again after it (the tensor object, not only its value)."""
+    model = nn.Sequential(nn.Linear(4, 4), _RunningScale(4, reassign=True)).double().train()
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    before = model[1].scale
+    out = memopt.checkpoint(model, x, policy="full")
+    after = model[1].scale
+    assert after is not before
+    seen = []
+    model[1].register_forward_pre_hook(lambda m, args: seen.append(m.scale))
+    out.sum().backward()
+    assert seen[0] is before  # the recompute's
+    assert model[1].scale is after
+
+
+def test_constant_buffers_cost_no_copy_kept_past_the_forward():
+    """A buffer the forward only reads (a rotary table, a mask) keeps no copy in the guard."""
+    model = nn.Sequential(_ConvBN(3), _ConvBN(4)).double()
+    rotary = nn.Module()
+    rotary.register_buffer("table", torch.randn(6, 6, dtype=torch.float64))
+    fn = lambda x: model(x) * rotary.table  # noqa: E731
+    guard = ckpt._BufferGuard([model, rotary])
+    with guard.forward():
+        fn(torch.randn(2, 3, 6, 6, dtype=torch.float64))
+    assert guard._start == {}  # BatchNorm's statistics are read by nothing in training but their update

@@ -102,3 +102,39 @@ def test_selective_still_saves_the_matmul_outputs_only():
             torch.autograd.grad(out, (x, w))
         counts[policy] = flops.get_total_flops()
     assert counts["selective"] < counts["full"]
+
+
+class _ScaledInnerStep(nn.Module):
+    """Reads a running scale, updates it in place, then takes an inner gradient: the recompute
+    that the inner backward starts (during the forward) must read the scale as the forward
+    started, as the backward's recompute must."""
+
+    def __init__(self, big: bool):
+        super().__init__()
+        self.linear = nn.Linear(6, 6, dtype=torch.float64)
+        # Large: watched for its first write rather than copied when the forward starts.
+        self.register_buffer("scale", torch.rand(6, 30000 if big else 1, dtype=torch.float64) + 0.5)
+
+    def forward(self, x):
+        hidden = torch.tanh(self.linear(x) * self.scale[:, 0].clone())
+        with torch.no_grad():
+            self.scale.mul_(0.5).add_(x.abs().mean())
+        (gw,) = torch.autograd.grad(hidden.square().sum(), self.linear.weight, create_graph=True)
+        return F.linear(x, self.linear.weight - 0.1 * gw, self.linear.bias).sin().sum() + hidden.sum()
+
+
+@pytest.mark.parametrize("big", [False, True])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_inner_step_reads_buffers_as_the_forward_started(policy, big):
+    """Before: both recomputes read the scale after its update: gradients off, no error."""
+    torch.manual_seed(0)
+    plain = _ScaledInnerStep(big)
+    wrapped = copy.deepcopy(plain)
+    x = torch.randn(8, 6, dtype=torch.float64, requires_grad=True)
+    plain(x).backward()
+    x_grad, x.grad = x.grad, None
+    memopt.checkpoint(wrapped, x, policy=policy).backward()
+    torch.testing.assert_close(x.grad, x_grad, rtol=1e-12, atol=1e-12)
+    for (name, p), q in zip(plain.named_parameters(), wrapped.parameters()):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-12, atol=1e-12, msg=lambda m: f"{name}: {m}")
+    torch.testing.assert_close(wrapped.scale, plain.scale, rtol=0, atol=0)

@@ -294,3 +294,129 @@ def test_compile_fullgraph_with_a_policy_function(compile_cache):
     torch.testing.assert_close(out, expected_out)
     for g, e in zip(grads, expected):
         torch.testing.assert_close(g, e)
+
+
+# ---------------------------------------------------------------------------------------------
+# A policy that saves the output of a random op (note [what a recompute may rely on], 3 in
+# memopt/checkpoint.py): the recompute takes the saved value without drawing, so every later
+# random op of the recompute drew other numbers than the forward did.
+
+W_RANDOM = [torch.randn(16, 16, dtype=torch.float64) for _ in range(2)]
+
+
+def _two_dropouts(x, w1, w2):
+    h = F.dropout(torch.tanh(x @ w1), 0.5, True)  # on CPU: empty_like, bernoulli_, div_ (in place), mul
+    return F.dropout(torch.tanh(h @ w2), 0.5, True)
+
+
+def _two_rands(x, w1, w2):
+    return torch.tanh((x * torch.rand_like(x)) @ w1) * torch.rand_like(x) @ w2
+
+
+def _rand_then_dropout(x, w1, w2):
+    h = torch.tanh(x @ w1) * torch.bernoulli(torch.full_like(x, 0.7))
+    return F.dropout(torch.tanh(h @ w2), 0.3, True) + torch.randn_like(x)
+
+
+class _SaveRandomOps:
+    """Save the ``which`` calls of random ops (0-based, counted over all random ops), recompute the rest."""
+
+    def __init__(self, which):
+        self.which = which
+        self.calls = {False: 0, True: 0}
+
+    def __call__(self, ctx, op, *args, **kwargs):
+        if torch.Tag.nondeterministic_seeded in op.tags:
+            n = self.calls[ctx.is_recompute]
+            self.calls[ctx.is_recompute] += 1
+            if self.which == "all" or n in self.which:
+                return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _random_run(fn, checkpointed, **options):
+    torch.manual_seed(3)
+    leaves = [torch.randn(8, 16, dtype=torch.float64)] + [w.clone() for w in W_RANDOM]
+    leaves = [t.requires_grad_() for t in leaves]
+    out = checkpointed(fn, *leaves, **options) if checkpointed else fn(*leaves)
+    out.square().sum().backward()
+    return [out.detach()] + [t.grad for t in leaves], torch.get_rng_state()
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["device", "offload"])
+@pytest.mark.parametrize("which", [(0,), (1,), (0, 2), "all"])
+@pytest.mark.parametrize("fn", [_two_dropouts, _two_rands, _rand_then_dropout], ids=lambda f: f.__name__)
+def test_a_policy_that_saves_random_ops_is_exact(fn, which, offload):
+    """Before: saving the first of two F.dropout calls gave gradients off by 30.6 (PyTorch's own
+    selective checkpointing raises there: dropout divides its mask in place), the first of two
+    rand_like calls 1.68 (PyTorch too), with no error."""
+    expected, expected_rng = _random_run(fn, None)
+    engine = memopt.offload(min_bytes=0, pin_memory=False, allow_cpu_source=True) if offload else False
+    got, rng = _random_run(fn, memopt.checkpoint, policy=_SaveRandomOps(which), offload=engine)
+    if offload:
+        assert engine.stats()["copies_to_host"] > 0
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+    assert torch.equal(rng, expected_rng)  # the recompute's draws and memopt's RNG moves stay inside it
+
+
+def test_every_random_op_saved_needs_no_rng_replay():
+    """Without preserve_rng_state the recompute draws afresh: exact when the policy saves every
+    random op (the in-place mask of CPU dropout included), and memopt moves no generator."""
+    expected, expected_rng = _random_run(_two_dropouts, None)
+    got, _ = _random_run(_two_dropouts, memopt.checkpoint, policy=_SaveRandomOps("all"), preserve_rng_state=False)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+
+
+def test_selective_with_a_saved_random_op_is_exact(monkeypatch):
+    """"selective" saves the attention kernels, which draw their dropout mask from the generator
+    on GPU (SDPA with dropout_p > 0): a later dropout must draw what it drew in the forward.
+    Simulated on CPU with rand_like as a saved op."""
+    policy_module = importlib.import_module("memopt.policy")
+    saved = policy_module.SELECTIVE_SAVED_OPS | {aten.rand_like.default}
+    monkeypatch.setattr(policy_module, "SELECTIVE_SAVED_OPS", saved)
+    monkeypatch.setattr(policy_module, "_SAVED_BY_ID", {})
+
+    def fn(x, w1, w2):
+        h = torch.tanh(x @ w1) * torch.rand_like(x)  # saved, as a GPU attention kernel with dropout
+        return F.dropout(torch.tanh(h @ w2), 0.3, True)
+
+    expected, expected_rng = _random_run(fn, None)
+    got, rng = _random_run(fn, memopt.checkpoint, policy="selective")
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)
+    assert torch.equal(rng, expected_rng)
+
+
+def test_which_calls_draw_from_the_default_generator():
+    q = torch.randn(1, 2, 4, 8)
+    draws = ckpt._draws_from_default_generator
+    flash = aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert not draws(flash, (q, q, q), {})  # no dropout: "selective" keeps it at no cost
+    assert not draws(flash, (q, q, q, 0.0), {})
+    assert draws(flash, (q, q, q, 0.1), {})
+    assert draws(aten.rand_like.default, (q,), {})
+    assert not draws(aten.rand_like.generator, (q,), {"generator": torch.Generator()})
+    assert draws(aten.bernoulli_.float, (q, 0.5), {})
+    assert not draws(aten.mm.default, (q[0, 0], q[0, 0].t()), {})
+
+
+def test_a_saved_in_place_op_writes_its_argument_in_the_recompute():
+    """The cache hands out a saved call's result without running the op: an in-place op whose
+    result the code ignores (``h.add_(b)``) left the recompute's ``h`` unwritten."""
+
+    def fn(x, w, b):
+        h = x @ w
+        h.add_(b)  # the result is not used: h is
+        return torch.tanh(h)
+
+    def save_add(ctx, op, *args, **kwargs):
+        return CheckpointPolicy.MUST_SAVE if op == aten.add_.Tensor else CheckpointPolicy.PREFER_RECOMPUTE
+
+    torch.manual_seed(0)
+    inputs = [torch.randn(*s, dtype=torch.float64, requires_grad=True) for s in ((5, 4), (4, 3), (3,))]
+    expected = torch.autograd.grad(fn(*inputs).square().sum(), inputs)
+    got = torch.autograd.grad(memopt.checkpoint(fn, *inputs, policy=save_add).square().sum(), inputs)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-12)

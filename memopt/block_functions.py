@@ -60,7 +60,7 @@ from memopt.ops import cpu_linear
 from memopt.ops import attention as _attention_ops
 from memopt.ops import dropout as _dropout_ops
 from memopt.ops import norm as _norm_ops
-from memopt.ops._common import autocast_off, building_graph, grads_with_graph
+from memopt.ops._common import autocast_off, building_graph, grads_with_graph, saved_for_recompute
 from memopt.tiled_ffn import chunk_rng_key, token_chunks
 
 MAX_HEAD_DIM = _attention_ops.MAX_HEAD_DIM
@@ -788,7 +788,7 @@ class TransformerBlockFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         grad_y = grad_y.contiguous()  # y.sum().backward() hands in a stride-0 expanded tensor
-        saved = ctx.saved_tensors
+        saved = saved_for_recompute(ctx)
         count = len(ctx.saved_tensor_names)
         x, attention, ffn, h = _saved_halves(ctx.saved_tensor_names, saved[:count])
         params = BlockParams(*saved[count + 1 :])
@@ -872,7 +872,7 @@ def _save_half(ctx, half: str, spec: BlockSpec, batch: int, seq: int, tensor_of,
 
 def _restore_half(ctx, half: str) -> tuple[dict[str, Tensor], BlockCall, BlockParams]:
     """(the saved tensors by name, the call, which parameters need a gradient) of one half."""
-    saved = ctx.saved_tensors
+    saved = saved_for_recompute(ctx)
     count = len(ctx.saved_tensor_names)
     by_name = dict(zip(ctx.saved_tensor_names, saved[:count]))
     params = _half_params(half, saved[count + 1 :])
@@ -994,7 +994,7 @@ class BlockFFNInFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_u, grad_residual):
-        spec, saved = ctx.spec, ctx.saved_tensors
+        spec, saved = ctx.spec, saved_for_recompute(ctx)
         slots, count = _FFN_IN_SLOTS[spec.norm_first], len(ctx.saved_tensor_names)
         by_name = dict(zip(ctx.saved_tensor_names, saved[:count]))
         h = by_name["h"]
@@ -1037,7 +1037,7 @@ class BlockFFNOutFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         grad_y = grad_y.contiguous()  # y.sum().backward() hands in a stride-0 expanded tensor
-        spec, saved = ctx.spec, ctx.saved_tensors
+        spec, saved = ctx.spec, saved_for_recompute(ctx)
         slots, count = _FFN_OUT_SLOTS[spec.norm_first], len(ctx.saved_tensor_names)
         by_name = dict(zip(ctx.saved_tensor_names, saved[:count]))
         u, h, rng_key = by_name["u"], saved[count], saved[count + 1]

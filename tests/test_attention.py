@@ -563,6 +563,25 @@ def test_interpreter_rejects_half_precision_and_unit_stride_violations():
             memopt.attention(q, _t(1, 2, 8, 32), _t(1, 2, 8, 32))
 
 
+def test_compiled_attention_recompiles_no_more_than_sdpa_across_shapes(compile_cache):
+    # The CPU fast path's C++ node reads the sizes as ints: under compile every new length and
+    # batch was a new graph (6 lengths: 6 graphs, then eager past the recompile limit).
+    from torch._dynamo.utils import counters
+
+    def graphs(fn):
+        torch._dynamo.reset()
+        counters.clear()
+        compiled = torch.compile(fn, backend="aot_eager")
+        for batch, seq in ((2, 16), (2, 24), (2, 40), (3, 40), (4, 56)):
+            q, k, v = (torch.randn(batch, 2, seq, 16, requires_grad=True) for _ in range(3))
+            compiled(q, k, v).sum().backward()
+        return counters["stats"]["unique_graphs"]
+
+    sdpa = graphs(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    assert graphs(lambda q, k, v: memopt.attention(q, k, v, causal=True)) <= sdpa
+    assert graphs(lambda q, k, v: memopt.attention(q, k, v, causal=True, dropout_p=0.1)) <= sdpa
+
+
 @needs_interpreter
 def test_interpreter_refuses_float64_inside_the_block_too():
     # The block resolves the backend and calls its kernels directly: a float64 block under

@@ -1007,6 +1007,7 @@ def attention(
         type(q) is torch.Tensor and type(k) is torch.Tensor and type(v) is torch.Tensor
         and q.is_cpu and k.is_cpu and v.is_cpu and rng_key is None and backend == "auto"
         and type(causal) is bool and (scale is None or type(scale) is float) and _cpu_backend is None
+        and not torch.compiler.is_compiling()
     ):  # fmt: skip
         # The common CPU calls: the flash kernels "auto" picks under the C++ node
         # (csrc/attention_cpu.cpp), which checks the tensors itself with this function's
@@ -1040,9 +1041,11 @@ def attention(
         # inference without torch.compile) a real tensor cannot reach the op with fake ones.
         rng_key = new_rng_key() if dropout_p > 0.0 else torch.zeros(2, dtype=torch.int64)
     if (
-        q.device.type == "cpu" and backend == "auto"
+        q.device.type == "cpu" and backend == "auto" and not torch.compiler.is_compiling()
         and _check_inputs(q, k, v, causal, dropout_p, rng_key, backend) in ("cpu_flash", "aten_flash")
     ):  # fmt: skip
+        # (Not under torch.compile: the C++ node's checks read the sizes as ints, which would
+        # specialise the graph to each batch, head count and length: a recompile per shape.)
         # The C++ autograd node (csrc/attention_cpu.cpp) runs what "auto" picks (the same rule in
         # C++): the same kernels and saved tensors as AttentionFunction, without its Python overhead.
         # (without dropout the node keeps no key: the placeholder is not read)

@@ -243,6 +243,12 @@ at::Tensor cpu_flash_attention_bwd_packed(const at::Tensor& grad_out, const at::
                                           bool causal, double scale, double dropout_p,
                                           const std::optional<at::Tensor>& rng_key) {
   check_backward_inputs("cpu_flash_attention_bwd_packed", grad_out, q, k, v, out, lse, scale);
+  // The packed buffer has q's seq_q rows for the gradients of k and v too: a different seq_k would
+  // have the kernel write seq_k rows into seq_q-row views (out of bounds when seq_k > seq_q).
+  TORCH_CHECK_VALUE(q.size(2) == k.size(2),
+                    "memopt.cpu_flash_attention_bwd_packed: packs the gradients of q, k and v along the heads, "
+                    "so seq_q must equal seq_k, got ",
+                    q.size(2), " and ", k.size(2), "; use memopt.cpu_flash_attention_bwd");
   return cpu_flash_backward_packed(grad_out, q, k, v, out, lse, causal, scale,
                                    attention_dropout(dropout_p, rng_key, "cpu_flash_attention_bwd_packed"));
 }

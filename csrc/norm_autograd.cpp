@@ -35,10 +35,11 @@ using Tensor2 = std::tuple<at::Tensor, at::Tensor>;
 
 OptionalTensor optional(const at::Tensor& t) { return t.defined() ? OptionalTensor(t) : std::nullopt; }
 
-// The differentiable ops take x and residual of any strides, as F.layer_norm does; the kernels
-// read rows, so a non-contiguous one is copied first. At the Autograd key that copy is a recorded
-// op (its gradient flows back to the strided input, and create_graph sees it); a contiguous
-// tensor is passed through with no copy.
+// The differentiable ops take x, residual, weight and bias of any strides (an expanded or sliced
+// weight too), as F.layer_norm does; the kernels read rows and parameter vectors, so a
+// non-contiguous one is copied first. At the Autograd key that copy is a recorded op (its gradient
+// flows back to the strided input, and create_graph sees it); a contiguous tensor is passed
+// through with no copy.
 OptionalTensor contiguous(const OptionalTensor& t) {
   return t.has_value() ? OptionalTensor(t->contiguous()) : std::nullopt;
 }
@@ -219,11 +220,27 @@ struct NormFunction : public torch::autograd::Function<NormFunction<kRms>> {
 // check_linear): weight (m, n) and bias (m,) on x's device; outside torch.autocast in x's dtype,
 // under it in a dtype autocast casts (float32, float16, bfloat16), x too.
 void check_norm_linear(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias, bool rms,
-                       const OptionalTensor& norm_bias) {
+                       const OptionalTensor& norm_weight, const OptionalTensor& norm_bias) {
   constexpr const char* op = "norm_linear";
   MEMOPT_CHECK(!(rms && norm_bias.has_value()), op, "norm_bias must be None for norm='rmsnorm' (RMSNorm has no bias)");
   // Sizes as SymInts: under torch.compile this node runs on tensors of symbolic shape.
   const c10::SymInt n = x.dim() > 0 ? x.sym_size(-1) : c10::SymInt(0);
+  // The norm's parameters, under this op's names (the norm's forward op would name itself,
+  // memopt.layer_norm or memopt.rms_norm, and weight / bias): the conditions of its check_params.
+  const auto check_norm_param = [&](const at::Tensor& p, const char* name) {
+    MEMOPT_CHECK(p.dim() == 1 && p.sym_size(0) == n, op, name, " must have shape [", n, "], got ", p.sym_sizes());
+    check_same_device(p, x, op, name, "x");
+    MEMOPT_CHECK(p.scalar_type() == x.scalar_type() || p.scalar_type() == at::kFloat, op, name,
+                 " must have x's dtype (", x.scalar_type(), ") or float32, got ", p.scalar_type());
+  };
+  if (norm_weight.has_value()) check_norm_param(*norm_weight, "norm_weight");
+  if (norm_bias.has_value()) {
+    check_norm_param(*norm_bias, "norm_bias");
+    if (norm_weight.has_value()) {
+      MEMOPT_CHECK(norm_bias->scalar_type() == norm_weight->scalar_type(), op, "norm_bias must have the dtype of ",
+                   "norm_weight (", norm_weight->scalar_type(), "), got ", norm_bias->scalar_type());
+    }
+  }
   MEMOPT_CHECK(weight.dim() == 2 && weight.sym_size(1) == n, op, "linear_weight must have shape [out_features, ", n,
                "], got ", weight.sym_sizes());
   if (bias.has_value()) {
@@ -268,7 +285,7 @@ struct NormLinearFunction : public torch::autograd::Function<NormLinearFunction>
                                const OptionalTensor& norm_weight, const OptionalTensor& norm_bias,
                                const at::Tensor& linear_weight, const OptionalTensor& linear_bias, bool rms,
                                double eps) {
-    check_norm_linear(x, linear_weight, linear_bias, rms, norm_bias);
+    check_norm_linear(x, linear_weight, linear_bias, rms, norm_weight, norm_bias);
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [y, residual_out, mean, rstd] = norm_forward(rms, x, residual, norm_weight, norm_bias, eps);
     // Under torch.autocast the linear runs in the autocast dtype, as F.linear would.
@@ -367,8 +384,8 @@ std::tuple<at::Tensor, at::Tensor> norm_linear_autograd(const at::Tensor& x, con
                                                         const OptionalTensor& norm_weight,
                                                         const OptionalTensor& norm_bias, const at::Tensor& linear_weight,
                                                         const OptionalTensor& linear_bias, bool rms, double eps) {
-  const variable_list out = NormLinearFunction::apply(x.contiguous(), contiguous(residual), norm_weight, norm_bias,
-                                                      linear_weight, linear_bias, rms, eps);
+  const variable_list out = NormLinearFunction::apply(x.contiguous(), contiguous(residual), contiguous(norm_weight),
+                                                      contiguous(norm_bias), linear_weight, linear_bias, rms, eps);
   return {out[0], out[1]};
 }
 
@@ -377,23 +394,24 @@ std::tuple<at::Tensor, at::Tensor> norm_linear_values(const at::Tensor& x, const
                                                       const OptionalTensor& norm_weight, const OptionalTensor& norm_bias,
                                                       const at::Tensor& linear_weight,
                                                       const OptionalTensor& linear_bias, bool rms, double eps) {
-  check_norm_linear(x, linear_weight, linear_bias, rms, norm_bias);
+  check_norm_linear(x, linear_weight, linear_bias, rms, norm_weight, norm_bias);
   auto [y, residual_out, mean, rstd] =
-      norm_forward(rms, x.contiguous(), contiguous(residual), norm_weight, norm_bias, eps);
+      norm_forward(rms, x.contiguous(), contiguous(residual), contiguous(norm_weight), contiguous(norm_bias), eps);
   return {linear_as_autocast(y, linear_weight, linear_bias), residual_out};
 }
 
 std::tuple<at::Tensor, at::Tensor> layer_norm_autograd(const at::Tensor& x, const OptionalTensor& residual,
                                                        const OptionalTensor& weight, const OptionalTensor& bias,
                                                        double eps) {
-  const variable_list out = NormFunction<false>::apply(x.contiguous(), contiguous(residual), weight, bias, eps);
+  const variable_list out = NormFunction<false>::apply(x.contiguous(), contiguous(residual), contiguous(weight),
+                                                       contiguous(bias), eps);
   return {out[0], out[1]};
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_autograd(const at::Tensor& x, const OptionalTensor& residual,
                                                      const OptionalTensor& weight, double eps) {
   const variable_list out =
-      NormFunction<true>::apply(x.contiguous(), contiguous(residual), weight, OptionalTensor(), eps);
+      NormFunction<true>::apply(x.contiguous(), contiguous(residual), contiguous(weight), OptionalTensor(), eps);
   return {out[0], out[1]};
 }
 
@@ -401,14 +419,15 @@ std::tuple<at::Tensor, at::Tensor> rms_norm_autograd(const at::Tensor& x, const 
 std::tuple<at::Tensor, at::Tensor> layer_norm_values(const at::Tensor& x, const OptionalTensor& residual,
                                                      const OptionalTensor& weight, const OptionalTensor& bias,
                                                      double eps) {
-  auto [y, residual_out, mean, rstd] = norm_forward(false, x.contiguous(), contiguous(residual), weight, bias, eps);
+  auto [y, residual_out, mean, rstd] =
+      norm_forward(false, x.contiguous(), contiguous(residual), contiguous(weight), contiguous(bias), eps);
   return {y, residual_out};
 }
 
 std::tuple<at::Tensor, at::Tensor> rms_norm_values(const at::Tensor& x, const OptionalTensor& residual,
                                                    const OptionalTensor& weight, double eps) {
   auto [y, residual_out, mean, rstd] =
-      norm_forward(true, x.contiguous(), contiguous(residual), weight, std::nullopt, eps);
+      norm_forward(true, x.contiguous(), contiguous(residual), contiguous(weight), std::nullopt, eps);
   return {y, residual_out};
 }
 

@@ -7,6 +7,7 @@ example. Each row asserts the exception type and that the message names the argu
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -247,3 +248,39 @@ def test_linear_dtypes_follow_autocast():
     with pytest.raises(ValueError, match="under torch.autocast x and linear_weight must be"):
         with torch.autocast("cpu", dtype=torch.bfloat16):
             memopt.norm_linear(x, None, None, t(4, 8, dtype=torch.float64))
+
+
+
+@pytest.mark.parametrize("fake", [False, True], ids=["cpu", "fake"])
+@pytest.mark.parametrize("seq_q,seq_k", [(4, 6), (6, 4)])
+def test_cpu_flash_bwd_packed_refuses_cross_attention(seq_q, seq_k, fake):
+    # The op packs grad_q, grad_k and grad_v into one (B, seq_q, H + 2 Hkv, D) buffer: with
+    # seq_k > seq_q the kernel wrote seq_k rows of grad_k / grad_v past its end (heap corruption),
+    # with seq_k < seq_q it returned rows that are no gradient. The op and its fake impl refuse.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    torch.manual_seed(0)
+    q, k, v = t(1, 2, seq_q, 8), t(1, 2, seq_k, 8), t(1, 2, seq_k, 8)
+    out, lse = torch.ops.memopt.cpu_flash_attention_fwd(q, k, v, False, 0.35)
+    args = (torch.randn_like(out), q, k, v, out, lse)
+    with contextlib.ExitStack() as stack:
+        if fake:
+            mode = stack.enter_context(FakeTensorMode())
+            args = tuple(mode.from_tensor(a) for a in args)
+        with pytest.raises(ValueError) as info:
+            torch.ops.memopt.cpu_flash_attention_bwd_packed(*args, False, 0.35)
+    message = str(info.value)
+    assert "cpu_flash_attention_bwd_packed" in message and f"got {seq_q} and {seq_k}" in message, message
+
+
+def test_norm_linear_op_names_itself_for_bad_norm_parameters():
+    # The op's norm ran memopt.layer_norm's forward op, whose errors named that op and its
+    # weight / bias; norm_linear checks its norm parameters itself, under its own names.
+    x, w = t(3, 8), t(4, 8)
+    for norm_weight, norm_bias, phrase in ((t(7), None, "memopt.norm_linear: norm_weight must have shape [8]"),
+                                           (t(8), t(7), "memopt.norm_linear: norm_bias must have shape [8]"),
+                                           (t(8, dtype=torch.float64), None,
+                                            "memopt.norm_linear: norm_weight must have x's dtype")):
+        with pytest.raises(RuntimeError) as info:
+            torch.ops.memopt.norm_linear(x, None, norm_weight, norm_bias, w, None, False, 1e-5)
+        assert phrase in str(info.value), str(info.value)

@@ -815,3 +815,69 @@ def test_compile_with_dynamic_shapes_and_the_default_eps(name):
     torch.testing.assert_close(out, ref, atol=1e-10, rtol=1e-10)
     for g, r in zip(grads, ref_grads):
         torch.testing.assert_close(g, r, atol=1e-10, rtol=1e-10)
+
+
+def _param_views(kind, n):
+    """(base leaf, its view) for a weight or bias of n elements: "expanded" (stride 0, one
+    element broadcast, as tying the scale of every channel does), "strided" (every other element
+    of a 2n vector), "contiguous"."""
+    if kind == "expanded":
+        base = (1 + 0.5 * torch.randn(1, dtype=torch.float64)).requires_grad_()
+        return base, base.expand(n)
+    if kind == "strided":
+        base = (1 + 0.5 * torch.randn(2 * n, dtype=torch.float64)).requires_grad_()
+        return base, base[::2]
+    base = (1 + 0.5 * torch.randn(n, dtype=torch.float64)).requires_grad_()
+    return base, base
+
+
+# (op, weight, bias): RMSNorm has no bias, so its cases vary the weight alone.
+_NON_CONTIGUOUS_PARAMS = [
+    (op, weight_kind, bias_kind)
+    for op in ("layer_norm", "rms_norm", "norm_linear_layernorm", "norm_linear_rmsnorm")
+    for weight_kind, bias_kind in (("expanded", "contiguous"), ("contiguous", "expanded"), ("strided", "strided"),
+                                   ("expanded", "strided"))
+    if not (op.endswith(("rms_norm", "rmsnorm")) and weight_kind == "contiguous")
+]
+
+
+@pytest.mark.parametrize("op,weight_kind,bias_kind", _NON_CONTIGUOUS_PARAMS)
+def test_non_contiguous_weight_and_bias(op, weight_kind, bias_kind):
+    # F.layer_norm / F.rms_norm take an expanded or strided weight and bias; the ops did not (a C++
+    # "weight must be contiguous" error, naming memopt.layer_norm for norm_linear). They copy them
+    # in a recorded op, so the gradients reach the base tensors of the views.
+    torch.manual_seed(0)
+    n = 33
+    rms = op.endswith(("rms_norm", "rmsnorm"))
+    x = torch.randn(6, n, dtype=torch.float64, requires_grad=True)
+    weight_base, weight = _param_views(weight_kind, n)
+    bias_base, bias = (None, None) if rms else _param_views(bias_kind, n)
+    linear_weight = torch.randn(5, n, dtype=torch.float64, requires_grad=True)
+    if op == "layer_norm":
+        out = memopt.layer_norm(x, weight, bias)
+        ref = F.layer_norm(x, (n,), weight, bias)
+    elif op == "rms_norm":
+        out = memopt.rms_norm(x, weight)
+        ref = F.rms_norm(x, (n,), weight, 1e-6)
+    else:
+        out = memopt.norm_linear(x, weight, bias, linear_weight, norm="rmsnorm" if rms else "layernorm")
+        normed = F.rms_norm(x, (n,), weight, 1e-5) if rms else F.layer_norm(x, (n,), weight, bias)
+        ref = F.linear(normed, linear_weight)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    leaves = [t for t in (x, weight_base, bias_base, linear_weight) if t is not None]
+    if not op.startswith("norm_linear"):
+        leaves.pop()
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, leaves, grad)
+    expected = torch.autograd.grad(ref, leaves, grad)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-10, atol=1e-10)
+    with torch.inference_mode():  # below autograd: the CompositeExplicitAutograd kernels
+        if op == "layer_norm":
+            below = memopt.layer_norm(x.detach(), weight.detach(), bias.detach())
+        elif op == "rms_norm":
+            below = memopt.rms_norm(x.detach(), weight.detach())
+        else:
+            below = memopt.norm_linear(x.detach(), weight.detach(), None if bias is None else bias.detach(),
+                                       linear_weight.detach(), norm="rmsnorm" if rms else "layernorm")
+    torch.testing.assert_close(below, ref.detach(), rtol=1e-12, atol=1e-12)

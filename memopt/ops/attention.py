@@ -894,6 +894,11 @@ def _cpu_flash_attention_bwd_fake(grad_out, q, k, v, out, lse, causal, scale, dr
 
 @torch.library.register_fake("memopt::cpu_flash_attention_bwd_packed")
 def _cpu_flash_attention_bwd_packed_fake(grad_out, q, k, v, out, lse, causal, scale, dropout_p=0.0, rng_key=None):
+    torch._check_value(
+        q.shape[2] == k.shape[2],
+        lambda: "memopt.cpu_flash_attention_bwd_packed: packs the gradients of q, k and v along the heads, so "
+        f"seq_q must equal seq_k, got {q.shape[2]} and {k.shape[2]}; use memopt.cpu_flash_attention_bwd",
+    )
     return _attention_bwd_packed_fake(grad_out, q, k, v, out, lse, causal, dropout_p, scale, rng_key)
 
 

@@ -208,7 +208,9 @@ def _check_public(op: str, x, residual, weight, bias, weight_name: str = "weight
 # which at 512 x 512 was the whole of memopt's lead over F.layer_norm. Under torch.compile, and for
 # an eps that is not a float (the op would take True as 1.0), the checks run first, as before.
 # Strided x and residual are not refused: the ops copy them (norm_autograd.cpp), since a raise
-# and a retry cost ~80 us a call, more than the copy at 256 x 512.
+# and a retry cost ~80 us a call, more than the copy at 256 x 512; nor are strided or expanded
+# weight and bias, which F.layer_norm takes too (copied the same way, so gradients reach the
+# tensors they are views of).
 _LAYER_NORM = torch.ops.memopt.layer_norm.default
 _RMS_NORM = torch.ops.memopt.rms_norm.default
 _NORM_LINEAR = torch.ops.memopt.norm_linear.default

@@ -764,6 +764,13 @@ def _grads_with_graph(forward, inputs, grad_output) -> list:
     return grads_with_graph(output, inputs, grad_output)
 
 
+def _recompute_count(spec: BlockSpec, count: int) -> int:
+    """How many of a backward's saved tensors (its activations, the first ``count``) go through
+    the recompute barrier under torch.compile (ops/_common.saved_for_recompute): none under
+    "none", which recomputes nothing."""
+    return 0 if spec.policy == "none" else count
+
+
 class TransformerBlockFunction(torch.autograd.Function):
     """One transformer block; saves ``saved_names(spec.policy, ...)`` and the RNG key.
 
@@ -788,8 +795,8 @@ class TransformerBlockFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         grad_y = grad_y.contiguous()  # y.sum().backward() hands in a stride-0 expanded tensor
-        saved = saved_for_recompute(ctx)
         count = len(ctx.saved_tensor_names)
+        saved = saved_for_recompute(ctx, grad_y, _recompute_count(ctx.spec, count))
         x, attention, ffn, h = _saved_halves(ctx.saved_tensor_names, saved[:count])
         params = BlockParams(*saved[count + 1 :])
         if building_graph():
@@ -870,10 +877,11 @@ def _save_half(ctx, half: str, spec: BlockSpec, batch: int, seq: int, tensor_of,
     ctx.save_for_backward(*(tensor_of(name) for name in names), rng_key, *params)
 
 
-def _restore_half(ctx, half: str) -> tuple[dict[str, Tensor], BlockCall, BlockParams]:
-    """(the saved tensors by name, the call, which parameters need a gradient) of one half."""
-    saved = saved_for_recompute(ctx)
+def _restore_half(ctx, half: str, grad: Tensor) -> tuple[dict[str, Tensor], BlockCall, BlockParams]:
+    """(the saved tensors by name, the call, which parameters need a gradient) of one half;
+    ``grad``: the gradient its backward got."""
     count = len(ctx.saved_tensor_names)
+    saved = saved_for_recompute(ctx, grad, _recompute_count(ctx.spec, count))
     by_name = dict(zip(ctx.saved_tensor_names, saved[:count]))
     params = _half_params(half, saved[count + 1 :])
     call = BlockCall.make(ctx.spec, saved[0], saved[count], ctx.batch, ctx.seq, params)
@@ -895,7 +903,7 @@ class BlockAttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_h):
-        by_name, call, need = _restore_half(ctx, "attention")
+        by_name, call, need = _restore_half(ctx, "attention", grad_h)
         if building_graph():
             x, params = by_name["x"], call.params[:6]
             call = call._replace(graph=True)
@@ -924,7 +932,7 @@ class BlockFFNFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         grad_y = grad_y.contiguous()  # y.sum().backward() hands in a stride-0 expanded tensor
-        by_name, call, need = _restore_half(ctx, "ffn")
+        by_name, call, need = _restore_half(ctx, "ffn", grad_y)
         h = by_name["h"]
         if building_graph():
             params = call.params[6:]
@@ -994,8 +1002,8 @@ class BlockFFNInFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_u, grad_residual):
-        spec, saved = ctx.spec, saved_for_recompute(ctx)
-        slots, count = _FFN_IN_SLOTS[spec.norm_first], len(ctx.saved_tensor_names)
+        spec, count = ctx.spec, len(ctx.saved_tensor_names)
+        slots, saved = _FFN_IN_SLOTS[spec.norm_first], saved_for_recompute(ctx, grad_u, _recompute_count(spec, count))
         by_name = dict(zip(ctx.saved_tensor_names, saved[:count]))
         h = by_name["h"]
         call = _ffn_split_call(spec, h, None, ctx.batch, ctx.seq, saved[count:], slots)
@@ -1037,8 +1045,8 @@ class BlockFFNOutFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         grad_y = grad_y.contiguous()  # y.sum().backward() hands in a stride-0 expanded tensor
-        spec, saved = ctx.spec, saved_for_recompute(ctx)
-        slots, count = _FFN_OUT_SLOTS[spec.norm_first], len(ctx.saved_tensor_names)
+        spec, count = ctx.spec, len(ctx.saved_tensor_names)
+        slots, saved = _FFN_OUT_SLOTS[spec.norm_first], saved_for_recompute(ctx, grad_y, _recompute_count(spec, count))
         by_name = dict(zip(ctx.saved_tensor_names, saved[:count]))
         u, h, rng_key = by_name["u"], saved[count], saved[count + 1]
         call = _ffn_split_call(spec, u, rng_key, ctx.batch, ctx.seq, saved[count + 2 :], slots)

@@ -544,21 +544,28 @@ def _activation_bytes(module, x) -> int:
 
 
 @pytest.mark.parametrize("policy", POLICIES)
-@pytest.mark.parametrize("backend", ["aot_eager", "inductor-without-cse"])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_compiled_stack_saves_what_the_eager_stack_saves(backend, policy, compile_cache):
     # AOT autograd merges equal nodes of the joint forward + backward graph (CSE): merged with the
     # forward's, a backward's recompute became "save the forward's intermediates" (a 2-layer
-    # "full" stack saved 16x its eager bytes, "selective" 1.4x, with equal numerics). The block's
-    # backwards read their saved tensors through fresh aliases under compile, which aot_eager
-    # keeps apart; inductor's joint-graph passes drop the aliases, and there
-    # torch._functorch.config.cse = False is the way to keep the recompute (README).
+    # "full" stack saved 16x its eager bytes, "selective" 1.4x, with equal numerics). The
+    # backwards read their saved activations through memopt::recompute_barrier under compile.
     torch.manual_seed(0)
     stack = memopt.FusedCheckpointStack(2, D_MODEL, N_HEADS, d_ff=128, causal=True, dropout=0.1, policy=policy)
     x = torch.randn(2, 24, D_MODEL, requires_grad=True)
-    compiled = torch.compile(stack, backend=backend.removesuffix("-without-cse"))
-    with torch._functorch.config.patch(cse=backend != "inductor-without-cse"):
-        compiled(x)
-        assert _activation_bytes(compiled, x) == _activation_bytes(stack, x)
+    compiled = torch.compile(stack, backend=backend)
+    compiled(x)
+    # (+64 bytes at most: compiled, each RNG key saved is a view of a layer's 48-byte site-key table)
+    assert 0 <= _activation_bytes(compiled, x) - _activation_bytes(stack, x) <= 64
+
+
+def test_recompute_barrier_op():
+    from memopt.ops._common import recompute_barrier
+
+    t = torch.randn(3, 5)
+    got = recompute_barrier(t, torch.zeros(1))
+    assert torch.equal(got, t) and got.untyped_storage().data_ptr() != t.untyped_storage().data_ptr()
+    torch.library.opcheck(torch.ops.memopt.recompute_barrier, (t, torch.zeros(2)))
 
 
 @gpu

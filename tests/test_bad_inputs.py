@@ -273,6 +273,18 @@ def test_cpu_flash_bwd_packed_refuses_cross_attention(seq_q, seq_k, fake):
     assert "cpu_flash_attention_bwd_packed" in message and f"got {seq_q} and {seq_k}" in message, message
 
 
+def test_attention_bwd_packed_fake_refuses_cross_attention():
+    # The real op refuses seq_q != seq_k (its packed layout has seq_q rows); under a
+    # FakeTensorMode its fake returned a buffer of that layout instead.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q, k = torch.empty(1, 2, 4, 8), torch.empty(1, 2, 6, 8)
+        out, lse = torch.empty_like(q), torch.empty(1, 2, 4)
+        with pytest.raises(ValueError, match="attention_bwd_packed: .* got 4 and 6"):
+            torch.ops.memopt.attention_bwd_packed(out, q, k, k, out, lse, False, 0.0, 0.35, torch.zeros(2, dtype=torch.int64))
+
+
 def test_norm_linear_op_names_itself_for_bad_norm_parameters():
     # The op's norm ran memopt.layer_norm's forward op, whose errors named that op and its
     # weight / bias; norm_linear checks its norm parameters itself, under its own names.

@@ -115,6 +115,21 @@ def test_compile_fullgraph(compile_cache):
     assert x.grad is not None and r.grad is not None
 
 
+def test_compile_fullgraph_with_x_as_its_own_residual(compile_cache):
+    # dropout_add(x, x): one tensor in two inputs of the Function, which dynamo refused to trace
+    # (a graph break; fullgraph=True raised).
+    x = torch.randn(8, 16, dtype=torch.float64, requires_grad=True)
+    key = rng_key(12)
+    fn = torch.compile(lambda a: memopt.dropout_add(a, a, 0.3, rng_key=key), backend="aot_eager", fullgraph=True)
+    out = fn(x)
+    (grad,) = torch.autograd.grad(out, x, torch.ones_like(out))
+    reference = x.detach().clone().requires_grad_()
+    expected = dropout_add_ref(reference, reference, 0.3, key)
+    (expected_grad,) = torch.autograd.grad(expected, reference, torch.ones_like(expected))
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-12, atol=1e-12)
+
+
 @pytest.mark.parametrize(
     "call,match",
     [

@@ -913,6 +913,11 @@ def _attention_bwd_fake(grad_out, q, k, v, out, lse, causal, dropout_p, scale, r
 
 @torch.library.register_fake("memopt::attention_bwd_packed")
 def _attention_bwd_packed_fake(grad_out, q, k, v, out, lse, causal, dropout_p, scale, rng_key, backend="auto"):
+    torch._check_value(
+        q.shape[2] == k.shape[2],
+        lambda: "memopt.attention_bwd_packed: packs the gradients of q, k and v along the heads, so seq_q must "
+        f"equal seq_k, got {q.shape[2]} and {k.shape[2]}; use memopt.attention_bwd",
+    )
     batch, heads, seq, head_dim = q.shape
     return q.new_empty((batch, seq, heads + 2 * k.shape[1], head_dim))
 

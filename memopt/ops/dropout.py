@@ -111,9 +111,12 @@ def dropout_add(
         x, residual = x.to(dtype), residual.to(dtype)
     if rng_key is None:
         rng_key = new_rng_key()
-    return DropoutAddFunction.apply(
-        x.contiguous(), None if residual is None else residual.contiguous(), float(p), rng_key
-    )
+    x = x.contiguous()
+    if residual is not None:
+        residual = residual.contiguous()
+        if residual is x:  # dropout_add(x, x): torch.compile cannot trace one tensor in two inputs of a Function
+            residual = residual.view_as(residual)
+    return DropoutAddFunction.apply(x, residual, float(p), rng_key)
 
 
 def dropout_add_ref(

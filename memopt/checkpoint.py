@@ -196,11 +196,11 @@ class _CacheEntriesToHost:
 #    a running scale, MoCo's queue) would read, in the recompute, the value the forward left:
 #    recomputed activations that differ from the forward's, and wrong gradients. ``_BufferGuard``
 #    keeps the value each buffer had when the forward started, for the buffers the forward
-#    changes only: it copies them all when the forward starts where together they are small
-#    (``COPY_UP_FRONT_BYTES``, 64 MiB) and drops the copies of those the forward left alone
-#    (version counters) when it ends; larger ones are copied just before the first op that
-#    writes into them (PyTorch's caching mode calls ``before_op`` under ``"selective"`` and
-#    policy functions; under ``"full"`` a dispatch mode of its own, ``_BufferWriteWatch``, does).
+#    changes only: under ``"selective"`` and policy functions each is copied just before the
+#    first op that writes into it (PyTorch's caching mode calls ``before_op``); under ``"full"``,
+#    which runs no dispatch mode, all are copied when the forward starts and the copies of those
+#    the forward left alone (version counters) dropped when it ends. Writes through ``.data``
+#    are seen by neither (nor by autograd).
 #    Each recompute starts from those values, and the buffers get the values they had before it
 #    back after it. A buffer the forward reassigns (``self.scale = ...``) is swapped back for the
 #    recompute. BatchNorm-style running statistics get no copy: in training only their own update
@@ -531,7 +531,7 @@ class _CachedOutputGuard:
         # starts by writing the buffer's value at forward start back (_BufferGuard), so they are
         # copied now, and that write is not taken for a change after the forward.
         buffers = self._state.buffers
-        loaded = buffers.written_storages() if buffers is not None and self._cached else ()
+        loaded = buffers.written_storages() if buffers is not None else ()
         for key in loaded:
             self._snapshot(key)
         # Versions at the end of the forward; weak references, so nothing here keeps a storage
@@ -725,30 +725,17 @@ def _checkpointed_modules(fn) -> list[nn.Module]:
 _MISSING = object()
 
 
-class _BufferWriteWatch(TorchDispatchMode):
-    """Note [what a recompute may rely on], 2: the forward-side dispatch mode of a ``"full"``
-    checkpoint whose buffers are too large to copy up front: ``guard.before_op`` before each op.
-    (Under ``"selective"`` and policy functions PyTorch's caching mode calls it instead.)"""
-
-    def __init__(self, guard: _BufferGuard):
-        super().__init__()
-        self._guard = guard
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        self._guard.before_op(func, args, kwargs)
-        return func(*args, **kwargs)
-
-
 class _BufferGuard:
     """Note [what a recompute may rely on], 2: the recompute sees the buffers of the checkpointed
     modules as the forward started, and leaves them as it found them.
 
-    The forward keeps a copy of each buffer it changes, from before its first write: copied when
-    the forward starts where all of them together are small (``COPY_UP_FRONT_BYTES``; the copies of
-    those it did not change are dropped when it ends), else just before the first op that writes
-    into one (``before_op``, called by PyTorch's caching mode, or by ``_BufferWriteWatch`` under
-    ``"full"``). Which buffers changed is read from version counters, except for BatchNorm-style
+    The forward keeps a copy of each buffer it changes, from before its first write: under
+    ``"selective"`` and policy functions copied just before the first op that writes into it
+    (``before_op``, called by PyTorch's caching mode), under ``"full"`` all copied when the
+    forward starts and the copies of those it did not change dropped when it ends (a dispatch mode
+    of memopt's own to watch for writes would cost ~10 us per op and break higher-order ops such
+    as ``flex_attention`` and ``torch.cond``). Writes through ``.data`` bypass version counters and
+    dispatch (as they bypass autograd's checks): they are not seen. Which buffers changed is read from version counters, except for BatchNorm-style
     running statistics: ``native_batch_norm`` writes them without declaring it in its schema, so
     their version stays. Those of ``nn.BatchNorm*``-style modules (``_NormBase`` with running
     statistics) get no copy: in training nothing reads them but their own update, which the
@@ -757,10 +744,6 @@ class _BufferGuard:
     started with, the module holds the forward's new one again after it.
     """
 
-    # Up front, a copy costs one pass over the buffers per forward (64 MiB: ~40 us on an H100's
-    # bandwidth); watching costs a Python dispatch mode, ~10 us per op of the forward under
-    # "full" (measured on CPU: a 4-layer block with a 4 MiB mask buffer ran 1.3x slower watched).
-    COPY_UP_FRONT_BYTES = 64 << 20
 
     def __init__(self, modules: list[nn.Module]):
         # One walk over the submodules (every checkpointed call builds a guard): their buffers,
@@ -782,7 +765,6 @@ class _BufferGuard:
         self._copied = [b for b in self._buffers if id(b) not in unread]  # those that get a copy
         self.watched_by_caching_mode = False  # set by _context_fn: PyTorch's caching mode calls before_op
         self.watching = False  # before_op is wanted (during the forward)
-        self.watch_mode = _BufferWriteWatch(self)
         self._start: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (buffer, value at forward start)
         self._by_storage: dict | None = None  # storage key -> [buffers], built at the first write
         self._changed: list[torch.Tensor] = []
@@ -816,25 +798,18 @@ class _BufferGuard:
     def forward(self):
         before = [b._version for b in self._buffers]
         self._start, self._by_storage = {}, None
-        watch = False
         if self._copied:
             if self.watched_by_caching_mode:
                 self.watching = True
-            elif sum(b.numel() * b.element_size() for b in self._copied) <= self.COPY_UP_FRONT_BYTES:
+            else:
                 with torch.no_grad():
                     self._start = {id(b): (b, b.clone()) for b in self._copied}
-            else:
-                self.watching = watch = True
         try:
-            if watch:
-                with self.watch_mode:
-                    yield
-            else:
-                yield
+            yield
         finally:
             self.watching = False
             changed = {id(b): b for b, v in zip(self._buffers, before) if b._version != v}
-            if self._start and (watch or self.watched_by_caching_mode):
+            if self._start and self.watched_by_caching_mode:
                 changed.update((key, b) for key, (b, _) in self._start.items())  # each written
             if changed:  # a norm in training bumped num_batches_tracked: it updated its statistics
                 changed.update((id(b), b) for b in self._running_stats)
@@ -1060,7 +1035,6 @@ def _context_fn(
         # Outermost: its copies happen outside selective checkpointing's dispatch modes.
         forward.append(buffers.forward)
         recompute.append(buffers.recompute)
-        lowest_mode = buffers.watch_mode  # under "full", when it watches for writes
     if policy != "full":
         if policy == "selective":
             policy_fn, is_cached = selective_checkpoint_policy, _is_selective_saved

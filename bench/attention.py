@@ -11,6 +11,11 @@ metric, unit, x = sequence length, median, p20, p80, device, torch, triton, comm
 JSON under ``bench/results/``; a markdown table is printed, each time also as a multiple of
 ``sdpa``'s. q, k, v are views of one fused projection, as a transformer block passes them.
 
+Each row is printed as it is measured and the JSON is rewritten after every (case, sequence
+length), so a run cut by a time limit (SIGINT: exit 130) keeps what it measured. A provider that
+raises gives an error row (metric ``error``, ``status`` ``"error (<exception>)"``, no numbers)
+and the others still run; the script then exits 1 after writing everything.
+
     python -m bench.attention --preset cpu     # the block's head shape on the CPU, dropout 0 and 0.1
     python -m bench.attention --preset cpu-head-dims   # head_dim 40, 80, 96, 200 on the CPU, seq 256
     python -m bench.attention --preset cpu-gqa   # the CPU head shape with 4 query heads per kv head
@@ -201,9 +206,24 @@ def _time_ms(fn, device: str, grad_to_none) -> tuple[float, float, float]:
     return _quantiles(samples)
 
 
-def run(preset: str) -> list[dict]:
+def _error_text(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".splitlines()[0] if str(exc) else type(exc).__name__
+    return text[:160]
+
+
+def run(preset: str, cases: list[Case] | None = None, rows: list[dict] | None = None, on_row=None,
+        on_case=None) -> list[dict]:
+    """Measure ``cases`` (the preset's by default) into ``rows`` (appended to as measured, so a caller
+    that passes its own list keeps what was measured when a case is interrupted).
+
+    A provider that raises gives one error row (metric ``"error"``, ``status`` ``"error (...)"``, no
+    numbers) and the next provider still runs; ``on_row(row)`` is called for every row as it is
+    added and ``on_case(rows)`` after each (case, sequence length).
+    """
     config = PRESETS[preset]
     device, dtype = config["device"], config["dtype"]
+    cases = config["cases"] if cases is None else cases
+    rows = [] if rows is None else rows
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit(f"bench.attention: preset {preset!r} needs a CUDA device")
     try:
@@ -219,23 +239,36 @@ def run(preset: str) -> list[dict]:
         "commit": git_commit(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
     }
-    rows = []
 
-    def add(case, provider, mode, metric, unit, seq, median, p20, p80):
-        rows.append({
+    def add(case, provider, mode, metric, unit, seq, median, p20, p80, **extra):
+        row = {
             "name": case.name, "provider": provider, "mode": mode, "metric": metric, "unit": unit, "x": seq,
-            "median": median, "p20": p20, "p80": p80, **common,
-        })
+            "median": median, "p20": p20, "p80": p80, **common, **extra,
+        }
+        rows.append(row)
+        if on_row is not None:
+            on_row(row)
 
-    for case in config["cases"]:
+    def add_error(case, provider, mode, seq, exc):
+        add(case, provider, mode, "error", "status", seq, None, None, None, status=f"error ({_error_text(exc)})")
+
+    for case in cases:
         for seq in case.seqs:
-            # q, k, v are views of one (B, S, H + 2 Hkv, D) projection, as in a transformer block.
-            qkv = torch.randn(
-                case.batch, seq, case.heads + 2 * case.kv, case.head_dim, device=device, dtype=dtype, requires_grad=True
-            )
-            q, k, v = (t.transpose(1, 2) for t in qkv.split((case.heads, case.kv, case.kv), dim=2))
-            grad = torch.randn(case.batch, case.heads, seq, case.head_dim, device=device, dtype=dtype)
-            for provider, attn in providers(case, device, q, k, v).items():
+            try:
+                # q, k, v are views of one (B, S, H + 2 Hkv, D) projection, as in a transformer block.
+                qkv = torch.randn(
+                    case.batch, seq, case.heads + 2 * case.kv, case.head_dim, device=device, dtype=dtype, requires_grad=True
+                )
+                q, k, v = (t.transpose(1, 2) for t in qkv.split((case.heads, case.kv, case.kv), dim=2))
+                grad = torch.randn(case.batch, case.heads, seq, case.head_dim, device=device, dtype=dtype)
+                found = providers(case, device, q, k, v)
+            except Exception as exc:  # noqa: BLE001 - one case's setup failing must not lose the others
+                add_error(case, "*", "setup", seq, exc)
+                if on_case is not None:
+                    on_case(rows)
+                continue
+            for provider, attn in found.items():
+                mode = "setup"
                 try:
                     for mode in ("fwd", "fwd_bwd"):
                         if mode == "fwd":
@@ -265,29 +298,52 @@ def run(preset: str) -> list[dict]:
                         add(case, provider, "fwd_bwd", "peak_memory", "MiB", seq, peak, peak, peak)
                 except torch.OutOfMemoryError:
                     add(case, provider, "fwd_bwd", "oom", "bool", seq, 1, 1, 1)
+                except Exception as exc:  # noqa: BLE001 - recorded; the next provider still runs
+                    add_error(case, provider, mode, seq, exc)
                 finally:
                     qkv.grad = None
                     if device == "cuda":
-                        torch.cuda.empty_cache()
+                        try:
+                            torch.cuda.synchronize()
+                            torch.cuda.empty_cache()
+                        except Exception:  # noqa: BLE001 - a broken context: the next provider says so
+                            pass
+            if on_case is not None:
+                on_case(rows)
     return rows
+
+
+TABLE_HEADER = "| case | seq | mode | provider | ms | TFLOP/s | x sdpa | saved MiB |"
+TABLE_RULE = "|---|---:|---|---|---:|---:|---:|---:|"
+
+
+def progress_line(row: dict) -> str | None:
+    """The line printed as ``row`` is measured (time, OOM and error rows; the table comes at the end)."""
+    head = f"| {row['name']} | {row['x']} | {row['mode']} | {row['provider']} |"
+    if row["metric"] == "time":
+        return f"{head} {row['median']:.3f} ms |"
+    if row["metric"] == "oom":
+        return f"{head} OOM |"
+    if row["metric"] == "error":
+        return f"{head} {row.get('status', 'error')} |"
+    return None
 
 
 def markdown(rows: list[dict]) -> str:
     """One line per (case, seq, mode, provider): median time, throughput, time / sdpa's, saved bytes."""
     cell = {(r["name"], r["x"], r["mode"], r["provider"], r["metric"]): r["median"] for r in rows}
+    errors = {(r["name"], r["x"], r["mode"], r["provider"]): r.get("status", "error") for r in rows if r["metric"] == "error"}
     keys = []
     for r in rows:
         key = (r["name"], r["x"], r["mode"], r["provider"])
-        if r["metric"] in ("time", "oom") and key not in keys:
+        if r["metric"] in ("time", "oom", "error") and key not in keys:
             keys.append(key)
-    lines = [
-        "| case | seq | mode | provider | ms | TFLOP/s | x sdpa | saved MiB |",
-        "|---|---:|---|---|---:|---:|---:|---:|",
-    ]
+    lines = [TABLE_HEADER, TABLE_RULE]
     for name, seq, mode, provider in keys:
         t = cell.get((name, seq, mode, provider, "time"))
         if t is None:
-            lines.append(f"| {name} | {seq} | {mode} | {provider} | OOM | | | |")
+            what = errors.get((name, seq, mode, provider), "OOM").replace("|", "/")
+            lines.append(f"| {name} | {seq} | {mode} | {provider} | {what} | | | |")
             continue
         tf = cell[(name, seq, mode, provider, "throughput")]
         base = cell.get((name, seq, mode, "sdpa", "time"))
@@ -315,17 +371,40 @@ def main(argv=None) -> None:
         cases = [case for case in cases if case.head_dim in set(args.head_dims)]
     if not cases:
         parser.error(f"no case of preset {args.preset!r} has these dropout rates and head dims")
-    PRESETS[args.preset]["cases"] = cases
-    rows = run(args.preset)
     name = f"attention_{args.preset}.json"
     out = args.out or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", name)
     if os.path.isdir(out):
         out = os.path.join(out, name)
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(rows, f, indent=1)
+
+    def write(rows):  # after every case: a run cut by its time limit keeps what it measured
+        tmp = f"{out}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(rows, f, indent=1)
+        os.replace(tmp, out)
+
+    def show(row):
+        line = progress_line(row)
+        if line is not None:
+            print(line, flush=True)
+
+    rows: list[dict] = []
+    interrupted = False
+    try:
+        run(args.preset, cases, rows, on_row=show, on_case=write)
+    except KeyboardInterrupt:  # device_check.sh's time limit sends SIGINT
+        interrupted = True
+    finally:
+        write(rows)
+    print()
     print(markdown(rows))
-    print(f"\n{len(rows)} rows written to {out}")
+    errors = sum(r["metric"] == "error" for r in rows)
+    print(f"\n{len(rows)} rows written to {out}" + (f" ({errors} error rows)" if errors else ""))
+    if interrupted:
+        print("bench.attention: interrupted; the rows measured so far are written", flush=True)
+        raise SystemExit(130)
+    if errors:
+        raise SystemExit(1)
 
 
 if __name__ == "__main__":

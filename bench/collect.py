@@ -3,6 +3,9 @@
 A GPU is lent for minutes at a time; what ``bench/device_check.sh`` wrote to ``$OUT`` must end up
 in the repository before the session does, not in a scratch folder. This script
 
+0. unpacks ``OUT/00-device-check.tgz`` when there is one (the device tool returns only the first
+   files of ``$OUT`` by name; the archive holds them all) and refuses (exit 2) a folder that still
+   has no ``environment.txt`` rather than record an "unknown GPU" run,
 1. copies every file of ``OUT`` into ``bench/results/<gpu>-<date>/`` (``<gpu>`` from
    ``environment.txt``, e.g. ``h200``; a numbered suffix when that folder already exists),
 2. writes that folder's ``README.md``: the environment (GPU, driver, torch, triton, commit, date),
@@ -22,7 +25,10 @@ import json
 import re
 import shutil
 import sys
+import tarfile
+import tempfile
 import xml.etree.ElementTree as ET
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -30,6 +36,14 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS_DIR = ROOT / "bench" / "results"
 README_BEGIN = "<!-- gpu-results:begin -->"
 README_END = "<!-- gpu-results:end -->"
+# device_check.sh packs everything it wrote into this archive after every step: the device tool
+# returns only the first files of $OUT by name, so the folder fetched back may hold little else.
+ARCHIVE = "00-device-check.tgz"
+PARTIAL = "zz-device-check.tgz.partial"  # the archive being packed when the run was cut: never copied
+
+
+class IncompleteRun(ValueError):
+    """OUT (with its archive unpacked) lacks what a results folder needs, e.g. ``environment.txt``."""
 
 
 @dataclass
@@ -82,13 +96,51 @@ class TestSummary:
     failed: int = 0
     skipped: int = 0
     failures: list[str] = field(default_factory=list)
+    note: str = ""  # where the counts came from when not from a whole gpu_tests.xml
 
 
-def read_junit(path: Path) -> TestSummary | None:
+# `pytest -v` names each test with its outcome: "tests/test_block.py::test_a PASSED   [ 10%]"
+_VERBOSE_RESULT = re.compile(r"^(\S+::\S+)\s+(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+
+
+def read_pytest_log(path: Path) -> TestSummary | None:
+    """Counts from a ``pytest -v`` log (the tests that finished before a cut, when it was cut)."""
     if not path.is_file():
         return None
     summary = TestSummary()
-    for case in ET.parse(path).getroot().iter("testcase"):
+    seen = set()
+    for line in path.read_text(errors="replace").splitlines():
+        match = _VERBOSE_RESULT.match(line)
+        if match is None or match.groups() in seen:
+            continue
+        seen.add(match.groups())
+        name, outcome = match.groups()
+        if outcome in ("FAILED", "ERROR"):
+            summary.failed += 1
+            summary.failures.append(name)
+        elif outcome in ("SKIPPED", "XFAIL"):
+            summary.skipped += 1
+        else:
+            summary.passed += 1
+    return summary
+
+
+def read_junit(path: Path) -> TestSummary | None:
+    """The GPU tests' counts from ``gpu_tests.xml``; from ``gpu_tests.log`` beside it (``pytest -v``)
+    when the XML is truncated (a step killed while pytest wrote it), with a note saying so."""
+    if not path.is_file():
+        return None
+    try:
+        root = ET.parse(path).getroot()
+    except ET.ParseError as exc:
+        log = path.with_suffix(".log")
+        summary = read_pytest_log(log)
+        if summary is None:
+            return TestSummary(note=f"junit truncated ({path.name}: {exc}); no {log.name} to count from")
+        summary.note = f"junit truncated ({path.name}: {exc}); counts from the `pytest -v` lines of {log.name}"
+        return summary
+    summary = TestSummary()
+    for case in root.iter("testcase"):
         name = f"{case.get('classname', '')}::{case.get('name', '')}"
         if case.find("failure") is not None or case.find("error") is not None:
             summary.failed += 1
@@ -140,6 +192,8 @@ def summary_markdown(env: Environment, tests: TestSummary | None, tables: list[s
         parts.append("GPU tests: no `gpu_tests.xml` in this run.")
     else:
         line = f"GPU tests (`pytest -m gpu`): {tests.passed} passed, {tests.failed} failed, {tests.skipped} skipped."
+        if tests.note:
+            line += f" Note: {tests.note}."
         if tests.failures:
             line += " Failed: " + ", ".join(f"`{name}`" for name in tests.failures[:20])
             if len(tests.failures) > 20:
@@ -167,16 +221,75 @@ def update_readme(readme: Path, block: str) -> bool:
     return True
 
 
+def _check_member(member: tarfile.TarInfo, root: Path) -> None:
+    """Only regular files and folders that land inside ``root``: links, devices, absolute paths
+    and ``..`` are refused (the archive came back from another machine)."""
+    if not (member.isfile() or member.isdir()):
+        raise IncompleteRun(f"{ARCHIVE}: {member.name!r} is not a plain file or folder; refusing to unpack it")
+    target = (root / member.name).resolve()
+    if Path(member.name).is_absolute() or ".." in Path(member.name).parts or not target.is_relative_to(root.resolve()):
+        raise IncompleteRun(f"{ARCHIVE}: {member.name!r} points outside the folder; refusing to unpack it")
+
+
+def unpack(out: Path, into: Path) -> Path:
+    """``into`` holding ``out``'s archive unpacked with ``out``'s other files over it, or ``out``
+    itself when it has no archive. The loose files win: the archive was packed after a step, and a
+    file written later (a step cut by the device tool) is at least as complete."""
+    archive = out / ARCHIVE
+    if not archive.is_file():
+        return out
+    into.mkdir(parents=True, exist_ok=True)
+    kwargs = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}
+    try:
+        with tarfile.open(archive, "r:gz") as tar:
+            for member in tar:  # one at a time: a truncated archive still gives its first files
+                _check_member(member, into)
+                tar.extract(member, into, **kwargs)
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:  # truncated: keep what came out of it
+        print(f"bench.collect: {archive} could not be read whole ({exc}); using what it held", file=sys.stderr)
+    for path in out.iterdir():
+        if path.name in (ARCHIVE, PARTIAL):
+            continue
+        if path.is_dir():
+            shutil.copytree(path, into / path.name, dirs_exist_ok=True)
+        else:
+            shutil.copy2(path, into / path.name)
+    return into
+
+
 def collect(out: Path, results_dir: Path = RESULTS_DIR, readme: Path | None = ROOT / "README.md") -> Path:
-    """Copy ``out`` into a new results folder, write its README and update the repository README."""
+    """Copy ``out`` into a new results folder, write its README and update the repository README.
+
+    ``out`` may be the folder the device tool returned: when it holds ``00-device-check.tgz`` the
+    archive's files are collected (its own loose files over them) and the archive itself is not
+    copied. Raises ``IncompleteRun`` when there is no ``environment.txt`` even then.
+    """
     if not out.is_dir():
         raise FileNotFoundError(f"bench.collect: OUT must be the folder device_check.sh wrote, got {out}")
+    with tempfile.TemporaryDirectory(prefix="bench-collect-") as scratch:
+        run_dir = unpack(out, Path(scratch) / "run")
+        if not (run_dir / "environment.txt").is_file():
+            has = sorted(p.name for p in run_dir.iterdir())
+            raise IncompleteRun(
+                f"{out} has no environment.txt" + (f" (nor has its {ARCHIVE})" if (out / ARCHIVE).is_file() else f" and no {ARCHIVE}")
+                + f"; it holds {has[:12]}{' ...' if len(has) > 12 else ''}. Pass the $OUT that bench/device_check.sh wrote,"
+                " or the folder the device tool returned with its 00-device-check.tgz"
+            )
+        return _collect(run_dir, results_dir, readme)
+
+
+def _collect(out: Path, results_dir: Path, readme: Path | None) -> Path:
     env = read_environment(out / "environment.txt")
     # Read and summarised before anything is copied: a file it cannot read leaves no half-made folder.
     tests = read_junit(out / "gpu_tests.xml")
-    tables = [harness_table(json.loads(path.read_text())) for path in sorted(out.glob("compare-*.json"))]
+    tables = []
+    for path in sorted(out.glob("compare-*.json")):
+        try:
+            tables.append(harness_table(json.loads(path.read_text())))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # a step cut while writing it
+            tables.append(f"`{path.name}`: not readable JSON ({exc}); the file is copied as it came.")
     dest = destination(env, results_dir)
-    shutil.copytree(out, dest)
+    shutil.copytree(out, dest, ignore=shutil.ignore_patterns(ARCHIVE, PARTIAL))
     try:
         folder = dest.relative_to(ROOT).as_posix()
     except ValueError:
@@ -197,7 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.out.is_dir():
         parser.error(f"out: {args.out} is not a folder (the $OUT that bench/device_check.sh wrote)")
-    dest = collect(args.out, args.results_dir, None if args.no_readme else args.readme)
+    try:
+        dest = collect(args.out, args.results_dir, None if args.no_readme else args.readme)
+    except IncompleteRun as exc:
+        parser.error(str(exc))  # exit 2: nothing copied, the README left as it was
     print(f"results: {dest}")
     return 0
 

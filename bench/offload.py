@@ -24,13 +24,13 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import time
 
 import torch
 from torch import nn
 
 import memopt
+from bench.compare import git_commit
 
 PRESETS = {
     "cpu": dict(device="cpu", dtype="float32", d_model=64, heads=2, seq=32, batch=2, depths=[2, 4], steps=3, warmup=1,
@@ -38,15 +38,6 @@ PRESETS = {
     "h200": dict(device="cuda", dtype="bfloat16", d_model=2048, heads=16, seq=2048, batch=1, depths=[4, 8, 16, 24],
                  steps=5, warmup=2, min_bytes=2**20, providers=["none", "offload", "offload-prefetch0"]),
 }
-
-
-def _commit() -> str:
-    try:
-        here = os.path.dirname(os.path.abspath(__file__))
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def gpt_stack(depth: int, cfg: dict) -> nn.ModuleList:
@@ -131,7 +122,7 @@ def main(argv=None) -> str:
         raise SystemExit(f"bench.offload: preset {args.preset!r} needs a CUDA device")
     device_name = torch.cuda.get_device_name() if cfg["device"] == "cuda" else "cpu"
     now = datetime.datetime.now(datetime.timezone.utc)
-    common = {"device": device_name, "torch": torch.__version__, "commit": _commit(),
+    common = {"device": device_name, "torch": torch.__version__, "commit": git_commit(),
               "date": now.strftime("%Y-%m-%dT%H:%M:%SZ")}
     rows = []
     for depth in cfg["depths"]:

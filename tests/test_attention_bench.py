@@ -5,6 +5,9 @@ import os
 import subprocess
 import sys
 
+import pytest
+import torch
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLUMNS = {"name", "provider", "mode", "metric", "unit", "x", "median", "p20", "p80", "device", "torch", "triton", "commit", "date"}
 
@@ -62,3 +65,73 @@ def test_grouped_query_preset_runs_every_cpu_backend(tmp_path):
         if r["metric"] == "saved_bytes" and r["provider"] in ("memopt:native", "memopt:cpu_flash"):
             # out and lse per query head (q, k, v are the inputs), and the 16-byte key
             assert r["median"] == batch * heads * seq * (head_dim + 1) * 4 + 16, r
+
+
+def _tiny_cpu_cases(monkeypatch):
+    """One tiny CPU case (seq 16, no dropout) so the in-process runs below take well under a second."""
+    from bench import attention
+
+    case = attention.Case(1, 2, 16, True, (16,))
+    monkeypatch.setitem(attention.PRESETS, "tiny-cpu", {"device": "cpu", "dtype": torch.float32, "cases": [case]})
+    return attention
+
+
+def _with_extra_provider(monkeypatch, attention, name, fn):
+    real = attention.providers
+
+    def providers(case, device, q, k, v):
+        found = real(case, device, q, k, v)
+        # the failing provider runs between memopt's backends and sdpa, as a real one would
+        return {**{p: f for p, f in found.items() if p.startswith("memopt")}, name: fn,
+                **{p: f for p, f in found.items() if not p.startswith("memopt")}}
+
+    monkeypatch.setattr(attention, "providers", providers)
+
+
+def test_a_failing_provider_gives_an_error_row_and_the_others_still_run(tmp_path, monkeypatch, capsys):
+    attention = _tiny_cpu_cases(monkeypatch)
+
+    def broken(q, k, v):
+        raise ValueError("kernel exploded\nsecond line")
+
+    _with_extra_provider(monkeypatch, attention, "broken", broken)
+    out = tmp_path / "attention.json"
+    with pytest.raises(SystemExit) as exited:
+        attention.main(["--preset", "tiny-cpu", "--out", str(out)])
+    assert exited.value.code == 1
+    rows = json.loads(out.read_text())
+    errors = [r for r in rows if r["metric"] == "error"]
+    assert len(errors) == 1 and errors[0]["provider"] == "broken"
+    assert errors[0]["status"] == "error (ValueError: kernel exploded)" and errors[0]["median"] is None
+    assert set(errors[0]) == COLUMNS | {"status"}
+    timed = {r["provider"] for r in rows if r["metric"] == "time"}
+    assert {"sdpa", "eager", "memopt:auto"} <= timed and "broken" not in timed
+    printed = capsys.readouterr().out
+    assert "| broken | error (ValueError: kernel exploded) |" in printed  # in the table too
+    assert "error rows" in printed
+
+
+def test_an_interrupt_keeps_the_rows_measured_so_far(tmp_path, monkeypatch, capsys):
+    attention = _tiny_cpu_cases(monkeypatch)
+    # Two sequence lengths: the first is measured and written, the second is cut (SIGINT ->
+    # KeyboardInterrupt, as device_check.sh's time limit sends it).
+    case = attention.Case(1, 2, 16, True, (16, 32))
+    monkeypatch.setitem(attention.PRESETS["tiny-cpu"], "cases", [case])
+
+    def interrupted(q, k, v):
+        if q.shape[-2] == 32:
+            raise KeyboardInterrupt
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    _with_extra_provider(monkeypatch, attention, "cut", interrupted)
+    out = tmp_path / "attention.json"
+    with pytest.raises(SystemExit) as exited:
+        attention.main(["--preset", "tiny-cpu", "--out", str(out)])
+    assert exited.value.code == 130
+    rows = json.loads(out.read_text())
+    assert {r["x"] for r in rows if r["metric"] == "time" and r["provider"] == "sdpa"} == {16}
+    assert {r["provider"] for r in rows if r["x"] == 32 and r["metric"] == "time"} >= {"memopt:auto"}
+    printed = capsys.readouterr().out
+    # each row was printed as it was measured, before the interrupt
+    assert "| attention b1 h2 d16 causal p0 | 16 | fwd | sdpa |" in printed
+    assert "interrupted" in printed

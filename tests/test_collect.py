@@ -1,6 +1,8 @@
 """bench.collect: a device run's output folder becomes a committed results folder and README block."""
 
+import io
 import json
+import tarfile
 
 import pytest
 
@@ -83,3 +85,81 @@ def test_collect_never_overwrites_an_earlier_run(device_out, tmp_path):
 def test_collect_refuses_a_missing_folder(tmp_path):
     with pytest.raises(FileNotFoundError, match="OUT"):
         collect.collect(tmp_path / "nothing", tmp_path / "results", readme=None)
+
+
+def _pack(folder, archive, extra=()):
+    """The archive device_check.sh writes: ``tar czf 00-device-check.tgz -C OUT .``"""
+    with tarfile.open(archive, "w:gz") as tar:
+        for path in sorted(folder.iterdir()):
+            tar.add(path, arcname=f"./{path.name}")
+        for info, data in extra:
+            tar.addfile(info, io.BytesIO(data) if data is not None else None)
+
+
+def test_collect_unpacks_the_archive_the_device_tool_returned(device_out, tmp_path):
+    # The device tool returned the archive and a few logs only: environment.txt is inside it.
+    returned = tmp_path / "returned"
+    returned.mkdir()
+    _pack(device_out, returned / collect.ARCHIVE)
+    (returned / "bench_h200.log").write_text("log, written after the last pack\n")
+    results = tmp_path / "results"
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{collect.README_BEGIN}\nold\n{collect.README_END}\n")
+
+    dest = collect.collect(returned, results, readme)
+
+    assert dest == results / "h200-20261224"
+    names = {p.name for p in dest.iterdir()}
+    assert {"environment.txt", "gpu_tests.xml", "compare-h200-cuda-20261224T100000Z.json", "README.md"} <= names
+    assert collect.ARCHIVE not in names  # its files are there; the archive is not copied twice
+    assert (dest / "bench_h200.log").read_text() == "log, written after the last pack\n"  # the loose file wins
+    assert "NVIDIA H200" in readme.read_text() and "unknown GPU" not in readme.read_text()
+    assert sorted(p.name for p in returned.iterdir()) == [collect.ARCHIVE, "bench_h200.log"]  # OUT untouched
+
+
+def test_collect_refuses_a_folder_without_environment(tmp_path, capsys):
+    returned = tmp_path / "returned"
+    returned.mkdir()
+    (returned / "bench_h200.log").write_text("log\n")
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{collect.README_BEGIN}\nold\n{collect.README_END}\n")
+    with pytest.raises(SystemExit) as exited:
+        collect.main([str(returned), "--results-dir", str(tmp_path / "results"), "--readme", str(readme)])
+    assert exited.value.code == 2
+    assert "environment.txt" in capsys.readouterr().err
+    assert "old" in readme.read_text() and not (tmp_path / "results").exists()
+
+
+def test_collect_refuses_an_archive_that_escapes_its_folder(device_out, tmp_path):
+    returned = tmp_path / "returned"
+    returned.mkdir()
+    evil = tarfile.TarInfo("../escaped.txt")
+    evil.size = 3
+    _pack(device_out, returned / collect.ARCHIVE, extra=[(evil, b"bad")])
+    with pytest.raises(collect.IncompleteRun, match="outside"):
+        collect.collect(returned, tmp_path / "results", readme=None)
+    assert not (tmp_path / "escaped.txt").exists() and not (tmp_path / "results").exists()
+
+    link = tarfile.TarInfo("./link")
+    link.type, link.linkname = tarfile.SYMTYPE, "/etc/passwd"
+    _pack(device_out, returned / collect.ARCHIVE, extra=[(link, None)])
+    with pytest.raises(collect.IncompleteRun, match="not a plain file"):
+        collect.collect(returned, tmp_path / "results", readme=None)
+
+
+def test_a_truncated_junit_falls_back_to_the_pytest_log(device_out, tmp_path):
+    (device_out / "gpu_tests.xml").write_text(JUNIT[: len(JUNIT) // 2])
+    (device_out / "gpu_tests.log").write_text(
+        "tests/test_offload.py::test_a PASSED                     [  5%]\n"
+        "tests/test_offload.py::test_b FAILED                     [ 10%]\n"
+        "tests/test_wrap.py::test_c SKIPPED (no)                  [ 15%]\n"
+        "tests/test_wrap.py::test_d PASSED                        [ 20%]\n"
+        "tests/test_wrap.py::test_e \n"  # the test that was running when the step was cut
+    )
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{collect.README_BEGIN}\nold\n{collect.README_END}\n")
+    dest = collect.collect(device_out, tmp_path / "results", readme)
+    text = readme.read_text()
+    assert "2 passed, 1 failed, 1 skipped" in text and "`tests/test_offload.py::test_b`" in text
+    assert "junit truncated" in text and "gpu_tests.log" in text
+    assert (dest / "gpu_tests.xml").read_text() == JUNIT[: len(JUNIT) // 2]  # copied as it came

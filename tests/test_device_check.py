@@ -11,6 +11,7 @@ import os
 import re
 import shlex
 import subprocess
+import tarfile
 import tomllib
 from pathlib import Path
 
@@ -104,3 +105,85 @@ def test_python_snippets_compile_and_name_real_functions(steps):
         compile(code, "<device_check>", "exec")
         for attribute in re.findall(r"\bmemopt\.(\w+)", code):
             assert hasattr(memopt, attribute), f"memopt.{attribute} in {code!r}"
+
+
+def test_gpu_tests_run_the_recently_changed_files_first(steps):
+    argv = steps["gpu_tests"]
+    files = [a for a in argv if a.startswith("tests/")]
+    assert files[:7] == ["tests/test_offload.py", "tests/test_wrap.py", "tests/test_wrap_swap.py", "tests/test_block.py",
+                         "tests/test_attention.py", "tests/test_norm.py", "tests/test_activation.py"]
+    assert len(files) == len(set(files))
+    assert "--maxfail=50" in argv and argv[argv.index("-o") + 1] == "faulthandler_timeout=120"
+
+
+def test_build_uses_the_interpreter_of_the_steps(steps):
+    command = steps["build"][-1]
+    assert "python -m pip install" in command and "python setup.py build_ext --inplace" in command
+    assert not re.search(r"(^|[|&;]\s*)pip\s", command), command
+
+
+def test_no_wrap_torch_compat_step(steps):
+    assert "wrap_torch_compat" not in steps  # CI runs the CPU tests on torch 2.11 + triton 3.6
+
+
+FAKE_PYTHON = """#!/bin/bash
+# Fake python: every step "runs" by listing the archive as it finds it (so the test can see it was
+# re-packed after the step before); bench.offload fails.
+case "$*" in
+  *"import torch, triton"*) echo "torch 2.11.0+cu130 cuda 13.0 triton 3.6.0"; exit 0;;
+esac
+[ -f "$OUT/00-device-check.tgz" ] && tar tzf "$OUT/00-device-check.tgz" | sed 's/^/archived: /'
+case "$*" in *bench.offload*) exit 3;; esac
+exit 0
+"""
+
+
+def fake_run(out: Path, tmp_path: Path, budget: int) -> subprocess.CompletedProcess:
+    """device_check.sh for real, with ``python`` and ``nvidia-smi`` replaced by fakes on PATH."""
+    fakebin = tmp_path / "fakebin"
+    fakebin.mkdir(exist_ok=True)
+    (fakebin / "python").write_text(FAKE_PYTHON)
+    (fakebin / "nvidia-smi").write_text("#!/bin/bash\necho 'NVIDIA H200, 580.159.04, 143771 MiB'\n")
+    for tool in fakebin.iterdir():
+        tool.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fakebin}:{os.environ['PATH']}", "OUT": str(out), "MEMOPT_COMMIT": "0" * 40,
+           "DEVICE_CHECK_BUDGET": str(budget)}
+    env.pop("DEVICE_CHECK_DRY_RUN", None)
+    env.pop("BENCH_SWEEPS", None)
+    return subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+def _archived(log: Path) -> set[str]:
+    return {line.removeprefix("archived: ./") for line in log.read_text().splitlines() if line.startswith("archived: ")}
+
+
+def test_archive_is_repacked_after_every_step_and_steps_are_logged(tmp_path, steps):
+    out = tmp_path / "out"
+    proc = fake_run(out, tmp_path, budget=600)
+    assert proc.returncode == 1, proc.stdout + proc.stderr  # bench_offload failed (rc 3)
+    rows = [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines()]
+    assert rows[0] == ["name", "rc", "seconds"]
+    names = [name for name in steps if not name.startswith("sweep_")]  # the sweeps need BENCH_SWEEPS=1
+    assert [r[0] for r in rows[1:]] == names  # every step, in order
+    assert {r[0]: r[1] for r in rows[1:]}["bench_offload"] == "3"
+    assert all(r[1] == "0" for r in rows[1:] if r[0] != "bench_offload")
+    for before, name in zip(names, names[1:]):
+        # the archive a step finds holds the step before's log and its steps.tsv line
+        archived = _archived(out / f"{name}.log")
+        assert {"environment.txt", "steps.tsv", f"{before}.log"} <= archived, (name, archived)
+    assert "environment.txt" in _archived(out / "build.log")  # packed before the first step too
+    with tarfile.open(out / "00-device-check.tgz") as tar:
+        final = {m.name.removeprefix("./") for m in tar.getmembers()}
+    assert {"environment.txt", "steps.tsv", *(f"{n}.log" for n in names)} <= final
+    assert "00-device-check.tgz" not in final
+    assert sorted(p.name for p in out.iterdir())[0] == "00-device-check.tgz"
+    assert not (out / "zz-device-check.tgz.partial").exists()
+
+
+def test_steps_skipped_for_budget_do_not_fail_the_run(tmp_path):
+    out = tmp_path / "out"
+    proc = fake_run(out, tmp_path, budget=0)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = [line.split("\t") for line in (out / "steps.tsv").read_text().splitlines()[1:]]
+    assert rows and all(r[1] == "skipped" for r in rows)
+    assert (out / "00-device-check.tgz").is_file()

@@ -28,13 +28,16 @@ export PYTHONUNBUFFERED=1
 
 DRY_RUN="${DEVICE_CHECK_DRY_RUN:-0}"
 ARCHIVE=00-device-check.tgz
-PARTIAL=zz-device-check.tgz.partial  # sorts last; renamed over $ARCHIVE once whole
+PARTIAL="${OUT%/}.device-check.tgz.partial"  # beside $OUT, not in it: renamed over $ARCHIVE once whole
 pack() {  # (re)pack $OUT into $OUT/$ARCHIVE, atomically: a run cut at any point returns the last one
   [ "$DRY_RUN" = 1 ] && return 0
-  if tar czf "$OUT/$PARTIAL" -C "$OUT" --exclude "$ARCHIVE" --exclude "$PARTIAL" . 2>/dev/null; then
-    mv -f "$OUT/$PARTIAL" "$OUT/$ARCHIVE"
+  # Written outside $OUT: a file created in the folder tar reads changes the folder under it, and
+  # GNU tar then exits 1 ("file changed as we read it"), which is also all that status means.
+  tar czf "$PARTIAL" -C "$OUT" --exclude "$ARCHIVE" . 2>/dev/null
+  if [ $? -le 1 ] && [ -s "$PARTIAL" ]; then
+    mv -f "$PARTIAL" "$OUT/$ARCHIVE"
   else
-    rm -f "$OUT/$PARTIAL"
+    rm -f "$PARTIAL"
   fi
 }
 [ "$DRY_RUN" = 1 ] || {

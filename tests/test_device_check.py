@@ -178,6 +178,7 @@ def test_archive_is_repacked_after_every_step_and_steps_are_logged(tmp_path, ste
     assert "00-device-check.tgz" not in final
     assert sorted(p.name for p in out.iterdir())[0] == "00-device-check.tgz"
     assert not (out / "zz-device-check.tgz.partial").exists()
+    assert not list(tmp_path.glob("*.partial"))  # packed beside OUT, then renamed into it
 
 
 def test_steps_skipped_for_budget_do_not_fail_the_run(tmp_path):

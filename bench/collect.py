@@ -39,7 +39,6 @@ README_END = "<!-- gpu-results:end -->"
 # device_check.sh packs everything it wrote into this archive after every step: the device tool
 # returns only the first files of $OUT by name, so the folder fetched back may hold little else.
 ARCHIVE = "00-device-check.tgz"
-PARTIAL = "zz-device-check.tgz.partial"  # the archive being packed when the run was cut: never copied
 
 
 class IncompleteRun(ValueError):
@@ -248,7 +247,7 @@ def unpack(out: Path, into: Path) -> Path:
     except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:  # truncated: keep what came out of it
         print(f"bench.collect: {archive} could not be read whole ({exc}); using what it held", file=sys.stderr)
     for path in out.iterdir():
-        if path.name in (ARCHIVE, PARTIAL):
+        if path.name == ARCHIVE:
             continue
         if path.is_dir():
             shutil.copytree(path, into / path.name, dirs_exist_ok=True)
@@ -289,7 +288,7 @@ def _collect(out: Path, results_dir: Path, readme: Path | None) -> Path:
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:  # a step cut while writing it
             tables.append(f"`{path.name}`: not readable JSON ({exc}); the file is copied as it came.")
     dest = destination(env, results_dir)
-    shutil.copytree(out, dest, ignore=shutil.ignore_patterns(ARCHIVE, PARTIAL))
+    shutil.copytree(out, dest, ignore=shutil.ignore_patterns(ARCHIVE))
     try:
         folder = dest.relative_to(ROOT).as_posix()
     except ValueError:

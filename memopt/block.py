@@ -516,21 +516,22 @@ def _check_submodules_run_stock_forward(block: nn.Module) -> None:
     norm_forward = _NORM_FORWARDS[block.norm]
     for name in _SUBMODULES:
         sub = modules[name]
-        if has_module_hooks(sub):
+        expected = norm_forward if name.startswith("norm") else nn.Linear.forward
+        if runs_stock_forward(sub, expected):
+            continue
+        if has_module_hooks(sub):  # the failure's message only: runs_stock_forward read the hooks
             raise RuntimeError(
                 f"{type(block).__name__}: its submodule {name!r} has module hooks (forward, forward pre- or "
                 "backward hooks, e.g. from torch.nn.utils.prune or torch.nn.utils.weight_norm), which do not run: "
                 "the block reads its submodules' parameters without calling them. Remove the hooks; "
                 "parametrizations (torch.nn.utils.parametrize, torch.nn.utils.parametrizations.weight_norm) do work"
             )
-        expected = norm_forward if name.startswith("norm") else nn.Linear.forward
-        if not runs_stock_forward(sub, expected):
-            raise RuntimeError(
-                f"{type(block).__name__}: its submodule {name!r} is a {type(sub).__module__}.{type(sub).__qualname__} "
-                f"whose forward is not {expected.__qualname__} (an adapter such as PEFT's LoRA layer, or a patched "
-                "forward), which would not run: the block reads its submodules' parameters without calling them. "
-                "Adapt the eager block (to_eager()) or a model of torch layers under memopt.wrap instead"
-            )
+        raise RuntimeError(
+            f"{type(block).__name__}: its submodule {name!r} is a {type(sub).__module__}.{type(sub).__qualname__} "
+            f"whose forward is not {expected.__qualname__} (an adapter such as PEFT's LoRA layer, or a patched "
+            "forward), which would not run: the block reads its submodules' parameters without calling them. "
+            "Adapt the eager block (to_eager()) or a model of torch layers under memopt.wrap instead"
+        )
 
 
 def _shared_norm_eps(block: nn.Module) -> float:

@@ -134,6 +134,33 @@ def test_triton_masks_diagonal_and_edge_blocks_for_any_tiles(monkeypatch, tiles,
     _assert_close(actual, expected, torch.float32)
 
 
+@needs_interpreter
+@pytest.mark.parametrize("dropout_p", [0.0, 0.2], ids=["nodrop", "drop"])
+def test_triton_programs_find_their_batch_element_and_head(dropout_p):
+    # Batch and heads are the grid's y and z axes: each program must read its own (b, h) slice
+    # and draw its own mask rows ((b * H + h) * Sq + i), grouped heads included.
+    q, k, v = _inputs((3, 4, 2, 21, 19, 16))
+    with cpu_backend("triton"):
+        actual, expected = _run_and_reference(q, k, v, True, dropout_p, rng_key(8, 3))
+    _assert_close(actual, expected, torch.float32)
+
+
+@needs_triton
+def test_triton_launch_grid_keeps_batch_and_heads_within_cudas_limits():
+    # One batch x heads axis would be capped at 65535 by CUDA: batch 4096 x 32 heads must launch.
+    assert attention_triton.launch_grid(1000, 64, 32, 4096) == (16, 32, 4096)
+    assert attention_triton.launch_grid(1, 64, 65535, 65535) == (1, 65535, 65535)
+    with pytest.raises(ValueError, match="batch=65536, heads=2: split the batch"):
+        attention_triton.launch_grid(64, 64, 2, 65536)
+
+
+@needs_interpreter
+def test_triton_refuses_a_batch_past_the_grid_limit_by_name():
+    q = torch.randn(65536, 1, 1, 4)
+    with cpu_backend("triton"), pytest.raises(ValueError, match="at most 65535 of each"):
+        memopt.attention(q, q, q)
+
+
 @pytest.mark.parametrize("backend", FLOAT64_BACKENDS)
 @pytest.mark.parametrize("scale", [None, 2.0], ids=["scale-default", "scale-2"])
 @pytest.mark.parametrize("shape", [(1, 4, 2, 37, 29, 32), (1, 2, 2, 300, 300, 64)], ids=_shape_id)
@@ -642,6 +669,14 @@ def test_gpu_matches_sdpa(dtype, causal, shape):
     for name, a, s, r in zip(("out", "dq", "dk", "dv"), (out, *grads), (sdpa, *sdpa_grads), (ref, *ref_grads)):
         ours, theirs = _max_error(a, r), _max_error(s, r)
         assert ours <= 2 * theirs + 1e-3 * r.abs().max().item(), f"{name}: memopt {ours:.3e}, sdpa {theirs:.3e}"
+
+
+@gpu
+def test_gpu_triton_runs_more_than_65535_batch_heads():
+    # batch x heads = 69,632: past what one grid axis of CUDA launches.
+    q, k, v = _inputs((4352, 16, 16, 8, 8, 16), dtype=torch.float16, device="cuda")
+    actual, expected = _run_and_reference(q, k, v, True, 0.0, None, backend="triton")
+    _assert_close(actual, expected, torch.float16)
 
 
 @gpu

@@ -1,11 +1,11 @@
 """Triton kernels for scaled dot-product attention that recompute the probabilities in backward.
 
-Forward (``_attn_fwd_kernel``): one program per (query block, batch x head); an online softmax
+Forward (``_attn_fwd_kernel``): one program per (query block, head, batch element); an online softmax
 over key blocks (FlashAttention-2's loop order) keeps a running row max and row sum in registers
 and writes only the output and one float32 log-sum-exp per row. Backward: ``_attn_bwd_delta_kernel``
 computes ``delta = rowsum(dout * out)``; ``_attn_bwd_dkdv_kernel`` runs one program per (key
-block, batch x kv head), walks the query blocks of every query head of its group and accumulates
-dk and dv in registers; ``_attn_bwd_dq_kernel`` runs one program per (query block, batch x head)
+block, kv head, batch element), walks the query blocks of every query head of its group and accumulates
+dk and dv in registers; ``_attn_bwd_dq_kernel`` runs one program per (query block, head, batch element)
 and walks the key blocks. Each output element is written by exactly one program (no atomics), so
 gradients are bit-for-bit deterministic; grouped-query heads are summed inside the dkdv program.
 
@@ -272,9 +272,9 @@ def _attn_fwd_kernel(
     UPCAST_DOT: tl.constexpr,  # interpreter only: its low-precision tl.dot is wrong
 ):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // num_heads
-    head = pid_bh % num_heads
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    pid_bh = batch * num_heads + head
     kv_head = head // group_size
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -344,9 +344,9 @@ def _attn_bwd_delta_kernel(
     BLOCK_M: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // num_heads
-    head = pid_bh % num_heads
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    pid_bh = batch * num_heads + head
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     row_valid = offs_m < seq_q
@@ -369,7 +369,7 @@ def _attn_bwd_dkdv_kernel(
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom,
     stride_dkb, stride_dkh, stride_dkn,  # dk and dv (one layout)
-    num_heads, num_kv_heads, group_size,
+    num_heads, group_size,
     seq_q, seq_k,
     qk_scale,        # softmax scale * log2(e)
     sm_scale,        # softmax scale, applied to dk once at the end
@@ -385,9 +385,8 @@ def _attn_bwd_dkdv_kernel(
 ):
     # Transposed tiles throughout: rows are keys (BLOCK_N), columns are queries (BLOCK_M).
     pid_n = tl.program_id(0)
-    pid_bkv = tl.program_id(1)
-    batch = pid_bkv // num_kv_heads
-    kv_head = pid_bkv % num_kv_heads
+    kv_head = tl.program_id(1)
+    batch = tl.program_id(2)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -473,9 +472,9 @@ def _attn_bwd_dq_kernel(
     UPCAST_DOT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    batch = pid_bh // num_heads
-    head = pid_bh % num_heads
+    head = tl.program_id(1)
+    batch = tl.program_id(2)
+    pid_bh = batch * num_heads + head
     kv_head = head // group_size
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -536,6 +535,23 @@ def _dropout_args(dropout_p: float, rng_key: torch.Tensor) -> tuple[int, int, in
     return seed, offset, threshold, 1.0 / (1.0 - dropout_p)
 
 
+# CUDA caps a grid's y and z extents at 65535 (x at 2**31 - 1).
+MAX_GRID_YZ = 65535
+
+
+def launch_grid(seq: int, block: int, heads: int, batch: int) -> tuple[int, int, int]:
+    """(sequence blocks, heads, batch): one program per block of one head of one batch element.
+    Heads and batch get their own axes, not one batch x heads axis, which CUDA would cap at 65535
+    (batch 4096 x 16 heads would not launch); the programs of one head still run side by side (x
+    varies fastest), sharing its keys and values in L2."""
+    if batch > MAX_GRID_YZ or heads > MAX_GRID_YZ:
+        raise ValueError(
+            f"memopt.attention: the Triton kernels launch one grid row per batch element and head, at most "
+            f"{MAX_GRID_YZ} of each (CUDA's grid limit); got batch={batch}, heads={heads}: split the batch"
+        )
+    return (triton.cdiv(seq, block), heads, batch)
+
+
 def attention_fwd_triton(q, k, v, causal: bool, dropout_p: float, scale: float, rng_key):
     """Launch the forward kernel. Returns ``out`` ((B, H, Sq, D), contiguous when q is, else a view
     of a (B, Sq, H, D) buffer) and ``lse`` ((B, H, Sq) float32). Inputs are validated by the caller."""
@@ -545,7 +561,7 @@ def attention_fwd_triton(q, k, v, causal: bool, dropout_p: float, scale: float, 
     lse = torch.empty((batch, heads, seq_q), device=q.device, dtype=torch.float32)
     seed, offset, threshold, keep_scale = _dropout_args(dropout_p, rng_key)
     block_m, block_n, num_warps, num_stages = launch_config("fwd", head_dim, dropout_p > 0.0)
-    grid = (triton.cdiv(seq_q, block_m), batch * heads)
+    grid = launch_grid(seq_q, block_m, heads, batch)
     _attn_fwd_kernel[grid](
         q, k, v, out, lse,
         q.stride(0), q.stride(1), q.stride(2),
@@ -586,7 +602,7 @@ def attention_bwd_triton(
     dropout = dropout_p > 0.0
 
     block_m, _, num_warps, num_stages = launch_config("bwd_delta", head_dim)
-    _attn_bwd_delta_kernel[(triton.cdiv(seq_q, block_m), batch * heads)](
+    _attn_bwd_delta_kernel[launch_grid(seq_q, block_m, heads, batch)](
         out, grad_out, delta,
         out.stride(0), out.stride(1), out.stride(2),
         grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
@@ -600,18 +616,18 @@ def attention_bwd_triton(
         grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
     )
     block_m, block_n, num_warps, num_stages = launch_config("bwd_dkdv", head_dim, dropout)
-    _attn_bwd_dkdv_kernel[(triton.cdiv(seq_k, block_n), batch * kv_heads)](
+    _attn_bwd_dkdv_kernel[launch_grid(seq_k, block_n, kv_heads, batch)](
         q, k, v, grad_out, lse, delta, dk, dv,
         *strides,
         dk.stride(0), dk.stride(1), dk.stride(2),
-        heads, kv_heads, group, seq_q, seq_k,
+        heads, group, seq_q, seq_k,
         scale * LOG2E, scale, seed, offset, threshold, keep_scale,
         HEAD_DIM=head_dim, BLOCK_D=block_head_dim(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=causal, DROPOUT=dropout, GROUPED_RNG=seq_k % 4 == 0, UPCAST_DOT=INTERPRETED,
         num_warps=num_warps, num_stages=num_stages,
     )
     block_m, block_n, num_warps, num_stages = launch_config("bwd_dq", head_dim, dropout)
-    _attn_bwd_dq_kernel[(triton.cdiv(seq_q, block_m), batch * heads)](
+    _attn_bwd_dq_kernel[launch_grid(seq_q, block_m, heads, batch)](
         q, k, v, grad_out, lse, delta, dq,
         *strides,
         dq.stride(0), dq.stride(1), dq.stride(2),

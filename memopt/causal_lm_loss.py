@@ -386,7 +386,17 @@ class _ChunkedLossForward:
             ok = model_logits is not None and model_logits.shape == logits.shape
             # The same ops as the model's forward: equal up to the logits dtype's rounding.
             tolerance = max(1e-3, 4 * torch.finfo(logits.dtype).eps)
-            ok = ok and torch.allclose(model_logits.float(), logits.float(), rtol=tolerance, atol=tolerance)
+            # equal_nan: NaN where the model's own logits have it (a NaN hidden state, say) is the
+            # same function; the chunked loss is then NaN as the model's own loss is.
+            ok = ok and torch.allclose(model_logits.float(), logits.float(), rtol=tolerance, atol=tolerance, equal_nan=True)
+            finite = model_logits is None or bool(torch.isfinite(model_logits).all() and torch.isfinite(logits).all())
+        if not ok and not finite:
+            raise RuntimeError(
+                f"memopt.wrap: {type(self.model).__name__}'s last-position logits hold NaN or inf where its LM head "
+                "applied to its base model's last hidden state does not (or the other way round), so loss='chunked' "
+                "cannot check that it computes the model's loss; look for the non-finite values in the unwrapped "
+                "model first (fp16 overflow, a fully masked attention row), or pass loss='plain'"
+            )
         if not ok:
             raise RuntimeError(
                 f"memopt.wrap: {type(self.model).__name__}'s logits are not its LM head applied to its base "

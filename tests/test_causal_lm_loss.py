@@ -229,6 +229,37 @@ def test_an_unknown_logit_transform_raises_rather_than_a_wrong_loss():
         model(input_ids=ids, labels=labels)
 
 
+def test_a_model_whose_own_logits_are_nan_gets_the_same_nan_loss():
+    # A NaN in the model (here one embedding row) makes its own loss NaN; the first-call check
+    # blamed the model for "rescaling" its logits. Wrapped, the loss is NaN as the model's is.
+    model = _model("llama")
+    ids, mask, labels = _batch()
+    with torch.no_grad():
+        model.model.embed_tokens.weight[ids[0, 2]] = float("nan")
+    reference = model(input_ids=ids, labels=labels).loss
+    assert torch.isnan(reference)
+    memopt.wrap(model)
+    assert torch.isnan(model(input_ids=ids, labels=labels).loss)
+
+
+class _NaNLogitLlama(transformers.LlamaForCausalLM):
+    """A causal LM that writes NaN into one of its logits after the LM head."""
+
+    def forward(self, input_ids=None, labels=None, logits_to_keep=0, **kwargs):
+        out = super().forward(input_ids=input_ids, labels=labels, logits_to_keep=logits_to_keep, **kwargs)
+        out.logits = out.logits.index_fill(-1, torch.tensor([3]), float("nan"))
+        return out
+
+
+def test_non_finite_logits_the_head_does_not_give_are_named_as_such():
+    torch.manual_seed(0)
+    model = _NaNLogitLlama(transformers.LlamaConfig(vocab_size=VOCAB, max_position_embeddings=64, **SMALL))
+    memopt.wrap(model, loss="chunked")
+    ids, _, labels = _batch()
+    with pytest.raises(RuntimeError, match="logits hold NaN or inf"):
+        model(input_ids=ids, labels=labels)
+
+
 def test_logits_to_keep_with_labels_is_refused():
     model = _model("llama")
     memopt.wrap(model)

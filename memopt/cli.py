@@ -13,8 +13,10 @@ Examples::
 from __future__ import annotations
 
 import argparse
+import importlib.machinery
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -208,6 +210,15 @@ def main(argv: list[str] | None = None) -> int:
         rest = argv[1:]
         if rest[:1] == ["--"]:
             rest = rest[1:]
+        # ``python -m bench`` finds bench/ in the current directory (it is not an installed
+        # package): elsewhere it only said "No module named bench".
+        if importlib.machinery.PathFinder.find_spec("bench", [os.getcwd(), *sys.path]) is None:
+            print(
+                "memopt bench: the benchmarks (bench/) are in the memopt source tree, not in the installed package; "
+                "run this from the root of a memopt checkout",
+                file=sys.stderr,
+            )
+            return 2
         return subprocess.call([sys.executable, "-m", "bench", *rest])
     parser = _parser()
     args = parser.parse_args(argv)

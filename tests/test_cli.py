@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -168,6 +169,16 @@ def test_bench_passes_arguments_through(monkeypatch):
     assert main(["bench", "--", "--help"]) == 0
     assert calls == [[sys.executable, "-m", "bench", "--preset", "quick", "--json"],
                      [sys.executable, "-m", "bench", "--help"]]
+
+
+def test_bench_outside_a_checkout_says_where_to_run_it(monkeypatch, tmp_path, capsys):
+    calls = []
+    monkeypatch.setattr(subprocess, "call", lambda argv: calls.append(argv) or 0)
+    monkeypatch.chdir(tmp_path)
+    # As an installed memopt sees it: no entry of sys.path holds the source tree's bench/.
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if not (Path(p or ".") / "bench" / "__main__.py").exists()])
+    assert main(["bench", "--help"]) == 2 and calls == []
+    assert "run this from the root of a memopt checkout" in capsys.readouterr().err
 
 
 LLAMA_MAX_SEQ = ["estimate", "--preset", "llama-3-8b", "--lora", "--memory-gib", "141", "--host-memory-gib", "128",

@@ -257,6 +257,34 @@ def test_tiled_ffn_rejects_non_token_wise_output():
         tiled_ffn(lambda t: t, torch.randn(4, 3), 0)
 
 
+def _relative_error(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((got.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("chunk", [64, 16], ids=["64-chunks", "256-chunks"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_half_parameter_gradients_over_many_chunks_within_twice_eager_error(dtype, chunk):
+    """A float16/bfloat16 MLP's parameter gradients are summed over the chunks in float32 and cast
+    once. Summed in the parameters' dtype, each chunk added one rounding of the whole sum (bf16,
+    4096 tokens: 2.4-4.3x eager's error at 64 chunks, 4.5-8.2x at 256)."""
+    tokens, d = 4096, 64
+    mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d)).double()
+    x = torch.randn(tokens, d, dtype=torch.float64)
+    grad = torch.randn(tokens, d, dtype=torch.float64)
+
+    def param_grads(dtype, chunk=None):
+        module = copy.deepcopy(mlp).to(dtype)
+        params = list(module.parameters())
+        out = module(x.to(dtype)) if chunk is None else tiled_ffn(module, x.to(dtype), chunk, params)
+        return torch.autograd.grad(out, params, grad.to(dtype))
+
+    reference, eager, tiled = param_grads(torch.float64), param_grads(dtype), param_grads(dtype, chunk)
+    for name, ours, theirs, ref in zip(("fc1.weight", "fc1.bias", "fc2.weight", "fc2.bias"), tiled, eager, reference):
+        assert ours.dtype == dtype
+        error, eager_error = _relative_error(ours, ref), _relative_error(theirs, ref)
+        assert error <= 2 * eager_error, f"{name}: relative error {error:.3g} > twice eager's {eager_error:.3g}"
+
+
 # -- memopt.wrap ----------------------------------------------------------------------------------
 
 

@@ -4,6 +4,8 @@ by chunk and save only their input. Against the unwrapped model in float64 (loss
 gradient at 1e-12) on Llama, Gemma 2 and GPT-2, with PEFT LoRA and without, dropout included; in
 a bf16 model the float32 copies Hugging Face's RMSNorm saves are gone (counted)."""
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -290,3 +292,29 @@ def test_tiled_norm_of_no_tokens_equals_untiled():
     got += torch.autograd.grad(got[0].sum(), (x, *norm.parameters()))
     assert [tuple(t.shape) for t in got] == [tuple(t.shape) for t in want]
     _assert_exact(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_half_norm_weight_gradient_over_many_chunks_within_twice_eager_error(dtype):
+    """A tiled norm (what wrap installs: tiled_ffn over the norm module) in float16/bfloat16: its
+    weight gradient, a sum over every token, is summed over the chunks in float32 and cast once.
+    Summed in the weight's dtype, each chunk added one rounding of the whole sum (RMSNorm, 4096
+    tokens in 256 chunks: 5.8x eager's error in bf16, 7.6x in fp16)."""
+    tokens, d, chunk = 4096, 64, 16
+    norm = nn.RMSNorm(d, dtype=torch.float64)
+    with torch.no_grad():
+        norm.weight.normal_()
+    x = torch.randn(tokens, d, dtype=torch.float64)
+    grad = torch.randn(tokens, d, dtype=torch.float64)
+
+    def weight_grad(dtype, tiled=False):
+        module = copy.deepcopy(norm).to(dtype)
+        out = tiled_ffn(module, x.to(dtype), chunk, [module.weight]) if tiled else module(x.to(dtype))
+        (result,) = torch.autograd.grad(out, module.weight, grad.to(dtype))
+        return result
+
+    reference, eager, ours = weight_grad(torch.float64), weight_grad(dtype), weight_grad(dtype, tiled=True)
+    assert ours.dtype == dtype
+    error = ((ours.double() - reference).norm() / reference.norm()).item()
+    eager_error = ((eager.double() - reference).norm() / reference.norm()).item()
+    assert error <= 2 * eager_error, f"relative error {error:.3g} > twice eager's {eager_error:.3g}"

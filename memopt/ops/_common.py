@@ -116,8 +116,9 @@ def autocast_as(state: tuple[str, bool, torch.dtype | None]):
 
 
 def autocast_off(device_type: str):
-    """A context with autocast off on ``device_type``; nothing to enter when it is off already."""
-    if torch.is_autocast_enabled(device_type):
+    """A context with autocast off on ``device_type``; nothing to enter when it is off already
+    (always, for a device type without autocast, such as ``meta``, where asking raises)."""
+    if _autocast_available(device_type) and torch.is_autocast_enabled(device_type):
         return torch.autocast(device_type, enabled=False)
     return _NO_CONTEXT
 

@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import sys
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -177,7 +178,10 @@ class TiledFFNFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, chunk_tokens, x, *params):
         rows = x.reshape(-1, x.shape[-1])
-        out = None
+        # Allocated in its final shape and returned itself, not a view of a (tokens, D_out)
+        # buffer: a layer may add into it in place (Falcon's ``mlp_output += attention_output``),
+        # which autograd refuses on a view made inside a Function.
+        result = out = None
         ctx.rng = _rng_state(x.device)
         # The backward runs outside the user's autocast context: its recompute must not change dtype.
         ctx.autocast = [autocast_state(t) for t in dict.fromkeys(("cpu", x.device.type))]
@@ -185,16 +189,17 @@ class TiledFFNFunction(torch.autograd.Function):
             for start, end in token_chunks(rows.shape[0], chunk_tokens, width=1):
                 piece = fn(_chunk_view(rows[start:end], x.shape))
                 _check_output(piece, end - start)
-                if out is None:
-                    out = piece.new_empty(rows.shape[0], piece.shape[-1])
+                if result is None:
+                    result = piece.new_empty(*x.shape[:-1], piece.shape[-1])
+                    out = result.view(-1, piece.shape[-1])
                 out[start:end] = piece.reshape(end - start, -1)
                 del piece
-            if out is None:  # no tokens: fn's output on the empty input gives the width and dtype
+            if result is None:  # no tokens: fn's output on the empty input gives the width and dtype
                 piece = fn(_chunk_view(rows, x.shape))
-                out = piece.new_empty(0, piece.shape[-1])
+                result = piece.new_empty(*x.shape[:-1], piece.shape[-1])
         ctx.fn, ctx.chunk_tokens = fn, chunk_tokens
         ctx.save_for_backward(x, *params)
-        return out.view(*x.shape[:-1], out.shape[-1])
+        return result
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -427,8 +432,37 @@ class _TiledForward:
                     f"{active}: torch's RNG draws per call, so chunks would drop other elements than the untiled "
                     "layer; set that dropout to 0, train in eval mode, or leave ffn_chunk_tokens None"
                 )
+        if torch.is_grad_enabled():
+            self._check_hooks_inside()
         params = [p for m in self._modules_used() for p in m.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
         return tiled_ffn(original, x, self.chunk_tokens, params)
+
+    def _check_hooks_inside(self) -> None:
+        """Raise for a forward (pre-)hook on a module the tiled function runs inside it.
+
+        Note: the chunks run inside :class:`TiledFFNFunction`'s forward, where no graph is built,
+        so what such a hook keeps of a submodule's output has no gradient: transformers records
+        a mixture-of-experts router's logits that way (``output_router_logits=True``), and its
+        load-balancing loss silently lost its gradient (router weights off by 100%). The tiled
+        module's own hooks run outside, on the whole output, and transformers' recorders that are
+        not recording in this forward are skipped."""
+        owner_hooks_outside = self.attribute == "forward"
+        for used in self._modules_used():
+            for name, module in used.named_modules():
+                if module is used and owner_hooks_outside:
+                    continue
+                hooks = (*module._forward_pre_hooks.values(), *module._forward_hooks.values())
+                recording = [hook for hook in hooks if not _idle_output_recorder(hook)]
+                if recording:
+                    where = f"{type(used).__name__}.{name}" if name else type(used).__name__
+                    raise ValueError(
+                        f"memopt.wrap: ffn_chunk_tokens: {self.where} runs {where} ({type(module).__name__}), "
+                        f"which has forward hooks {[getattr(h, '__qualname__', type(h).__name__) for h in recording]}; "
+                        "inside the tiled MLP they see chunks computed without autograd's graph, so what they keep "
+                        "would get no gradient (transformers' output_router_logits=True records a mixture-of-"
+                        "experts router this way). Remove the hooks (output_router_logits=False), or leave "
+                        "ffn_chunk_tokens None"
+                    )
 
     def _modules_used(self) -> list[nn.Module]:
         """The modules the tiled function runs: the MLP or norm, or an encoder layer's two linears."""
@@ -442,6 +476,22 @@ class _TiledForward:
         return [m for m in self.owner.modules() if isinstance(m, nn.modules.dropout._DropoutNd)]
 
 
+def _idle_output_recorder(hook) -> bool:
+    """Whether ``hook`` is one of transformers' output-capturing forward hooks (installed on a
+    model's modules at its first forward) that records nothing in the current forward."""
+    recorder = sys.modules.get("transformers.utils.output_capturing")
+    if recorder is None or getattr(hook, "__module__", None) != recorder.__name__:
+        return False
+    if getattr(hook, "__name__", None) != "output_capturing_hook":
+        return False
+    try:
+        cells = dict(zip(hook.__code__.co_freevars, (cell.cell_contents for cell in hook.__closure__ or ())))
+        collected = recorder._active_collector.get()
+    except (AttributeError, ValueError, LookupError):  # another transformers: count it as recording
+        return False
+    return "key" in cells and (collected is None or cells["key"] not in collected)
+
+
 def _tile(owner: nn.Module, attribute: str, chunk_tokens: int, where: str, width: int | None) -> TiledLayer | None:
     previous = owner.__dict__.get(attribute)
     if isinstance(previous, _TiledForward):  # one module reached twice (shared between layers)
@@ -450,10 +500,29 @@ def _tile(owner: nn.Module, attribute: str, chunk_tokens: int, where: str, width
     return TiledLayer(owner, attribute, previous)
 
 
+# Modules whose output rows mix input rows (tokens): a convolution wider than one position, a
+# pooling window, a recurrent layer. An MLP holding one is not token-wise.
+_TOKEN_MIXING = (nn.modules.conv._ConvNd, nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd, nn.RNNBase)
+
+
+def _token_mixing(module: nn.Module) -> bool:
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return any(k != 1 for k in module.kernel_size)
+    return isinstance(module, _TOKEN_MIXING)
+
+
 def install(layer: nn.Module, chunk_tokens: int, layer_name: str = "layer") -> list[TiledLayer]:
     """Tile ``layer``'s MLP (:func:`find_ffn`) and its norms (:func:`find_norms`) ``chunk_tokens``
-    tokens at a time; undo each with :func:`remove`."""
+    tokens at a time; undo each with :func:`remove`. ``ValueError`` for an MLP holding a module
+    that mixes tokens (a convolution of kernel size > 1, pooling, a recurrent layer)."""
     owner, attribute = find_ffn(layer, layer_name)
+    mixing = [f"{name or type(owner).__name__} ({type(m).__name__})" for name, m in owner.named_modules() if _token_mixing(m)]
+    if attribute == "forward" and mixing:
+        raise ValueError(
+            f"memopt.wrap: ffn_chunk_tokens: the MLP of layer {layer_name!r} mixes tokens through {mixing} (an output "
+            "row depends on neighbouring input rows), so chunks of tokens would not give its output; leave "
+            "ffn_chunk_tokens None for this model"
+        )
     mlp = _tile(owner, attribute, chunk_tokens, f"the MLP of layer {layer_name!r}", None)
     norms = install_norms([(f"{layer_name}.{name}", module) for name, module in find_norms(layer)], chunk_tokens)
     return ([mlp] if mlp is not None else []) + norms

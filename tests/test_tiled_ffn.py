@@ -340,6 +340,65 @@ def test_wrap_plain_model_equals_unwrapped_and_unwraps(policy):
     assert "forward" not in model.layers[0].mlp.__dict__
 
 
+class _InPlaceLayer(_Layer):
+    def forward(self, x):
+        out = self.mlp(self.norm(x))
+        out += x  # in place on the MLP's output, as Falcon's decoder layer adds its attention output
+        return out
+
+
+def test_wrap_a_layer_adding_into_the_tiled_output_in_place():
+    # The Function returned a view of its own (tokens, D_out) buffer: autograd refuses an in-place
+    # write to that ("Output 0 of TiledFFNFunction is a view and is being modified inplace").
+    model = _PlainModel().double()
+    model.layers = nn.ModuleList(_InPlaceLayer() for _ in range(2)).double()
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    want = _grads(model, x)
+    memopt.wrap(model, policy="selective", ffn_chunk_tokens=4)
+    _assert_exact(_grads(model, x), want, "in place")
+    y = tiled_ffn(_MLP().double(), x, 4)
+    assert y._base is None and y.shape == x.shape
+
+
+class _ConvMLP(nn.Module):
+    def __init__(self, kernel, d=16):
+        super().__init__()
+        self.conv = nn.Conv1d(d, d, kernel, padding=kernel // 2)
+
+    def forward(self, x):
+        return self.conv(x.transpose(-1, -2)).transpose(-1, -2)
+
+
+@pytest.mark.parametrize("kernel", [1, 3])
+def test_wrap_refuses_an_mlp_that_mixes_tokens(kernel):
+    # FastSpeech2-Conformer's feed_forward is a kernel-3 Conv1d: tiled, its output changed by 3.9.
+    model = _PlainModel().double()
+    for layer in model.layers:
+        layer.mlp = _ConvMLP(kernel).double()
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    if kernel == 3:
+        with pytest.raises(ValueError, match=r"mixes tokens through \['conv \(Conv1d\)'\]"):
+            memopt.wrap(model, ffn_chunk_tokens=4)
+        return
+    want = _grads(model, x)  # a kernel-1 convolution is token-wise: tiled as any MLP
+    memopt.wrap(model, policy="full", ffn_chunk_tokens=4)
+    _assert_exact(_grads(model, x), want, "kernel 1")
+
+
+def test_wrap_refuses_forward_hooks_inside_the_tiled_mlp():
+    # What a hook inside keeps is computed without a graph: it would get no gradient.
+    model = _PlainModel()
+    kept = []
+    model.layers[1].mlp.up.register_forward_hook(lambda module, args, out: kept.append(out))
+    model.layers[0].mlp.register_forward_hook(lambda module, args, out: kept.append(out))  # outside: fine
+    memopt.wrap(model, ffn_chunk_tokens=4)
+    x = torch.randn(2, 9, 16)
+    with pytest.raises(ValueError, match=r"runs _MLP.up \(Linear\), which has forward hooks"):
+        model(x)
+    with torch.no_grad():
+        model(x)  # no gradient to lose
+
+
 def test_wrap_layer_without_mlp_raises_before_changing_anything():
     model = _PlainModel(with_mlp=False)
     with pytest.raises(ValueError, match=r"layer 'layers.0' \(_Layer\) has no token-wise MLP submodule named one of"):
@@ -409,6 +468,31 @@ def test_wrap_hf_model_equals_unwrapped(name, policy):
     _assert_exact(_grads_lm(model, ids), want, f"{name} {policy}")
     memopt.unwrap(model)
     _assert_exact(_grads_lm(model, ids), want, "unwrapped")
+
+
+def _mixtral(output_router_logits):
+    config = transformers.MixtralConfig(
+        vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.5,
+        output_router_logits=output_router_logits,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.MixtralForCausalLM(config).train()  # float32: its grouped matmul takes no float64
+
+
+def test_wrap_moe_tiles_unless_router_logits_are_recorded():
+    # transformers records router logits with forward hooks on each router (installed at the
+    # first forward, idle unless output_router_logits=True). Recorded inside the tiled MLP they
+    # had no gradient: the load-balancing loss's share of the router gradient was lost (100%).
+    ids = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(1))
+    model = _mixtral(False)
+    want = _grads_lm(model, ids)
+    memopt.wrap(model, ffn_chunk_tokens=8, loss="plain")
+    for got, expected in zip(_grads_lm(model, ids), want):  # float32, summed in another order
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-6)
+    recording = memopt.wrap(_mixtral(True), ffn_chunk_tokens=8)
+    with pytest.raises(ValueError, match="output_router_logits=True records"):
+        recording(ids, labels=ids, use_cache=False)
 
 
 def test_wrap_gpt2_with_active_mlp_dropout_raises_at_the_forward():

@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 import memopt
+from memopt.ops import cross_entropy
 from memopt.ops._common import autocast_off
 from memopt.ops.cross_entropy import (
     IMPLEMENTATIONS,
@@ -321,8 +322,9 @@ def test_peak_live_bytes_hold_one_chunk_of_logits(logit_softcap, autocast):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
 def test_peak_live_bytes_with_half_weights(dtype):
-    """float16/bfloat16 weights: the working set adds the float32 weight-gradient accumulator
-    (twice the gradient's bytes) and one half-precision product per chunk, nothing more."""
+    """float16/bfloat16 weights: the working set adds the float32 weight-gradient sum of one
+    vocabulary block (here, d = 8, the whole vocabulary: twice the gradient's bytes) and one
+    half-precision product per step, nothing more."""
     from bench.cross_entropy import ChunkAwareTracker
 
     chunk, dim = 16, 8
@@ -336,6 +338,84 @@ def test_peak_live_bytes_with_half_weights(dtype):
     bound = chunk * VOCAB * (4 + 2) + VOCAB * dim * (4 + 2 + 2) + 2 * TOKENS * dim * 2 + 3 * VOCAB * 4 + 2048
     assert chunk * VOCAB * 4 < tracker.peak_bytes() <= bound
 
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_half_weight_backward_holds_one_vocab_block_in_float32(dtype, monkeypatch):
+    """float16/bfloat16 weights, where the weight dominates (vocab 4096 x d 256, 512 tokens): the
+    backward's float32 weight-gradient sum is one vocabulary block, cast into the half gradient's
+    rows when the block is done. A float32 vocab x d sum (2x the weight's bytes), one half vocab x d
+    product per chunk (1x) and the final cast (1x) peaked at 6.97 MB here, 3.3x the weight's
+    2 MiB; now 3.43 MB, 1.6x: the weight's gradient plus block-, step- and token-sized buffers."""
+    from bench.cross_entropy import ChunkAwareTracker
+
+    tokens, dim, vocab, chunk, block = 512, 256, 4096, 16, 256
+    monkeypatch.setattr(cross_entropy, "_GRAD_WEIGHT_BLOCK_ELEMENTS", block * dim)
+    hidden, weight, bias, target = (
+        t.detach().to(dtype) if t.is_floating_point() else t for t in _inputs(tokens, dim, vocab, ignored="some")
+    )
+    for t in (hidden, weight, bias):
+        t.requires_grad_()
+    loss = memopt.linear_cross_entropy(hidden, weight, target, bias=bias, chunk_tokens=chunk, label_smoothing=0.1)
+    with ChunkAwareTracker(exclude=[hidden, weight, bias, target]) as tracker:
+        loss.backward()
+    weight_bytes = vocab * dim * 2
+    step = min(tokens, chunk * vocab // block)  # tokens per (block, chunk) step: 256
+    bound = (
+        weight_bytes  # the half weight gradient
+        + block * dim * (4 + 2)  # the float32 block sum and one half block product
+        + tokens * dim * (4 + 2)  # the float32 grad_hidden sum and its half cast
+        + step * block * (2 + 4 + 2) + step * dim * 2  # a step's logits, their float32 gradient, its half copy; a grad_hidden product
+        + 4 * vocab * 4 + 8 * tokens * 8  # per-class and per-token vectors
+    )
+    assert weight_bytes < tracker.peak_bytes() <= bound
+    assert bound < 2 * weight_bytes  # a2d00fe's float32 vocab x d sum alone was 2x
+    assert hidden.grad.dtype == weight.grad.dtype == bias.grad.dtype == dtype
+
+
+@pytest.mark.parametrize("need_hidden", [True, False])
+@pytest.mark.parametrize("logit_softcap", [None, 2.5])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("with_bias", [True, False])
+@pytest.mark.parametrize("chunk_tokens", [1, 7, 1000])
+def test_vocab_blocked_backward_equals_chunked_in_float64(chunk_tokens, with_bias, label_smoothing, logit_softcap, need_hidden, monkeypatch):
+    """The vocab-blocked backward (the float16/bfloat16 weights' path) is exact: run in float64
+    with blocks of 7 rows (1003 = 143 x 7 + 2: a ragged last block; targets in every block,
+    ignored tokens) and steps of at least 20 tokens (97 = 4 x 20 + 17) it gives the chunked
+    backward's gradients to 1e-12."""
+    monkeypatch.setattr(cross_entropy, "_GRAD_WEIGHT_BLOCK_ELEMENTS", 7 * DIM)
+    monkeypatch.setattr(cross_entropy, "_CHUNK_ELEMENTS", 7 * 20)
+    hidden, weight, bias, target = (t.detach() if t is not None else None for t in _inputs(with_bias=with_bias))
+    options = (-100, label_smoothing, logit_softcap)
+    _, lse = cross_entropy._forward_chunks(hidden, weight, bias, target, *options, CHUNK, torch.float64)
+    grad_loss = torch.randn(TOKENS, dtype=torch.float64)
+    want = cross_entropy._backward_chunks(
+        grad_loss, hidden, weight, bias, target, lse, *options, CHUNK, torch.float64, need_hidden, True
+    )
+    got = cross_entropy._backward_vocab_blocks(
+        grad_loss, hidden, weight, bias, target, lse, *options, chunk_tokens, torch.float64, need_hidden
+    )
+    for name, ours, theirs in zip(("hidden", "weight", "bias"), got, want):
+        _assert_close_relative(ours, theirs, 1e-12, f"grad_{name}")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
+def test_half_weight_blocked_backward_within_twice_eager_error(dtype, monkeypatch):
+    """Many vocabulary blocks (32 rows: 32 blocks of 1024 classes, grad_hidden summed over them in
+    float32) and many chunks: the gradients stay within twice eager's error."""
+    monkeypatch.setattr(cross_entropy, "_GRAD_WEIGHT_BLOCK_ELEMENTS", 32 * 64)
+    tokens, dim, vocab = 2048, 64, 1024
+    hidden, weight, bias, target = _inputs(tokens, dim, vocab, ignored="some")
+    options = dict(reduction="sum", label_smoothing=0.1, logit_softcap=20.0)
+    _, ref_grads = _loss_and_grads(linear_cross_entropy_ref, hidden, weight, bias, target, **options)
+    low = [t.detach().to(dtype).requires_grad_() for t in (hidden, weight, bias)]
+    _, grads = _loss_and_grads(memopt.linear_cross_entropy, *low, target, chunk_tokens=16, **options)
+    _, eager_grads = _loss_and_grads(linear_cross_entropy_ref, *low, target, **options)
+    for name, ours, theirs, ref in zip(("grad_hidden", "grad_weight", "grad_bias"), grads, eager_grads, ref_grads):
+        assert ours.dtype == dtype
+        error = ((ours.double() - ref).norm() / ref.norm()).item()
+        eager_error = ((theirs.double() - ref).norm() / ref.norm()).item()
+        assert error <= 2 * eager_error, f"{name}: relative error {error:.3g} > twice eager's {eager_error:.3g}"
 
 def test_frozen_weight_gets_no_gradient_and_hidden_still_does():
     hidden, weight, bias, target = _inputs()

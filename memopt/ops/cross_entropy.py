@@ -18,11 +18,16 @@ serve ``reduction="none"`` with an arbitrary upstream gradient; it is not offere
 Working set per chunk: the chunk's logits in the compute dtype and one float32 (float64)
 ``chunk x vocab`` buffer (two in a softcapped backward, which keeps ``tanh`` for its
 derivative), plus a compute-dtype copy of ``weight`` when autocast casts it; the
-backward adds the ``vocab x d`` weight-gradient accumulator (the gradient itself for float32 and
-float64 weights; for float16/bfloat16 weights a float32 buffer, twice the gradient's bytes, cast
-to the gradient once at the end) and, when the compute dtype differs from the accumulator's
-(autocast with float32 weights, and float16/bfloat16 weights), one compute-dtype ``vocab x d``
-product per chunk.
+backward adds the ``vocab x d`` weight gradient and, when the compute dtype differs from the
+weight's (autocast with float32 weights), one compute-dtype ``vocab x d`` product per chunk.
+float16/bfloat16 weights: the backward walks vocabulary blocks of about 2^22 elements
+(``block x d``, outer) x token chunks (inner), summing each block's weight gradient in a float32
+``block x d`` buffer that is cast into the half gradient's rows when the block is done; its
+working set is the half ``vocab x d`` gradient itself, the float32 block buffer and one half
+``block x d`` product, a float32 ``tokens x d`` sum of ``grad_hidden`` (over the blocks, cast
+once at the end) and per (block, chunk) the ``chunk x block`` logits buffers (no more elements
+than ``chunk_tokens x vocab``, nor than 2^24 unless ``chunk_tokens x block`` is) and a half
+``chunk x d`` product.
 
 Layers: one chunked PyTorch implementation shared by every device (matmuls through the device's
 BLAS, cuBLAS on CUDA; the elementwise part in place on the chunk), registered as
@@ -47,6 +52,10 @@ _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 # Default chunk: about 2^24 logits (64 MiB in float32) per chunk, a multiple of 16 tokens so the
 # chunk's matmul keeps tensor-core-friendly shapes.
 _CHUNK_ELEMENTS = 1 << 24
+# Backward with float16/bfloat16 weights: rows per vocabulary block so that its float32
+# weight-gradient sum (block x d) is about 2^22 elements (16 MiB).
+_GRAD_WEIGHT_BLOCK_ELEMENTS = 1 << 22
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def default_chunk_tokens(vocab: int) -> int:
@@ -192,18 +201,19 @@ def _backward_chunks(
     hidden's dtype, ``grad_weight (V, d)`` in weight's dtype and ``grad_bias (V,)`` in bias's
     dtype; a gradient not asked for (``need_grad_*`` False, or no bias) is an empty tensor.
     """
+    if need_grad_weight and weight.dtype in _HALF_DTYPES:
+        return _backward_vocab_blocks(
+            grad_loss, hidden, weight, bias, target, lse, ignore_index, label_smoothing, logit_softcap,
+            chunk_tokens, compute_dtype, need_grad_hidden,
+        )
     tokens, vocab = hidden.shape[0], weight.shape[0]
     accumulate_dtype = _accumulate_dtype(compute_dtype)
     grad_hidden = hidden.new_empty((tokens, hidden.shape[1]) if need_grad_hidden else (0,))
-    # Note: the weight gradient is a sum over every token, taken chunk by chunk. A float32
-    # (float64) weight accumulates in its own dtype, in place (addmm_ with beta=1: no weight-sized
-    # temporary); float16/bfloat16 weights accumulate in a float32 buffer, cast once at the end:
-    # summed in half precision, each chunk would add one rounding of the whole gradient (bf16,
-    # 4096 tokens: relative error 9.3e-3 at 64 chunks, 2.1e-2 at 256, eager's 2.9e-3). Where the
-    # accumulator's dtype is not the compute dtype (those, and autocast with float32 weights),
-    # each chunk's compute-dtype product is added to it.
-    grad_weight_dtype = torch.float32 if weight.dtype in (torch.float16, torch.bfloat16) else weight.dtype
-    grad_weight = weight.new_zeros(weight.shape if need_grad_weight else (0,), dtype=grad_weight_dtype)
+    # The weight gradient accumulates over chunks in its own dtype when the matmul runs in it
+    # (one rounding per chunk, as an addmm with beta=1: no weight-sized temporary); under
+    # autocast with float32 weights each chunk's compute-dtype product is added to the float32
+    # gradient. (float16/bfloat16 weights go through _backward_vocab_blocks.)
+    grad_weight = weight.new_zeros(weight.shape if need_grad_weight else (0,))
     grad_bias_acc = hidden.new_zeros(vocab if bias is not None else 0, dtype=accumulate_dtype)
     with autocast_off(hidden.device.type):
         weight_c = weight.to(compute_dtype)
@@ -239,7 +249,87 @@ def _backward_chunks(
                     grad_weight += torch.mm(grad_logits_c.t(), hidden_chunk)
             del logits, tanh_part, grad_logits, grad_logits_c  # before the next chunk's matmul
     grad_bias = grad_bias_acc if bias is None else grad_bias_acc.to(bias.dtype)
-    return grad_hidden, grad_weight.to(weight.dtype), grad_bias
+    return grad_hidden, grad_weight, grad_bias
+
+
+def _vocab_block_rows(vocab: int, dim: int) -> int:
+    """Rows per vocabulary block: ``block x d`` about ``_GRAD_WEIGHT_BLOCK_ELEMENTS``, in [1, vocab]."""
+    return max(1, min(vocab, _GRAD_WEIGHT_BLOCK_ELEMENTS // max(dim, 1)))
+
+
+def _backward_vocab_blocks(
+    grad_loss, hidden, weight, bias, target, lse, ignore_index, label_smoothing, logit_softcap,
+    chunk_tokens, compute_dtype, need_grad_hidden,
+):
+    """``_backward_chunks`` for float16/bfloat16 weights whose gradient is needed: vocabulary
+    blocks (outer) x token chunks (inner).
+
+    Note: the weight gradient is a sum over every token. Summed chunk by chunk in half precision,
+    each chunk adds one rounding of the whole sum (bf16, 4096 tokens: relative error 9.3e-3 at 64
+    chunks, 2.1e-2 at 256, eager's 2.9e-3); a float32 ``vocab x d`` sum fixes that but costs twice
+    the gradient's bytes, at the training peak. Here each block's rows are summed over every chunk
+    in a float32 ``block x d`` buffer and cast once into the preallocated half gradient. Per
+    (block, chunk) the logits are rebuilt for the block's classes only; the saved lse is over the
+    whole vocabulary, so the softmax gradient is exact; ``-(1 - eps)`` goes to the targets inside
+    the block. ``grad_hidden`` is then a sum over the blocks, kept in the accumulate dtype
+    (``tokens x d``) and cast once. The token chunk grows to ``min(2^24, chunk_tokens x vocab) //
+    block`` tokens (at least ``chunk_tokens``): no more logits per step than a ``chunk_tokens``
+    chunk of the whole vocabulary, and few launches.
+    """
+    tokens, dim = hidden.shape
+    vocab = weight.shape[0]
+    accumulate_dtype = _accumulate_dtype(compute_dtype)
+    block = _vocab_block_rows(vocab, dim)
+    chunk = max(1, min(tokens, max(chunk_tokens, min(_CHUNK_ELEMENTS, chunk_tokens * vocab) // block)))
+    grad_weight = weight.new_empty(weight.shape)
+    grad_hidden_acc = hidden.new_zeros((tokens, dim) if need_grad_hidden else (0,), dtype=accumulate_dtype)
+    grad_bias_acc = hidden.new_zeros(vocab if bias is not None else 0, dtype=accumulate_dtype)
+    with autocast_off(hidden.device.type):
+        weight_c = weight.to(compute_dtype)
+        bias_c = None if bias is None else bias.to(compute_dtype)
+        for v0 in range(0, vocab, block):
+            v1 = min(v0 + block, vocab)
+            weight_block = weight_c[v0:v1]
+            bias_block = None if bias_c is None else bias_c[v0:v1]
+            grad_weight_acc = weight.new_zeros((v1 - v0, dim), dtype=accumulate_dtype)
+            for start in range(0, tokens, chunk):
+                stop = min(start + chunk, tokens)
+                target_chunk = target[start:stop]
+                valid = target_chunk != ignore_index
+                # where, not a product: an all-ignored mean sends grad_loss = 1/0 = inf, and the
+                # ignored tokens' gradient must stay 0 as in torch.
+                coefficient = torch.where(valid, grad_loss[start:stop].to(accumulate_dtype), 0.0)
+                hidden_chunk = hidden[start:stop].to(compute_dtype)
+                logits, tanh_part = _chunk_logits(
+                    hidden_chunk, weight_block, bias_block, accumulate_dtype, logit_softcap, keep_tanh=True
+                )
+                grad_logits = logits.sub_(lse[start:stop].unsqueeze(1)).exp_()
+                if label_smoothing > 0.0:
+                    grad_logits.sub_(label_smoothing / vocab)
+                # The target's -(1 - eps) only where the target is one of this block's classes
+                # (elsewhere 0 is subtracted, at a clamped column): no host sync.
+                inside = valid & (target_chunk >= v0) & (target_chunk < v1)
+                columns = (target_chunk - v0).clamp_(0, v1 - v0 - 1)
+                rows = torch.arange(stop - start, device=hidden.device)
+                grad_logits[rows, columns] -= inside.to(accumulate_dtype).mul_(1.0 - label_smoothing)
+                if tanh_part is not None:
+                    grad_logits.mul_(tanh_part.square_().neg_().add_(1.0))
+                grad_logits.mul_(coefficient.unsqueeze(1))
+                if bias is not None:
+                    grad_bias_acc[v0:v1] += grad_logits.sum(0)
+                grad_logits_c = grad_logits.to(compute_dtype)
+                if need_grad_hidden:
+                    grad_hidden_acc[start:stop] += torch.mm(grad_logits_c, weight_block)
+                if grad_weight_acc.dtype == compute_dtype:
+                    grad_weight_acc.addmm_(grad_logits_c.t(), hidden_chunk)
+                else:
+                    grad_weight_acc += torch.mm(grad_logits_c.t(), hidden_chunk)
+                del logits, tanh_part, grad_logits, grad_logits_c  # before the next step's matmul
+            grad_weight[v0:v1] = grad_weight_acc  # cast once into the gradient's rows
+            del grad_weight_acc
+    grad_hidden = grad_hidden_acc.to(hidden.dtype) if need_grad_hidden else hidden.new_empty((0,))
+    grad_bias = grad_bias_acc if bias is None else grad_bias_acc.to(bias.dtype)
+    return grad_hidden, grad_weight, grad_bias
 
 
 linear_cross_entropy_bwd = torch.library.custom_op(

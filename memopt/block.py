@@ -198,13 +198,29 @@ def _is_causal_mask(mask: torch.Tensor) -> bool:
     return bool(torch.equal(blocked, above) and torch.all(mask.masked_fill(blocked, 0.0) == 0))
 
 
-def _copy_requires_grad(dst: nn.Module, src: nn.Module) -> None:
-    """Freeze ``dst``'s parameters that are frozen in ``src`` (same names): ``load_state_dict``
-    copies values, not ``requires_grad``."""
-    params = dict(dst.named_parameters())
-    for name, param in src.named_parameters():
-        if name in params:
-            params[name].requires_grad_(param.requires_grad)
+def _copy_weights(dst: nn.Module, src: nn.Module) -> None:
+    """Copy ``src``'s parameters (PARAM_NAMES) into ``dst``'s, with ``requires_grad``.
+
+    Read as the forward reads them (``getattr``), not through ``state_dict()``: a parametrized
+    submodule (``parametrizations.weight_norm(block.fc1)``, which the forward runs) keeps its
+    tensors under other keys (``fc1.parametrizations.weight.original0``), which ``dst`` does not
+    have; ``dst`` gets the weight it computes. A parametrized tensor needs a gradient when one of
+    its originals does."""
+    dst_params = dict(dst.named_parameters())
+    with torch.no_grad():
+        for (module, attr), value in zip(_PARAM_PATHS, _block_params(src)):
+            target = dst_params.get(f"{module}.{attr}")
+            if value is None or target is None:
+                if (value is None) != (target is None):
+                    raise RuntimeError(f"{type(src).__name__}: {module}.{attr} is present in one block only")
+                continue
+            target.copy_(value)
+            sub = src._modules[module]
+            if torch.nn.utils.parametrize.is_parametrized(sub, attr):
+                requires_grad = any(p.requires_grad for p in sub.parametrizations[attr].parameters())
+            else:
+                requires_grad = value.requires_grad
+            target.requires_grad_(requires_grad)
 
 
 def _to_batch_first(block, x: torch.Tensor) -> torch.Tensor:
@@ -294,9 +310,8 @@ class EagerTransformerBlock(_TransformerBlockBase):
         config = {k: v for k, v in self.config().items() if k != "attention"}
         config["eps"] = _shared_norm_eps(self)  # the fused block runs both norms with one eps
         block = FusedCheckpointBlock(**config, policy=policy, **self._factory())
-        block.load_state_dict(self.state_dict())
-        _copy_requires_grad(block, self)
-        return block
+        _copy_weights(block, self)
+        return block.train(self.training)  # an eval-mode block stays in eval (no dropout)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -449,13 +464,12 @@ class FusedCheckpointBlock(_TransformerBlockBase):
         config.pop("ffn_chunk_tokens")
         block = EagerTransformerBlock(**config, **self._factory())
         block.norm2.eps = self.norm2.eps  # eps is no state_dict entry
-        block.load_state_dict(self.state_dict())
-        _copy_requires_grad(block, self)
+        _copy_weights(block, self)
         return block.train(self.training)
 
     @classmethod
     def from_eager(cls, block: EagerTransformerBlock, policy: str = "selective") -> "FusedCheckpointBlock":
-        return block.to_fused(policy).train(block.training)
+        return block.to_fused(policy)
 
     @classmethod
     def supports(cls, layer: nn.Module, *, allow_autocast: bool = False) -> bool:

@@ -190,6 +190,38 @@ def test_to_eager_and_from_eager_keep_frozen_parameters():
     assert {name for name, p in back.named_parameters() if not p.requires_grad} == frozen
 
 
+def test_conversions_keep_eval_mode():
+    # to_fused() returned a training block from an eval one: dropout at inference (0.74 off).
+    eager = EagerTransformerBlock(D_MODEL, N_HEADS, dropout=0.1, dtype=torch.float64).eval()
+    x = torch.randn(2, 5, D_MODEL, dtype=torch.float64)
+    for fused in (eager.to_fused(), memopt.FusedCheckpointBlock.from_eager(eager)):
+        assert not fused.training
+        torch.testing.assert_close(fused(x), eager(x), **F64_TOL)
+    assert not fused.to_eager().training
+    assert eager.train().to_fused().training
+
+
+def test_conversions_of_a_parametrized_block_carry_the_computed_weight():
+    # The forward runs a parametrized submodule (weight_norm on fc1); to_eager() raised
+    # load_state_dict's missing / unexpected keys (fc1.parametrizations.weight.original0).
+    block = _make(CONFIGS["pre-ln-gelu"])
+    parametrizations.weight_norm(block.fc1)
+    block.qkv.weight.requires_grad_(False)
+    x = torch.randn(2, 5, D_MODEL, dtype=torch.float64)
+    grad = torch.randn_like(x)
+    eager = block.to_eager()
+    assert eager.fc1.weight.requires_grad and not eager.qkv.weight.requires_grad
+    torch.testing.assert_close(eager.fc1.weight, block.fc1.weight, atol=0, rtol=0)
+    for module in (block, eager):
+        module.qkv.weight.requires_grad_(True)
+    expected = _run(block, x, grad)
+    got = _run(eager, x, grad)
+    torch.testing.assert_close(got[0], expected[0], **F64_TOL)
+    torch.testing.assert_close(got[1], expected[1], **F64_TOL)  # the input's gradient
+    parametrizations.weight_norm(eager.fc2)
+    torch.testing.assert_close(eager.to_fused()(x), eager(x), **F64_TOL)
+
+
 def test_hooks_on_submodules_raise_and_parametrizations_work():
     # The block reads its submodules' parameters without calling them: their hooks would not
     # run. torch.nn.utils.prune recomputes fc1.weight in a forward pre-hook; the eager block

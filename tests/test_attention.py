@@ -161,6 +161,19 @@ def test_triton_refuses_a_batch_past_the_grid_limit_by_name():
         memopt.attention(q, q, q)
 
 
+@pytest.mark.parametrize("scale", [-1.3, 0.0])
+def test_causal_with_a_non_positive_scale_is_right_or_refused(scale):
+    # ATen's CPU flash kernel gives NaN here (torch's SDPA on CPU too): aten_flash refuses it.
+    q, k, v = _inputs((1, 2, 2, 9, 9, 8), dtype=torch.float64)
+    for backend in ("auto", "native", "cpu_flash"):
+        actual, expected = _run_and_reference(q, k, v, True, 0.0, None, backend=backend, scale=scale)
+        _assert_close(actual, expected, torch.float64)
+    with pytest.raises(ValueError, match="gives NaN for causal attention with scale <= 0"):
+        memopt.attention(q, k, v, causal=True, scale=scale, backend="aten_flash")
+    actual, expected = _run_and_reference(q, k, v, False, 0.0, None, backend="aten_flash", scale=scale)
+    _assert_close(actual, expected, torch.float64)  # not causal: right
+
+
 @pytest.mark.parametrize("backend", FLOAT64_BACKENDS)
 @pytest.mark.parametrize("scale", [None, 2.0], ids=["scale-default", "scale-2"])
 @pytest.mark.parametrize("shape", [(1, 4, 2, 37, 29, 32), (1, 2, 2, 300, 300, 64)], ids=_shape_id)

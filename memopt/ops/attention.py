@@ -523,8 +523,19 @@ def _attention_bwd_native(grad_out, q, k, v, out, lse, causal, dropout_p, scale,
 # ---------------------------------------------------------------------------------------------
 
 
+def _check_aten_cpu_scale(causal: bool, scale: float) -> None:
+    # ATen's CPU flash kernel returns NaN for a causal call with scale <= 0 (torch's own SDPA on
+    # CPU too); memopt's backends do not, and a backend must not change the result.
+    if causal and not scale > 0:
+        raise ValueError(
+            f"memopt.attention: backend 'aten_flash' on CPU gives NaN for causal attention with scale <= 0 "
+            f"(got scale={scale}); use backend='auto', 'cpu_flash' or 'native'"
+        )
+
+
 def _attention_fwd_aten_cpu(q, k, v, causal, scale):
     # Grouped-query heads run natively; out comes in q's dim order, lse as a (B, Sq, H) buffer.
+    _check_aten_cpu_scale(causal, scale)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, dropout_p=0.0, is_causal=causal, scale=scale
@@ -533,6 +544,7 @@ def _attention_fwd_aten_cpu(q, k, v, causal, scale):
 
 
 def _attention_bwd_aten_cpu(grad_out, q, k, v, out, lse, causal, scale):
+    _check_aten_cpu_scale(causal, scale)
     q, k, v, out = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v), _unit_last_stride(out)
     grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         _unit_last_stride(grad_out.to(q.dtype)), q, k, v, out, lse, dropout_p=0.0, is_causal=causal, scale=scale

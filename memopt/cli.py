@@ -22,7 +22,8 @@ import sys
 
 from memopt.estimate import ATTENTIONS, OPTIMIZER_STATES, PRECISIONS, PRESETS, ModelConfig, _config_estimate
 from memopt.estimate import ARCHS, FIXED_TERMS, LLAMA_LINEARS, LORA_DEFAULT_TARGETS, LOSSES, choice_label, fit_choices
-from memopt.estimate import max_micro_batch, max_seq_len, registered_policies, seq_len_limit, strategies
+from memopt.estimate import MICRO_BATCH_UPPER, SEQ_LEN_UPPER, max_micro_batch, max_seq_len, registered_policies
+from memopt.estimate import seq_len_limit, strategies
 
 __all__ = ["main"]
 
@@ -164,6 +165,7 @@ def _estimate(args) -> int:
             }
         out["memory_bytes"] = memory
         out["fits"] = fits
+        out["search_upper"] = {"max_micro_batch": MICRO_BATCH_UPPER, "max_seq_len": SEQ_LEN_UPPER}
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
@@ -173,16 +175,25 @@ def _estimate(args) -> int:
         print(f"\nlongest sequence (estimated, micro-batch {cfg.micro_batch}) in {args.memory_gib:g} GiB of device "
               f"memory, host memory {host}:")
         for name, row in out["max_seq"].items():
-            print(f"  {name:<28} {row['max_seq_len']:>10,} tokens   binds: {_binding_text(row, memory)}")
+            length = f"{'>= ' if row['binding'] == 'limit' else ''}{row['max_seq_len']:,}"
+            print(f"  {name:<28} {length:>10} tokens   binds: {_binding_text(row, memory)}")
     elif memory is not None:
         print(f"\nin {args.memory_gib:g} GiB:")
         for policy, f in out["fits"].items():
-            print(f"  policy {policy:<19} max micro-batch {f['max_micro_batch'] or 'none':>6}   "
-                  f"max seq (at micro-batch {cfg.micro_batch}) {f['max_seq_len'] or 'none':>8}")
+            print(f"  policy {policy:<19} max micro-batch {_found(f['max_micro_batch'], MICRO_BATCH_UPPER):>6}   "
+                  f"max seq (at micro-batch {cfg.micro_batch}) {_found(f['max_seq_len'], SEQ_LEN_UPPER):>8}")
         for policy, offload in fit_choices():
             if not out["fits"][choice_label(policy, offload)]["max_micro_batch"]:
                 print("  " + _none_fits(cfg.replace(policy=policy, offload=offload, micro_batch=1), memory))
     return 0
+
+
+def _found(value: int, upper: int) -> str:
+    """A searched maximum as the table prints it: ``none`` for 0, ``>= upper`` where the search
+    stopped at its bound (everything up to it fits; what lies beyond was not tried)."""
+    if not value:
+        return "none"
+    return f">= {value}" if value >= upper else str(value)
 
 
 def _none_fits(cfg: ModelConfig, memory: int) -> str:

@@ -20,6 +20,9 @@
 ``workspace``          what the largest transient of one layer's backward (two gradient buffers
                        of its largest activation; with checkpointing also the recomputed layer)
                        needs beyond ``logits_loss``, plus cuBLAS's workspace on CUDA
+``fixed_activations``  measured form only: what the model saves for backward whatever the
+                       batch (autocast's weight copies, rotary tables); ``activations`` is then
+                       the part that grows with it
 =====================  =====================================================================
 
 Precision modes (``precision=``), and which tensors exist in each:
@@ -94,7 +97,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Callable
 
 import torch
@@ -869,7 +874,7 @@ def _batched_tensor(example, dim: int, inferred: str | None) -> torch.Tensor:
     batched = _first_batched(example, dim)
     if batched is None:
         raise ValueError(
-            f"example_input must be a tensor, or a tuple/list/dict holding a tensor with {where}, "
+            f"example_input must be a tensor, or a tuple/list/mapping holding a tensor with {where}, "
             f"got {type(example).__name__}"
         )
     return batched
@@ -878,15 +883,37 @@ def _batched_tensor(example, dim: int, inferred: str | None) -> torch.Tensor:
 def _first_batched(example, dim: int = 0) -> torch.Tensor | None:
     """The first tensor of more than ``dim`` dimensions in ``example``, depth first, or None. Other
     values are skipped, as AdaptiveBatch's ``_leading_size`` skips them: keyword arguments such
-    as ``use_cache=False`` or a 0-d ``num_items_in_batch`` are not batched."""
+    as ``use_cache=False`` or a 0-d ``num_items_in_batch`` are not batched. Any mapping counts as
+    keyword arguments: a tokenizer's ``BatchEncoding`` is a ``UserDict``, not a ``dict``."""
     if isinstance(example, torch.Tensor):
         return example if example.dim() > dim else None
-    if isinstance(example, (tuple, list, dict)):
-        for value in example.values() if isinstance(example, dict) else example:
+    if isinstance(example, (tuple, list, Mapping)):
+        for value in example.values() if isinstance(example, Mapping) else example:
             found = _first_batched(value, dim)
             if found is not None:
                 return found
     return None
+
+
+def _resized(example, dim: int, batch: int, new_batch: int):
+    """``example`` with every tensor whose dimension ``dim`` is ``batch`` cut or repeated to
+    ``new_batch`` along it (other values as they are; a mapping comes back as a dict). Each is a
+    tensor of its own, not a view: a saved view counts its whole storage, and the input would
+    count at the size it was cut from."""
+    def resize(t: torch.Tensor) -> torch.Tensor:
+        if t.dim() <= dim or t.shape[dim] != batch:
+            return t
+        repeated = t if new_batch <= batch else torch.cat([t] * -(-new_batch // batch), dim)
+        return repeated.narrow(dim, 0, new_batch).clone()
+
+    if isinstance(example, torch.Tensor):
+        return resize(example)
+    if isinstance(example, Mapping):
+        return {k: _resized(v, dim, batch, new_batch) for k, v in example.items()}
+    if isinstance(example, (tuple, list)):
+        items = [_resized(v, dim, batch, new_batch) for v in example]
+        return type(example)(*items) if hasattr(example, "_fields") else type(example)(items)
+    return example
 
 
 def _declared_layouts(model: torch.nn.Module) -> dict[bool, list[str]]:
@@ -986,22 +1013,37 @@ def _module_estimate(model: torch.nn.Module, example_input, micro_batch: int | N
         raise ValueError(f"micro_batch must be a positive int, got {micro_batch!r}")
     params = [p for p in model.parameters()]
     trainable = [p for p in params if p.requires_grad]
-    excluded = params + list(model.buffers())
-    args = example_input if isinstance(example_input, (tuple, list)) else (example_input,)
-    autocast = torch.autocast(next(iter(params)).device.type if params else "cpu", dtype=low_dtype,
-                              enabled=precision == "autocast")
+    device_type = next(iter(params)).device.type if params else "cpu"
+    # Imported here: memopt.adaptive imports this module.
+    from memopt.adaptive import _ModelState
+
+    state = _ModelState(model)
+
+    def saved_by(example) -> int:
+        """Bytes one forward on ``example`` saves for backward. A training-mode forward moves
+        BatchNorm's running statistics and draws dropout masks from the global generator: the
+        buffers and RNG states are put back, so estimating leaves the model and the next step as
+        they were (and the probe below runs from the same state)."""
+        args = example if isinstance(example, (tuple, list)) else (example,)
+        try:
+            with SavedTensorCounter(exclude=params + list(model.buffers())) as counter, \
+                    torch.autocast(device_type, dtype=low_dtype, enabled=precision == "autocast"):
+                out = model(**example) if isinstance(example, Mapping) else model(*args)
+                if loss_fn is not None:
+                    out = loss_fn(out)
+            del out
+        finally:
+            state.restore()
+        return counter.total_bytes
+
     seen = _SeenBatches(model, seq_first)
     try:
-        with SavedTensorCounter(exclude=excluded) as counter, autocast:
-            out = model(**example_input) if isinstance(example_input, dict) else model(*args)
-            if loss_fn is not None:
-                out = loss_fn(out)
-        del out
+        saved = saved_by(example_input)
     finally:
         seen.remove()
     if seq_first:
         seen.confirm(seq_first, example_batch)
-    scale = micro_batch / example_batch
+    activations, fixed, note = _split_saved(saved_by, example_input, dim, example_batch, saved, micro_batch)
     param_bytes = sum(p.numel() * p.element_size() for p in params)
     grad_bytes = sum(p.numel() * p.element_size() for p in trainable)
     n_trainable = sum(p.numel() for p in trainable)
@@ -1012,12 +1054,57 @@ def _module_estimate(model: torch.nn.Module, example_input, micro_batch: int | N
         "gradients": grad_bytes,
         "master_weights": n_trainable * 4 if precision == "master" else 0,
         "optimizer_state": n_trainable * states * step_bytes,
-        "activations": math.ceil(counter.total_bytes * scale),
+        "activations": activations,
+        "fixed_activations": fixed,
     }
     source = f"dimension {dim} of example_input" + (f" (the layers have batch_first=False)" if seq_first else "")
-    notes = [f"activations measured at batch {example_batch} ({source}) and scaled linearly to {micro_batch}",
+    notes = [f"example batch {example_batch} ({source}); {note}",
              "no backward workspace or loss transient beyond what loss_fn saves"]
     return Estimate(breakdown=breakdown, num_parameters=sum(p.numel() for p in params), notes=notes)
+
+
+def _split_saved(saved_by: Callable, example, dim: int, batch: int, saved: int, micro_batch: int
+                 ) -> tuple[int, int, str]:
+    """``(activations, fixed, note)`` at ``micro_batch``, from the ``saved`` bytes measured at
+    ``batch`` and one or two more forwards on the example cut or repeated: ``fixed`` does not
+    change with the batch, ``activations`` grows with it.
+
+    Scaling everything by ``micro_batch / batch`` multiplied autocast's low-precision weight copies
+    (saved by every linear, as big at batch 1 as at 64) with the batch: two 1024x1024 linears
+    measured at batch 1 read 128 MiB at 64, where 2.25 MiB are saved. Rotary tables (a Hugging
+    Face Llama's cos/sin are ``(1, seq, head_dim)`` whatever the batch) are fixed too. The line
+    through two measurements is exact wherever the saved bytes are affine in the batch, whatever
+    makes the fixed part. Batch 1 is not on that line in every model (a reshape of a size-1
+    dimension can save a view of a whole buffer where a larger batch saves a copy), so the line
+    goes through two batches of at least 2, and a ``micro_batch`` below the example's is measured
+    outright.
+    """
+    if micro_batch < batch:
+        probes = [micro_batch]
+    elif batch >= 3:
+        probes = [batch - 1]  # one sample less: no more memory than the example took
+    elif batch == 2 or micro_batch == 1:
+        probes = [batch + 1]
+    else:
+        probes = [2, 3]
+    counts = {batch: saved}
+    try:
+        for probe in probes:
+            counts[probe] = saved_by(_resized(example, dim, batch, probe))
+    except Exception as error:  # a model that refuses the resized example: scale it all, as before, and say so
+        return (math.ceil(Fraction(saved * micro_batch, batch)), 0,
+                f"every saved byte scaled linearly from batch {batch} to {micro_batch}: the forward at batch {probe} "
+                f"raised {type(error).__name__}: {error}")
+    lo, hi = sorted(counts)[-2:]
+    # Clamped: bytes that shrink as the batch grows are not a per-sample cost, and neither part is negative.
+    per_sample = max(Fraction(counts[hi] - counts[lo], hi - lo), Fraction(0))
+    total = counts[micro_batch] if micro_batch in counts else counts[hi] + per_sample * (micro_batch - hi)
+    fixed = min(max(round(counts[hi] - per_sample * hi), 0), math.floor(total))
+    measured = ", ".join(str(b) for b in sorted(counts))
+    return (math.ceil(total) - fixed, fixed,
+            f"saved bytes measured at batches {measured}: {fixed:,} of them the same at any batch "
+            f"(fixed_activations), the rest {'measured' if micro_batch in counts else 'scaled linearly'} "
+            f"at {micro_batch}")
 
 
 def estimate(config=None, example_input=None, *, micro_batch: int | None = None, optimizer: str | None = None,
@@ -1036,9 +1123,17 @@ def estimate(config=None, example_input=None, *, micro_batch: int | None = None,
     (default ``torch.bfloat16``), ``micro_batch`` and any other ``ModelConfig`` field given as a
     keyword override the ``ModelConfig``'s.
 
-    The measured form runs ``model(example_input)`` (``loss_fn(output)`` too, if given) once at
-    the example's batch size, counts the bytes saved for backward with
-    :class:`memopt.SavedTensorCounter` and scales them linearly to ``micro_batch``. The example's
+    The measured form runs ``model(example_input)`` (``loss_fn(output)`` too, if given) at the
+    example's batch size and counts the bytes saved for backward with
+    :class:`memopt.SavedTensorCounter`; then once or twice more on the example cut or repeated (the
+    tensors whose batch dimension has the example's size): at ``micro_batch`` when it is smaller,
+    else at one sample less (more, below 3; at 2 and 3 from a batch of 1, which can save views
+    where larger batches save copies). The line through two counts splits them into
+    ``fixed_activations`` (the same at any batch: autocast's low-precision weight copies, rotary
+    tables) and ``activations``, which grow linearly to ``micro_batch``. The model's buffers
+    (BatchNorm's running statistics) and the CPU and CUDA RNG states are put back after each
+    forward. A mapping (a dict, a tokenizer's ``BatchEncoding``) is passed as keyword arguments,
+    a tuple or list as positional ones. The example's
     batch size is dimension ``batch_dim`` of its first tensor with that dimension (depth first).
     ``batch_dim=None`` (the default) is 0, or 1 when the model's layers that declare a layout
     (a bool ``batch_first``: ``nn.MultiheadAttention``, so ``nn.TransformerEncoderLayer`` and
@@ -1121,8 +1216,14 @@ def _searched(config: ModelConfig, policy: str | None, offload: bool | None) -> 
     return config.replace(**changes) if changes else config
 
 
+MICRO_BATCH_UPPER = 1 << 20
+"""Where :func:`max_micro_batch` stops searching by default: a result equal to it means at least."""
+SEQ_LEN_UPPER = 1 << 24
+"""Where :func:`max_seq_len` and :func:`seq_len_limit` stop searching by default (at least, when reached)."""
+
+
 def max_micro_batch(memory_bytes: int, config: ModelConfig, *, policy: str | None = None,
-                    offload: bool | None = None, upper: int = 1 << 20) -> int:
+                    offload: bool | None = None, upper: int = MICRO_BATCH_UPPER) -> int:
     """Largest micro-batch whose :func:`estimate` fits in ``memory_bytes`` of device memory (and
     the config's ``host_memory_bytes`` of host memory, when set); 0 when none does, as
     :func:`max_seq_len`.
@@ -1144,7 +1245,7 @@ def fits(est: Estimate, memory_bytes: int) -> bool:
 
 
 def max_seq_len(memory_bytes: int, config: ModelConfig, *, policy: str | None = None,
-                offload: bool | None = None, upper: int = 1 << 24) -> int:
+                offload: bool | None = None, upper: int = SEQ_LEN_UPPER) -> int:
     """Largest sequence length whose :func:`estimate` fits in ``memory_bytes`` of device memory
     (and the config's ``host_memory_bytes`` of host memory, when set); 0 when none does.
 
@@ -1183,7 +1284,7 @@ class SeqLenLimit:
 
 
 def seq_len_limit(memory_bytes: int, config: ModelConfig, *, policy: str | None = None,
-                  offload: bool | None = None, upper: int = 1 << 24) -> SeqLenLimit:
+                  offload: bool | None = None, upper: int = SEQ_LEN_UPPER) -> SeqLenLimit:
     """:func:`max_seq_len` with the term that binds (see :class:`SeqLenLimit`)."""
     check_memory_bytes(memory_bytes)
     _check_search(config, policy, offload, upper)

@@ -9,7 +9,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from memopt.estimate import ModelConfig, check_memory_bytes, choice_label, estimate, fit_choices, max_micro_batch
+from memopt.estimate import MICRO_BATCH_UPPER, ModelConfig, check_memory_bytes, choice_label, estimate, fit_choices
+from memopt.estimate import fits, max_micro_batch
 
 __all__ = ["MemoryReport", "OOMDiagnosis", "diagnose_oom", "memory_report"]
 
@@ -116,8 +117,10 @@ def memory_report(device=None) -> MemoryReport:
                         largest_free_block=_largest_free_block(device), total=total, free=free)
 
 
-_SIZE = re.compile(r"Tried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB)")
-_UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
+# CUDA's caching allocator says "Tried to allocate 2.00 GiB", the CPU allocator "you tried to
+# allocate 4503599627370496 bytes".
+_SIZE = re.compile(r"[Tt]ried to allocate ([\d.]+) (B|KiB|MiB|GiB|TiB|bytes)\b")
+_UNITS = {"B": 1, "bytes": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30, "TiB": 2**40}
 
 
 @dataclass
@@ -130,7 +133,8 @@ class OOMDiagnosis:
         estimated_bytes: the estimator's total for ``config``.
         largest: the three largest consumers ``(name, bytes)`` per the estimator.
         fits: ``{choice: largest micro-batch that fits}`` for every ``(policy, offload)`` of
-            ``memopt.estimate.fit_choices()``, named by ``choice_label`` (0: none fits).
+            ``memopt.estimate.fit_choices()`` and the config's own, named by ``choice_label``
+            (0: none fits; ``memopt.estimate.MICRO_BATCH_UPPER``: at least that many).
         suggestions: readable advice, largest saving first.
     """
 
@@ -178,7 +182,8 @@ def diagnose_oom(exc: BaseException, config: ModelConfig | None = None, memory_b
     est = estimate(config)
     diag.memory_bytes, diag.estimated_bytes = int(memory_bytes), est.total_bytes
     diag.largest = est.largest(3)
-    for policy, offload in fit_choices():
+    # The config's own (policy, offload) too: "full" or "none" offloaded is not one of fit_choices().
+    for policy, offload in dict.fromkeys([*fit_choices(), (config.policy, config.offload)]):
         diag.fits[choice_label(policy, offload)] = max_micro_batch(memory_bytes, config, policy=policy, offload=offload)
     current = config.micro_batch
     budget = config.host_memory_bytes
@@ -187,13 +192,15 @@ def diagnose_oom(exc: BaseException, config: ModelConfig | None = None, memory_b
             f"the offloaded activations need {est.host_bytes / _GiB:.2f} GiB of host memory, over the "
             f"host_memory_bytes budget of {budget / _GiB:.2f} GiB")
     fitting_now = [p for p, b in diag.fits.items() if b >= current]
-    if diag.fits.get(choice_label(config.policy, config.offload), 0) >= current:
+    if fits(est, memory_bytes):  # the config itself, whether or not fit_choices() offers its (policy, offload)
         diag.suggestions.append(
             f"the estimate fits ({est.total_bytes / _GiB:.2f} GiB): look for memory outside the model "
             "(other processes, fragmentation: memopt.memory_report(), tensors kept across steps)")
     elif fitting_now:
         best = max(fitting_now, key=lambda p: diag.fits[p])
-        diag.suggestions.append(f"policy {best!r} fits micro-batch {current} (up to {diag.fits[best]})")
+        most = diag.fits[best]
+        diag.suggestions.append(f"policy {best!r} fits micro-batch {current} "
+                                f"(up to {'at least ' if most >= MICRO_BATCH_UPPER else ''}{most})")
     for policy, b in sorted(diag.fits.items(), key=lambda kv: -kv[1]):
         if 0 < b < current:
             diag.suggestions.append(

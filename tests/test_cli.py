@@ -228,3 +228,36 @@ def test_max_seq_names_the_term_that_grows_and_says_when_fixed_terms_do_not_fit(
     line = f"0 tokens   binds: fixed terms: parameters + gradients + optimizer_state (they do not grow with the " \
            f"sequence) need {fixed / 2**30:.2f} GiB alone, over 40 GiB"
     assert text.count(line) == 5
+
+
+def test_diagnose_oom_tests_the_config_itself_when_fit_choices_do_not_offer_it():
+    """policy "full" offloaded is not one of fit_choices(): its own estimate fits, and the advice
+    was to switch to 'checkpoint'."""
+    cfg = ModelConfig(**memopt.estimate_presets["gpt2"], micro_batch=8, policy="full", offload=True)
+    memory = 40 * 2**30
+    assert memopt.estimate(cfg).total_bytes <= memory
+    diag = memopt.diagnose_oom(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
+                               config=cfg, memory_bytes=memory)
+    assert diag.suggestions[0].startswith("the estimate fits")
+    assert not any("fits micro-batch 8" in s for s in diag.suggestions)
+    assert diag.fits["full, offload"] == memopt.max_micro_batch(memory, cfg) >= 8
+
+
+def test_diagnose_oom_reads_the_size_of_a_cpu_allocation_failure():
+    with pytest.raises(RuntimeError) as failure:
+        torch.empty(2**50, dtype=torch.uint8)  # 1 PiB: the CPU allocator's "you tried to allocate N bytes"
+    assert memopt.diagnose_oom(failure.value).requested_bytes == 2**50
+    cuda = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB. GPU 0 has a total capacity ...")
+    assert memopt.diagnose_oom(cuda).requested_bytes == 20 * 2**20
+
+
+def test_fit_table_says_at_least_where_the_search_stopped(capsys):
+    argv = ["estimate", "--preset", "gpt2", "--memory-gib", "1e30"]
+    assert main(argv) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if "max micro-batch" in line]
+    assert rows and all(">= 1048576" in row and ">= 16777216" in row for row in rows)
+    out = run_json(capsys, *argv)
+    assert out["fits"]["eager"] == {"max_micro_batch": 1 << 20, "max_seq_len": 1 << 24}
+    assert out["search_upper"] == {"max_micro_batch": 1 << 20, "max_seq_len": 1 << 24}
+    assert main(["estimate", "--preset", "llama-3-8b", "--memory-gib", "1e9", "--max-seq"]) == 0
+    assert ">= 16,777,216 tokens   binds: limit" in capsys.readouterr().out

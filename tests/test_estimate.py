@@ -165,14 +165,26 @@ def test_autocast_keeps_fp32_weights_and_adds_weight_copies():
     assert b["autocast_weights"] == 2 * (cfg.n_layers * (4 * d * d + 2 * d * f) + cfg.vocab_size * d)
 
 
-def test_measured_module_estimate_scales_linearly():
+def _saved(est) -> int:
+    """What a measured estimate says the model saves for backward: the part that grows with the
+    batch and the part that does not."""
+    return est.breakdown["activations"] + est.breakdown["fixed_activations"]
+
+
+def test_measured_module_estimate_matches_counted_bytes_at_the_target_batch():
     model = EagerGPT(**{k: v for k, v in SMALL.items() if k != "micro_batch"})
     ids = torch.randint(SMALL["vocab_size"], (2, SMALL["seq_len"]))
     small = memopt.estimate(model, ids)
     big = memopt.estimate(model, ids, micro_batch=8)
-    assert big.breakdown["activations"] == 4 * small.breakdown["activations"]
     counted = _counted(model, model, ids)
-    assert small.breakdown["activations"] == counted
+    assert _saved(small) == counted
+    # The position ids and their embedding's saved indices are the same at any batch.
+    assert _saved(big) == _counted(model, model, torch.randint(SMALL["vocab_size"], (8, SMALL["seq_len"])))
+    assert big.breakdown["fixed_activations"] == small.breakdown["fixed_activations"] > 0
+    assert big.breakdown["activations"] == 4 * small.breakdown["activations"]
+    # From batch 1, whose attention saves a view of the whole qkv buffer where larger batches save
+    # a copy of k: the line goes through batches 2 and 3.
+    assert _saved(memopt.estimate(model, ids[:1], micro_batch=8)) == _saved(big)
     n = sum(p.numel() for p in model.parameters())
     assert small.breakdown["optimizer_state"] == 8 * n
     assert small.num_parameters == n
@@ -203,11 +215,84 @@ def test_measured_estimate_takes_the_batch_from_the_first_batched_tensor(example
     inputs = example(x)
     counted = _counted(lambda: model(**inputs), model)
     assert counted > 0
-    assert memopt.estimate(model, inputs).breakdown["activations"] == counted
-    # Scaled by micro_batch / 3, the batch of x (not of use_cache, nor of the 0-d scale).
-    assert memopt.estimate(model, inputs, micro_batch=6).breakdown["activations"] == 2 * counted
+    assert _saved(memopt.estimate(model, inputs)) == counted
+    # Scaled by micro_batch / 3, the batch of x (not of use_cache, nor of the 0-d scale, which is
+    # saved once whatever the batch).
+    six = example(torch.randn(6, 16))
+    assert _saved(memopt.estimate(model, inputs, micro_batch=6)) == _counted(lambda: model(**six), model)
+    assert memopt.estimate(model, inputs).breakdown["fixed_activations"] == 4  # the float32 scale
     with pytest.raises(ValueError, match="holding a tensor with a leading batch dimension, got dict"):
         memopt.estimate(model, {"use_cache": False, "scale": torch.tensor(2.0)})
+
+
+def _counted_autocast(model, x) -> int:
+    """Bytes saved by model(x) under CPU bf16 autocast, counted directly (parameters and buffers excluded)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        return _counted(model, model, x)
+
+
+def test_measured_autocast_weight_copies_do_not_scale_with_the_batch():
+    """Autocast saves a bf16 copy of a linear's weight, as big at batch 1 as at 64. Scaled with
+    the rest, two 1024x1024 linears measured at batch 1 read 128.25 MiB at batch 64, where 2.25 MiB
+    are saved (57x); here 256-wide, 8.06 MiB where 0.19 MiB are."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    est = memopt.estimate(model, torch.randn(1, 256), micro_batch=64, precision="autocast")
+    assert _saved(est) == _counted_autocast(model, torch.randn(64, 256))
+    # The second linear's weight copy (the first one's input needs no gradient, so its copy is not saved).
+    assert est.breakdown["fixed_activations"] == 256 * 256 * 2
+    # Measured at 64, scaled down to 1: the same split.
+    down = memopt.estimate(model, torch.randn(64, 256), micro_batch=1, precision="autocast")
+    assert _saved(down) == _counted_autocast(model, torch.randn(1, 256))
+    assert "measured at batches 1, 64" in down.notes[0] and "the rest measured at 1" in down.notes[0]
+
+
+def test_measured_estimate_leaves_buffers_and_rng_as_they_were():
+    """A training-mode forward moves BatchNorm's running statistics and num_batches_tracked and
+    draws dropout masks from the global generator; estimating must not."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Dropout(0.5))
+    x = torch.randn(16, 4) * 5 + 3
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    est = memopt.estimate(model, x, micro_batch=64)
+    assert torch.equal(rng, torch.get_rng_state())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    # BatchNorm's saved mean and inverse std are per channel: fixed.
+    assert _saved(est) == _counted(model, model, torch.randn(64, 4))
+    assert est.breakdown["fixed_activations"] == 2 * 8 * 4
+
+
+def test_measured_estimate_takes_a_batch_encoding():
+    """A tokenizer's output is a BatchEncoding, a UserDict: keyword arguments, as a dict is."""
+    transformers = pytest.importorskip("transformers")
+    model = _KeywordModel()
+    x = torch.randn(3, 16)
+    encoding = transformers.BatchEncoding({"x": x, "scale": torch.tensor(2.0)})
+    est = memopt.estimate(model, encoding, micro_batch=6)
+    assert _saved(est) == _saved(memopt.estimate(model, dict(encoding), micro_batch=6)) == \
+        _counted(lambda: model(x=torch.randn(6, 16), scale=torch.tensor(2.0)), model)
+
+
+class _FixedBatch(torch.nn.Module):
+    """Runs on batches of two only (a reshape that hard-codes it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x.reshape(2, 8)))
+
+
+def test_measured_estimate_scales_everything_when_the_second_forward_fails():
+    model = _FixedBatch()
+    x = torch.randn(2, 8)
+    est = memopt.estimate(model, x, micro_batch=6)
+    assert est.breakdown["fixed_activations"] == 0
+    assert est.breakdown["activations"] == 3 * _counted(model, model, x)
+    assert "scaled linearly from batch 2 to 6: the forward at batch 3 raised RuntimeError" in est.notes[0]
 
 
 def _seq_first_encoder(batch_first=False):
@@ -235,18 +320,17 @@ def test_measured_estimate_finds_the_batch_of_a_sequence_first_model():
     model = _seq_first_encoder()
     x, big = torch.randn(12, 2, 32), torch.randn(12, 6, 32)
     est = memopt.estimate(model, x, micro_batch=6)
-    assert est.breakdown["activations"] == _counted(model, model, big) == 3 * _counted(model, model, x)
+    assert _saved(est) == _counted(model, model, big) == 3 * _counted(model, model, x)
     assert "batch 2 (dimension 1 of example_input (the layers have batch_first=False))" in est.notes[0]
     # The same layers batch-first, fed (batch, seq, d_model): dimension 0, as before.
     model = _seq_first_encoder(batch_first=True)
-    assert memopt.estimate(model, x.transpose(0, 1), micro_batch=6).breakdown["activations"] == \
+    assert _saved(memopt.estimate(model, x.transpose(0, 1), micro_batch=6)) == \
         _counted(model, model, big.transpose(0, 1))
     # A tuple example (tgt, memory) of a sequence-first decoder layer.
     decoder = torch.nn.TransformerDecoderLayer(32, 4, 64, dropout=0.0)
     small = (torch.randn(12, 2, 32), torch.randn(7, 2, 32))
     large = (torch.randn(12, 6, 32), torch.randn(7, 6, 32))
-    assert memopt.estimate(decoder, small, micro_batch=6).breakdown["activations"] == \
-        _counted(decoder, decoder, *large)
+    assert _saved(memopt.estimate(decoder, small, micro_batch=6)) == _counted(decoder, decoder, *large)
 
 
 def test_measured_estimate_batch_dim_and_its_refusals():
@@ -258,8 +342,7 @@ def test_measured_estimate_batch_dim_and_its_refusals():
     with pytest.raises(ValueError, match=r"batch would be its dimension 1 \(12\), but 'encoder.layers.0.self_attn' "
                                          r"ran on a batch of 2 .* pass batch_dim="):
         memopt.estimate(model, ids, micro_batch=6)
-    assert memopt.estimate(model, ids, micro_batch=6, batch_dim=0).breakdown["activations"] == \
-        _counted(model, model, big)
+    assert _saved(memopt.estimate(model, ids, micro_batch=6, batch_dim=0)) == _counted(model, model, big)
     # Layers that declare both layouts: which one the example has is not guessed.
     mixed = torch.nn.Sequential(torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0),
                                 torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True))

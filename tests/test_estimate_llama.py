@@ -109,6 +109,23 @@ def test_tiled_layer_and_final_norm_formulas_match_counted_bytes(dtype, precisio
     assert _counted_per_layer(model, cfg, final_norm) == [llama_final_norm_saved(tiled_cfg) * tokens]
 
 
+@pytest.mark.parametrize("precision", ["fp32", "autocast"])
+def test_measured_hf_llama_matches_counted_bytes_at_the_target_batch(precision):
+    """memopt.estimate(model, ids) measured at batch 1, asked for 4: the rotary cos/sin Hugging Face
+    computes once per forward, (1, seq, head_dim) whatever the batch, and (under autocast) the bf16
+    weight copies are saved once, not once per sample."""
+    cfg = ModelConfig(**dict(SHAPE, n_layers=1, seq_len=16))
+    model = _hf_llama(cfg, torch.float32, None)
+    est = memopt.estimate(model, {"input_ids": torch.randint(cfg.vocab_size, (1, 16)), "use_cache": False},
+                          micro_batch=4, precision=precision)
+    resident = list(model.parameters()) + list(model.buffers())
+    with memopt.SavedTensorCounter(exclude=resident) as counter, \
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "autocast"):
+        model(input_ids=torch.randint(cfg.vocab_size, (4, 16)), use_cache=False)
+    assert est.breakdown["activations"] + est.breakdown["fixed_activations"] == counter.total_bytes
+    assert est.breakdown["fixed_activations"] >= 2 * 16 * (cfg.d_model // cfg.n_heads) * 4  # cos and sin
+
+
 def test_llama_3_8b_parameters_and_lora_by_hand():
     """Llama-3-8B: 32 x (2*4096 norms + 4096*4096 q + 2*4096*1024 k,v + 4096*4096 o + 3*4096*14336 MLP)
     + 2*128256*4096 (untied embedding and head) + 4096 = 8,030,261,248; PEFT's default LoRA (rank 8

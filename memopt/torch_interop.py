@@ -226,10 +226,11 @@ class FusedTransformerEncoderLayer(nn.Module):
 
     Args:
         block: the fused block.
-        torch_layer: for a float32 layer where attention takes only half types (CUDA): the layer
-            itself, run (checkpointed under the block's policy, on the block's current
-            parameters) for calls outside ``torch.autocast``; the block runs under autocast.
-            None: every call runs the block. Held outside the module tree (see the note in
+        torch_layer: the layer itself, run (checkpointed under the block's policy, on the
+            block's current parameters) for calls whose compute dtype the block's kernels do not
+            take on their device: a float32 layer on CUDA outside ``torch.autocast`` (the block
+            runs under autocast), a model cast to bfloat16 after ``wrap`` on CPU. None: every call
+            runs the block. Held outside the module tree (see the note in
             :mod:`memopt.torch_interop`); ``copy.deepcopy`` copies it with the block.
     """
 
@@ -252,7 +253,7 @@ class FusedTransformerEncoderLayer(nn.Module):
         batch of one) -> same shape. ``src_mask`` is the block's ``attn_mask`` (None or causal);
         ``src_key_padding_mask`` must be None. Calls that run the torch layer (``torch_layer``,
         outside autocast) take whatever it takes."""
-        if self.torch_layer is not None and compute_dtype(src) not in _attention_ops.supported_dtypes(src.device):
+        if self.torch_layer is not None and self._block_cannot_run(src):
             return self._run_torch_layer(src, src_mask, src_key_padding_mask, is_causal)
         if src_key_padding_mask is not None:
             raise ValueError(
@@ -268,6 +269,16 @@ class FusedTransformerEncoderLayer(nn.Module):
             batch_dim = 0 if self.block.batch_first else 1
             return self.block(src.unsqueeze(batch_dim), src_mask, is_causal=is_causal).squeeze(batch_dim)
         return self.block(src, src_mask, is_causal=is_causal)
+
+    @staticmethod
+    def _block_cannot_run(src: torch.Tensor) -> bool:
+        """Whether the block's kernels cannot take this call's compute dtype: a float32 layer on
+        CUDA outside autocast, or a model cast after ``wrap`` (``model.bfloat16()`` on CPU, whose
+        kernels take float32 / float64). Under CPU autocast the block upcasts a float32 input."""
+        supported = _attention_ops.supported_dtypes(src.device)
+        if compute_dtype(src) in supported:
+            return False
+        return not (src.device.type == "cpu" and torch.is_autocast_enabled("cpu") and src.dtype in supported)
 
     def _run_torch_layer(self, src, src_mask, src_key_padding_mask, is_causal):
         layer, block = self.torch_layer, self.block
@@ -355,7 +366,9 @@ def swap_for_fused_block(layer: nn.Module, policy: str) -> FusedTransformerEncod
     if not supports(layer, allow_autocast=True):
         return None
     block = from_torch(layer, policy=policy, share_parameters=True)
-    swapped = FusedTransformerEncoderLayer(block, torch_layer=None if supports(layer) else layer)
+    # The layer is kept for calls the block cannot run (a float32 layer on CUDA outside autocast,
+    # a model cast to a dtype the block's device kernels do not take after wrap).
+    swapped = FusedTransformerEncoderLayer(block, torch_layer=layer)
     swapped.register_state_dict_post_hook(_LayerStateDictNames(swapped, layer, loading=False))
     swapped.register_load_state_dict_pre_hook(_LayerStateDictNames(swapped, layer, loading=True))
     return swapped

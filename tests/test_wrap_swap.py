@@ -438,6 +438,22 @@ def _layer_params_by_plain_name(layers):
     return {f"layers.{i}.{name}": p for i, layer in enumerate(layers) for name, p in layer.named_parameters()}
 
 
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_model_cast_to_bfloat16_after_wrap_runs_the_torch_layer(policy):
+    # model.bfloat16() after wrap: the block's CPU kernels take float32 / float64, and the
+    # forward raised inside memopt.layer_norm. The torch layer runs instead, checkpointed, on
+    # the same (shared, now bfloat16) parameters: the plain bfloat16 model's numbers exactly.
+    model = _float32_encoder()
+    plain = copy.deepcopy(model).bfloat16()
+    x = torch.randn(BATCH, SEQ, D_MODEL, generator=torch.Generator().manual_seed(1)).bfloat16()
+    expected = _step(plain, x, dict(plain.named_parameters()))
+    originals = list(model.layers)
+    memopt.wrap(model, policy=policy)
+    model.bfloat16()
+    got = _step(model, x, _layer_params_by_plain_name(originals))
+    _assert_step_close(got, expected, atol=0, rtol=0)
+
+
 def test_float32_layer_is_swapped_only_for_autocast(attention_takes_half_types_only):
     layer = _float32_encoder().layers[0]
     assert not memopt.FusedCheckpointBlock.supports(layer)

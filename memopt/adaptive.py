@@ -21,11 +21,16 @@ What the snippets people copy get wrong, and what this does instead:
   only records the failure; references are dropped, ``gc.collect()`` and
   ``torch.cuda.empty_cache()`` run, and then the retry starts.
 
-Micro-batches are cut along dimension 0 of the batch's tensors, or along ``batch_dim=`` (one
-dimension for all, or one per tensor). A model with a layer that declares ``batch_first=False``
-(``nn.TransformerEncoderLayer`` and the like: ``(seq, batch, d)`` inputs) is refused until
-``batch_dim=`` says where the samples are: cutting dimension 0 there would split the sequence
-and accumulate a wrong gradient without an error.
+A batch is a tensor, or a tuple/list (a namedtuple too) or mapping (a dict, a ``BatchEncoding``)
+whose other values go to every micro-batch as they are; a micro-batch has the batch's type (a
+mapping that cannot be built from a dict becomes a dict). Micro-batches are cut along dimension
+0 of the batch's tensors, or along ``batch_dim=`` (one dimension for all, or one per item: None
+passes a tensor every sample shares, such as a ``(seq, seq)`` attention bias, whole to each). A
+model with a layer that declares ``batch_first=False`` (``nn.TransformerEncoderLayer`` and the
+like: ``(seq, batch, d)`` inputs) is refused until ``batch_dim=`` says where the samples are:
+cutting dimension 0 there would split the sequence and accumulate a wrong gradient without an
+error. Only an out-of-memory error lowers the micro-batch: a batch shorter than it (an epoch's
+last) runs whole and leaves it as it was.
 
 Rollback is exact because every micro-step backpropagates into fresh ``.grad`` tensors while
 the gradients accumulated so far are held aside, and is added to them only once it has
@@ -70,6 +75,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -106,22 +112,25 @@ class StepResult:
 
 
 def _tensor_dims(batch, batch_dim) -> list[tuple[Any, torch.Tensor, int]]:
-    """``(key, tensor, dim)`` for each tensor of ``batch`` (a tensor, or a tuple/list/dict whose
-    other values are passed to every micro-batch as they are): the dimension ``batch_dim`` says
-    holds its samples. ``batch_dim`` is an int for every tensor, or a tuple/list (for a tuple/list
-    batch) or dict (for a dict batch) with an int for each tensor and None for each other value."""
+    """``(key, tensor, dim)`` for each tensor of ``batch`` that micro-batches cut (a tensor, or a
+    tuple/list/mapping whose other values are passed to every micro-batch as they are): the
+    dimension ``batch_dim`` says holds its samples. ``batch_dim`` is an int for every tensor, or a
+    tuple/list (for a tuple/list batch) or dict (for a mapping batch) with an int for each tensor
+    to cut and None for each value passed whole (anything not a tensor; a tensor every sample
+    shares)."""
     if isinstance(batch, torch.Tensor):
         if not _is_int(batch_dim):
             raise ValueError(f"batch is a tensor: batch_dim must be an int, got {batch_dim!r}")
         items = [(None, batch, batch_dim)]
-    elif isinstance(batch, (dict, tuple, list)):
-        pairs = batch.items() if isinstance(batch, dict) else enumerate(batch)
+    elif isinstance(batch, (Mapping, tuple, list)):
+        # Mapping, not dict: transformers' collators return a BatchEncoding, a UserDict.
+        pairs = batch.items() if isinstance(batch, Mapping) else enumerate(batch)
         if _is_int(batch_dim):
             items = [(k, v, batch_dim) for k, v in pairs if isinstance(v, torch.Tensor)]
         else:
             items = _tensor_dims_per_item(batch, list(pairs), batch_dim)
     else:
-        raise TypeError(f"batch must be a tensor or a tuple/list/dict of tensors, got {type(batch).__name__}")
+        raise TypeError(f"batch must be a tensor or a tuple/list/mapping of tensors, got {type(batch).__name__}")
     for key, tensor, dim in items:
         if tensor.dim() <= dim:
             what = "batch" if key is None else f"batch tensor {key!r}"
@@ -133,30 +142,31 @@ def _tensor_dims(batch, batch_dim) -> list[tuple[Any, torch.Tensor, int]]:
 
 
 def _tensor_dims_per_item(batch, pairs: list, batch_dim) -> list[tuple[Any, torch.Tensor, int]]:
-    """:func:`_tensor_dims` of a tuple/list/dict batch with one ``batch_dim`` entry per item."""
-    if isinstance(batch, dict) and isinstance(batch_dim, dict):
+    """:func:`_tensor_dims` of a tuple/list/mapping batch with one ``batch_dim`` entry per item."""
+    is_mapping = isinstance(batch, Mapping)
+    if is_mapping and isinstance(batch_dim, dict):
         extra = [k for k in batch_dim if k not in batch]
         if extra:
             raise ValueError(f"batch_dim names {extra[0]!r}, not in the batch (keys {list(batch)})")
         dims = batch_dim
-    elif not isinstance(batch, dict) and isinstance(batch_dim, (tuple, list)):
+    elif not is_mapping and isinstance(batch_dim, (tuple, list)):
         if len(batch_dim) != len(batch):
             raise ValueError(f"batch_dim {batch_dim!r} has {len(batch_dim)} entries, the batch {len(batch)}: "
-                             "one per item (an int for a tensor, None for anything else)")
+                             "one per item (an int for a tensor to cut, None for an item passed whole)")
         dims = dict(enumerate(batch_dim))
     else:
-        kind = "dict" if isinstance(batch, dict) else type(batch).__name__
-        want = "an int or a dict" if isinstance(batch, dict) else "an int or a tuple/list"
+        kind = "mapping" if is_mapping else type(batch).__name__
+        want = "an int or a dict" if is_mapping else "an int or a tuple/list"
         raise ValueError(f"batch is a {kind}: batch_dim must be {want} (one entry per item), got {batch_dim!r}")
     items = []
     for key, value in pairs:
         dim = dims.get(key)
         if isinstance(value, torch.Tensor):
-            if dim is None:
-                missing = (f"batch_dim[{key!r}] is None, but the batch's item {key!r} is a tensor" if key in dims
-                           else f"batch_dim has no entry for the batch's tensor {key!r}")
-                raise ValueError(f"{missing}: give the dimension that holds its samples")
-            items.append((key, value, dim))
+            if key not in dims:
+                raise ValueError(f"batch_dim has no entry for the batch's tensor {key!r}: give the dimension that "
+                                 f"holds its samples, or None to pass it whole to every micro-batch")
+            if dim is not None:  # None: a tensor every sample shares, passed whole
+                items.append((key, value, dim))
         elif dim is not None:
             raise ValueError(f"batch_dim[{key!r}] is {dim!r}, but the batch's item {key!r} is not a tensor (it is "
                              "passed to every micro-batch as it is): give None")
@@ -168,14 +178,43 @@ def _leading_size(batch, batch_dim=0) -> int:
     :func:`_tensor_dims`; dimension 0 by default), which must agree."""
     items = _tensor_dims(batch, batch_dim)
     if not items:
-        raise ValueError("batch holds no tensor")
+        if not _has_tensor(batch):  # a tensor batch always has its one item
+            raise ValueError("batch holds no tensor")
+        raise ValueError(f"batch_dim={batch_dim!r} passes every tensor of the batch whole: give at least one the "
+                         "dimension that holds its samples")
     sizes = {key: tensor.shape[dim] for key, tensor, dim in items}
     if len(set(sizes.values())) != 1:
+        # A tensor every sample shares (an attention bias) is the usual culprit; say how to pass it.
+        whole = ("; a tensor shared by every sample is passed whole to each micro-batch with None for it in a "
+                 "per-item batch_dim")
         if all(dim == 0 for _, _, dim in items):
-            raise ValueError(f"batch tensors must share their leading (batch) dimension, got sizes {sizes}")
+            raise ValueError(f"batch tensors must share their leading (batch) dimension, got sizes {sizes}{whole}")
         raise ValueError(f"batch tensors must agree on their batch size (the dimension batch_dim={batch_dim!r} "
-                         f"gives each), got sizes {sizes}")
+                         f"gives each), got sizes {sizes}{whole}")
     return next(iter(sizes.values()))
+
+
+def _has_tensor(batch) -> bool:
+    values = batch.values() if isinstance(batch, Mapping) else batch
+    return any(isinstance(v, torch.Tensor) for v in values)
+
+
+def _rebuild(batch, values: list):
+    """A batch of ``batch``'s type holding ``values`` (in its order)."""
+    if isinstance(batch, Mapping):
+        pairs = dict(zip(batch.keys(), values))
+        if type(batch) is dict:
+            return pairs
+        # The same type when it is built from a dict (BatchEncoding, OrderedDict), else a plain
+        # dict (defaultdict takes a factory first; a read-only mapping may take nothing).
+        try:
+            rebuilt = type(batch)(pairs)
+        except TypeError:
+            return pairs
+        return rebuilt if isinstance(rebuilt, Mapping) and list(rebuilt.keys()) == list(pairs) else pairs
+    if isinstance(batch, tuple) and hasattr(type(batch), "_fields"):  # a namedtuple takes its fields apart
+        return type(batch)(*values)
+    return type(batch)(values)
 
 
 def _slice(batch, start: int, stop: int, batch_dim=0):
@@ -185,14 +224,11 @@ def _slice(batch, start: int, stop: int, batch_dim=0):
 
     if isinstance(batch, torch.Tensor):
         return cut(batch, batch_dim)
+    pairs = list(batch.items()) if isinstance(batch, Mapping) else list(enumerate(batch))
     if _is_int(batch_dim):  # the batch was checked by _leading_size
-        if isinstance(batch, dict):
-            return {k: cut(v, batch_dim) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        return type(batch)(cut(v, batch_dim) if isinstance(v, torch.Tensor) else v for v in batch)
+        return _rebuild(batch, [cut(v, batch_dim) if isinstance(v, torch.Tensor) else v for _, v in pairs])
     dims = {key: dim for key, _, dim in _tensor_dims(batch, batch_dim)}
-    if isinstance(batch, dict):
-        return {k: cut(v, dims[k]) if k in dims else v for k, v in batch.items()}
-    return type(batch)(cut(v, dims[i]) if i in dims else v for i, v in enumerate(batch))
+    return _rebuild(batch, [cut(v, dims[k]) if k in dims else v for k, v in pairs])
 
 
 def _check_batch_dim(batch_dim) -> None:
@@ -207,8 +243,8 @@ def _check_batch_dim(batch_dim) -> None:
             return
     raise ValueError(
         f"batch_dim must be a non-negative int (the dimension of every batch tensor that holds the samples), a "
-        f"tuple/list or dict of them for a tuple/list or dict batch (None for an item that is not a tensor), or "
-        f"None, got {batch_dim!r}"
+        f"tuple/list or dict of them for a tuple/list or mapping batch (None for an item passed whole: anything "
+        f"not a tensor, a tensor every sample shares), or None, got {batch_dim!r}"
     )
 
 
@@ -367,7 +403,9 @@ class AdaptiveBatch:
             ``torch.autocast``; ``None`` does not.
         grad_scaler: a ``torch.amp.GradScaler``; one is made for ``amp_dtype=torch.float16``.
             A step the scaler skips (inf/NaN gradients) is counted in ``skipped_steps`` and
-            logged.
+            logged. :meth:`accumulate` leaves the gradient scaled, as
+            ``scaler.scale(loss).backward()`` does, for the caller to step with this scaler, so
+            it refuses the one made here (see there).
         backward: ``backward(loss)`` runs the backward of a micro-step's weighted loss instead of
             ``loss.backward()`` (``accelerator.backward``, which scales for mixed precision
             itself); not with ``grad_scaler``.
@@ -377,8 +415,9 @@ class AdaptiveBatch:
             unweighted.
         batch_dim: where each tensor of a batch holds its samples, the dimension micro-batches are
             cut along: an int for every tensor, or a tuple/list (a tuple/list batch) or dict (a
-            dict batch) with one int per tensor and None for each item that is not a tensor
-            (passed to every micro-batch as it is). The tensors' sizes there must agree.
+            mapping batch) with one int per tensor to cut and None for each item passed to every
+            micro-batch as it is: anything that is not a tensor, and a tensor every sample shares
+            (a ``(seq, seq)`` attention bias). The cut tensors' sizes there must agree.
             ``None`` (the default) is 0, a ``(batch, ...)`` layout, unless a layer of the model
             declares a sequence-first layout (a bool ``batch_first`` attribute that is False:
             ``nn.MultiheadAttention``, so ``nn.TransformerEncoderLayer``/``DecoderLayer``;
@@ -461,8 +500,10 @@ class AdaptiveBatch:
                                  f"device mesh, got {len(meshes)}")
             self._gradient_factor = float(next(iter(meshes)).size())
         self._device_type = self._params[0].device.type if self._params else "cpu"
+        # Made here, the scaler is one the caller never steps with: accumulate() refuses it.
+        self._made_scaler = None
         if grad_scaler is None and amp_dtype == torch.float16:
-            grad_scaler = torch.amp.GradScaler(self._device_type)
+            grad_scaler = self._made_scaler = torch.amp.GradScaler(self._device_type)
         self.grad_scaler = grad_scaler
         self.skipped_steps = 0
         self.oom_count = 0
@@ -559,17 +600,36 @@ class AdaptiveBatch:
         ``DistributedDataParallel`` (:meth:`step` syncs the gradients; this leaves them local);
         under FSDP2 the gradients added are the reduce-scattered global ones. The returned loss
         is this rank's (not all-reduced); ``skipped`` is False.
+
+        With a ``grad_scaler`` the gradient added is the batch's times
+        ``grad_scaler.get_scale()``, as ``scaler.scale(loss).backward()`` leaves it in
+        torch.amp: step with ``grad_scaler.step(optimizer)`` then ``grad_scaler.update()`` (they
+        unscale it, and skip the step on inf/NaN gradients; ``grad_scaler.unscale_(optimizer)``
+        first to clip), never with ``optimizer.step()``. Hence only a scaler passed as
+        ``grad_scaler=``: with the one ``amp_dtype=torch.float16`` makes, which the caller does not
+        step with, this raises ``ValueError``.
         """
         if _is_ddp(self.model):
             raise ValueError("memopt.AdaptiveBatch.accumulate: not under DistributedDataParallel (the gradients "
                              "would stay unsynced); use step()")
+        if self.grad_scaler is not None and self.grad_scaler is self._made_scaler and self.grad_scaler.is_enabled():
+            raise ValueError(
+                "memopt.AdaptiveBatch.accumulate: amp_dtype=torch.float16 made a GradScaler, and the gradient "
+                f"accumulate() leaves in .grad is scaled by it (x{self.grad_scaler.get_scale():g}) until "
+                "grad_scaler.step() unscales it. Pass your own grad_scaler=torch.amp.GradScaler(...) and step with "
+                "it (grad_scaler.step(optimizer); grad_scaler.update()), use step(), which does, or use "
+                "amp_dtype=torch.bfloat16, which needs no scaler"
+            )
         loss_sum, micro, micro_steps, retries = self._backward_batch(batch, add_to_grads=True)
         self._adapt(micro, retries)
         return StepResult(loss=loss_sum.to(torch.float32), micro_batch=micro, micro_steps=micro_steps,
                           oom_retries=retries, skipped=False)
 
     def _adapt(self, micro: int, retries: int) -> None:
-        self.micro_batch = micro
+        # Only an OOM lowers the micro-batch: a short batch (an epoch's last) ran whole in one
+        # smaller micro-step, which says nothing about what fits.
+        if retries:
+            self.micro_batch = micro
         self._steps_since_oom = 0 if retries else self._steps_since_oom + 1
         self._maybe_grow()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import copy
 import logging
 import os
@@ -492,7 +493,7 @@ def test_batch_dim_that_does_not_fit_the_batch_raises_and_leaves_model_unchanged
     cases = [
         (1, (x, mask), r"agree on their batch size.*sizes \{0: 4, 1: 6\}"),  # the mask's dim 1 is the sequence
         ((1,), (x, mask), r"batch_dim \(1,\) has 1 entries, the batch 2"),
-        ((1, None), (x, mask), r"batch_dim\[1\] is None, but the batch's item 1 is a tensor"),
+        ((None, None), (x, mask), r"passes every tensor of the batch whole"),
         ((1, 0, 0), (x, mask, False), r"batch_dim\[2\] is 0, but the batch's item 2 is not a tensor"),
         ({"src": 1}, {"src": x, "mask": mask}, r"batch_dim has no entry for the batch's tensor 'mask'"),
         ({"src": 1, "mask": 0, "msk": 0}, {"src": x, "mask": mask}, r"batch_dim names 'msk', not in the batch"),
@@ -508,3 +509,98 @@ def test_batch_dim_that_does_not_fit_the_batch_raises_and_leaves_model_unchanged
     assert all(p.grad is None for p in model.parameters())
     for k, v in model.state_dict().items():
         assert torch.equal(v, before[k])
+
+
+def test_short_batch_runs_whole_and_keeps_the_micro_batch():
+    """An epoch's short last batch is no out-of-memory: it ran whole, and the next full batch
+    runs at the micro-batch it had before (not one micro-step per sample of the short one)."""
+    model = FlakyModel(limit=100)
+    stepper = memopt.AdaptiveBatch(model, torch.optim.SGD(model.parameters(), lr=0.0), mse, micro_batch=8)
+    for n in (8, 3, 8):
+        batch = make_batch(n)
+        expected, _ = reference_grads(model, batch)
+        result = stepper.step(batch)
+        assert (result.micro_steps, result.oom_retries, stepper.micro_batch) == (1, 0, 8), n
+        for p, g in zip(model.parameters(), expected):
+            torch.testing.assert_close(p.grad, g, rtol=1e-12, atol=1e-14)
+    model.limit = 2  # an OOM on a short batch still lowers it
+    assert stepper.step(make_batch(3)).oom_retries == 1 and stepper.micro_batch == 1
+
+
+def test_namedtuple_batch_is_cut_into_namedtuples():
+    Batch = collections.namedtuple("Batch", "x y ids")
+    model = FlakyModel(limit=2)
+    seen = []
+
+    def loss_fn(model, batch):
+        seen.append(type(batch))
+        return F.mse_loss(model(batch.x, batch.ids), batch.y)
+
+    batch = Batch(*make_batch(5))
+    expected, _ = reference_grads(model, tuple(batch))
+    result = memopt.AdaptiveBatch(model, torch.optim.SGD(model.parameters(), lr=0.0), loss_fn).step(batch)
+    assert result.oom_retries == 1 and result.micro_steps == 3 and set(seen) == {Batch}  # 5 -> 2 + 2 + 1
+    for p, g in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, g, rtol=1e-12, atol=1e-14)
+
+
+class _Features(collections.UserDict):
+    """A mapping that is not a dict, as transformers' BatchEncoding."""
+
+
+@pytest.mark.parametrize("make,micro_type", [
+    (_Features, _Features),
+    (lambda pairs: collections.defaultdict(list, pairs), dict),  # not built from a dict: a plain dict
+])
+def test_mapping_batch_is_cut_into_its_type_or_a_dict(make, micro_type):
+    model = FlakyModel(limit=2)
+    seen = []
+
+    def loss_fn(model, batch):
+        seen.append(type(batch))
+        return F.mse_loss(model(batch["x"], batch["ids"]), batch["y"])
+
+    x, y, ids = make_batch(5)
+    expected, _ = reference_grads(model, (x, y, ids))
+    batch = make({"x": x, "y": y, "ids": ids, "note": "passed whole"})
+    stepper = memopt.AdaptiveBatch(model, torch.optim.SGD(model.parameters(), lr=0.0), loss_fn)
+    assert stepper.step(batch).micro_steps == 3 and set(seen) == {micro_type}
+    for p, g in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, g, rtol=1e-12, atol=1e-14)
+
+
+class _SharedBias(torch.nn.Module):
+    """Attention with a (seq, seq) bias every sample shares; 'out of memory' above 2 samples."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 4, dtype=DT)
+        self.limit = 2
+
+    def forward(self, x, bias):  # x (batch, seq, 4), bias (seq, seq)
+        if x.shape[0] > self.limit:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return (torch.softmax(self.proj(x) @ x.transpose(1, 2) + bias, -1) @ x).sum(-1).mean(-1)
+
+
+def test_tensor_shared_by_every_sample_is_passed_whole_with_batch_dim_none():
+    torch.manual_seed(0)
+    model = _SharedBias()
+    x, y = torch.randn(5, 6, 4, dtype=DT), torch.randn(5, dtype=DT)
+    bias = torch.triu(torch.full((6, 6), -1e9, dtype=DT), 1)
+
+    def loss_fn(model, batch):
+        x, y, bias = batch
+        assert bias.shape == (6, 6)
+        return F.mse_loss(model(x, bias), y)
+
+    expected, _ = reference_grads(model, (x, y, bias), loss_fn)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    result = memopt.AdaptiveBatch(model, opt, loss_fn, batch_dim=(0, 0, None)).step((x, y, bias))
+    assert result.oom_retries == 1 and result.micro_steps == 3
+    for p, g in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, g, rtol=1e-12, atol=1e-14)
+    # Cut by default, it does not share the batch dimension; the error says how to pass it whole.
+    with pytest.raises(ValueError, match=r"sizes \{0: 5, 1: 5, 2: 6\}; a tensor shared by every sample is passed "
+                                         r"whole .* None for it"):
+        memopt.AdaptiveBatch(model, opt, loss_fn).step((x, y, bias))

@@ -75,3 +75,47 @@ def test_backward_with_a_grad_scaler_raises():
     with pytest.raises(ValueError, match="backward= runs the backward itself"):
         memopt.AdaptiveBatch(model, torch.optim.SGD(model.parameters(), lr=1.0), _mse, backward=lambda loss: None,
                              grad_scaler=torch.amp.GradScaler("cpu"))
+
+
+def _fp16_loss(model, batch):
+    return model(batch).float().pow(2).mean()
+
+
+def test_accumulate_refuses_the_grad_scaler_amp_dtype_float16_makes():
+    """Its gradient would stay multiplied by the scale (65536) with nothing to unscale it: the
+    caller, stepping the optimizer itself, never sees that scaler."""
+    model = torch.nn.Linear(8, 1)
+    for p in model.parameters():
+        p.grad = torch.full_like(p, 3.0)
+    stepper = memopt.AdaptiveBatch(model, torch.optim.SGD(model.parameters(), lr=0.1), _fp16_loss,
+                                   amp_dtype=torch.float16)
+    with pytest.raises(ValueError, match=r"amp_dtype=torch.float16 made a GradScaler.*x65536.*grad_scaler="):
+        stepper.accumulate(torch.randn(6, 8))
+    assert all(torch.equal(p.grad, torch.full_like(p, 3.0)) for p in model.parameters())
+
+
+def test_accumulate_with_a_grad_scaler_steps_through_it():
+    """With the caller's GradScaler, .grad is scaled as scaler.scale(loss).backward() leaves it,
+    and grad_scaler.step/update make the step of the float64 full-batch gradient."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 1)
+    batches = [torch.randn(6, 8), torch.randn(5, 8)]
+    reference = torch.nn.Linear(8, 1, dtype=DT)
+    reference.load_state_dict(model.state_dict())
+    for batch in batches:
+        _fp16_loss(reference, batch.double()).backward()
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    stepper = memopt.AdaptiveBatch(model, opt, _fp16_loss, micro_batch=4, amp_dtype=torch.float16,
+                                   grad_scaler=scaler)
+    for batch in batches:
+        stepper.accumulate(batch)
+    # fp16 autocast: the tolerance of a float16 matmul of 8 terms against float64
+    tol = dict(rtol=2e-2, atol=2e-3)
+    for p, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad.double() / 2.0**10, ref.grad, **tol)
+    start = [p.detach().double().clone() for p in model.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    for p, ref, p0 in zip(model.parameters(), reference.parameters(), start):
+        torch.testing.assert_close(p.detach().double(), p0 - 0.5 * ref.grad, **tol)

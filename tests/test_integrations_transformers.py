@@ -3,6 +3,7 @@
 Against the unwrapped Trainer step by step; OOM recovery against a run that never ran out of
 memory, and against the Trainer's own auto_find_batch_size."""
 
+import copy
 import importlib
 import warnings
 
@@ -192,3 +193,129 @@ def test_auto_find_batch_size_halves_the_batch_and_changes_the_run(tmp_path):
     assert halved._train_batch_size == 1  # read only to show the effect; no public attribute holds it
     differences = [(a - b).abs().max().item() for a, b in zip(_params(halved.model).values(), _params(never.model).values())]
     assert max(differences) > 1e-3
+
+
+# training_step straight from the test, against a float64 full-batch backward of the model's own
+# loss: the gradient of one optimizer step of gradient_accumulation_steps=2 (two batches of 4),
+# with an OOM above 2 samples that splits each batch in two.
+
+
+def _sequence_classifier(problem):
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=VOCAB, max_position_embeddings=32, pad_token_id=0, attn_implementation="sdpa",
+        num_labels=1 if problem == "regression" else 3,
+        problem_type="regression" if problem == "regression" else "multi_label_classification",
+    )  # fmt: skip
+    return transformers.LlamaForSequenceClassification(config)
+
+
+def _tiny_causal_lm():
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=VOCAB, max_position_embeddings=32, attn_implementation="sdpa",
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config)
+
+
+def _step_batches(problem):
+    generator = torch.Generator().manual_seed(2)
+    batches = []
+    for _ in range(2):
+        ids = torch.randint(1, VOCAB, (4, 8), generator=generator)
+        if problem == "regression":
+            labels = torch.randn(4, generator=generator)
+        elif problem == "multi_label":
+            labels = torch.randint(0, 2, (4, 3), generator=generator).float()
+        else:  # causal LM, uneven label counts per sample
+            labels = ids.clone()
+            labels[0, :5] = -100
+            labels[3, :2] = -100
+        batches.append({"input_ids": ids, "labels": labels})
+    return batches
+
+
+def _num_items(problem, batches):
+    """What the Trainer's _get_num_items_in_batch counts for the step: label tokens, shifted for
+    a causal LM; every label (not -100) for the others."""
+    labels = [b["labels"][..., 1:] if problem == "causal_lm" else b["labels"] for b in batches]
+    return sum(lab.ne(-100).sum() for lab in labels).float()
+
+
+def _float64_step_gradient(model, problem, batches):
+    """In float64, what the plain Trainer backpropagates over one step: each whole batch's model
+    loss, summed (the causal LM divides by num_items_in_batch; the sequence classifiers ignore it,
+    and the Trainer does not divide their loss by the accumulation steps since they take loss
+    kwargs)."""
+    reference = copy.deepcopy(model).double()
+    num_items = _num_items(problem, batches)
+    for batch in batches:
+        labels = batch["labels"].double() if batch["labels"].is_floating_point() else batch["labels"]
+        kwargs = {"num_items_in_batch": num_items} if problem == "causal_lm" else {}
+        reference(input_ids=batch["input_ids"], labels=labels, **kwargs).loss.backward()
+    return {name: p.grad for name, p in reference.named_parameters()}
+
+
+def _memopt_step_gradient(tmp_path, model, problem, batches, batch_type=dict):
+    trainer = MemoptTrainer(model=model, args=_args(tmp_path, optim="sgd", gradient_accumulation_steps=2))
+    trainer.create_optimizer()
+    trainer.current_gradient_accumulation_steps = 2  # the training loop sets it per optimizer step
+    num_items = _num_items(problem, batches)
+    for batch in batches:
+        trainer.training_step(model, batch_type(batch), num_items)
+    return trainer, {name: p.grad for name, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("problem", ["regression", "multi_label", "causal_lm"])
+def test_oom_split_gradient_equals_float64_full_batch_gradient(tmp_path, problem):
+    """A model that takes **kwargs gets num_items_in_batch, but a regression or multi-label loss
+    (MSE, BCE) stays a per-micro-batch mean: weighting it as a pre-normalised loss doubled the
+    gradient after one split. A causal LM divides by the count of label tokens instead."""
+    model = _sequence_classifier(problem) if problem != "causal_lm" else _tiny_causal_lm()
+    batches = _step_batches(problem)
+    expected = _float64_step_gradient(model, problem, batches)
+    bomb = _OutOfMemoryAbove(limit=2)
+    model.model.layers[0].register_forward_pre_hook(bomb, with_kwargs=True)
+    trainer, got = _memopt_step_gradient(tmp_path, model, problem, batches)
+    assert bomb.raised == 1 and trainer.adaptive_batch.micro_batch == 2
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name].double(), grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_batch_encoding_batch_trains(tmp_path):
+    """transformers' collators (DataCollatorForLanguageModeling, DataCollatorWithPadding) return a
+    BatchEncoding, a UserDict, not a dict."""
+    model = _tiny_causal_lm()
+    batches = _step_batches("causal_lm")
+    expected = _float64_step_gradient(model, "causal_lm", batches)
+    seen = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: seen.append(kwargs["input_ids"].shape[0]),
+                                    with_kwargs=True)
+    bomb = _OutOfMemoryAbove(limit=2)
+    model.model.layers[0].register_forward_pre_hook(bomb, with_kwargs=True)
+    _, got = _memopt_step_gradient(tmp_path, model, "causal_lm", batches, batch_type=transformers.BatchEncoding)
+    assert seen == [4, 2, 2, 2, 2]
+    for name, grad in expected.items():
+        torch.testing.assert_close(got[name].double(), grad, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_short_last_batch_does_not_lower_the_micro_batch(tmp_path):
+    """9 samples in batches of 4 for two epochs: the epoch's last batch of 1 runs whole, and the
+    next epoch's batches still run in one micro-step each."""
+    seen = []
+
+    class Counting(MemoptTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            seen.append((inputs["input_ids"].shape[0], self.adaptive_batch.micro_batch))
+            return loss
+
+    data = _dataset()[:9]
+    args = _args(tmp_path, max_steps=-1, num_train_epochs=2)
+    trainer = Counting(model=_tiny_causal_lm(), args=args, train_dataset=data)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        trainer.train()
+    assert seen == [(4, 4), (4, 4), (1, 4)] * 2  # (batch, micro-batch after it); before: 1 from the first batch of 1

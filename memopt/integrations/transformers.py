@@ -30,10 +30,29 @@ Two things, usable apart:
 
 Limits: :class:`MemoptTrainer` runs on one process (under DDP a rank's OOM would leave the others
 in the gradient all-reduce; :class:`memopt.AdaptiveBatch` itself handles DDP in its own loop).
-Exact for losses the model normalises with ``num_items_in_batch`` (every Hugging Face causal LM,
-or a ``compute_loss_func``); otherwise micro-batch losses are weighted by their share of samples,
-which is exact for per-sample means. trl's ``SFTTrainer`` is a ``Trainer`` subclass: a memopt-wrapped
-model (:func:`take_over_checkpointing`) trains under it as under the plain run
+
+How a batch's loss is split over micro-batches. Each micro-batch's loss is weighted by its share
+``s`` of the batch's samples, and, when the Trainer passes ``num_items_in_batch`` (its count of
+label tokens over the whole accumulated step, not of samples), ``compute_loss`` gets
+``num_items_in_batch * s`` for it. Whichever the loss is, the micro-batches then add up to the
+whole batch's loss, with no guess about what the model does with the count:
+
+- normalised by the count (every Hugging Face causal LM, label smoothing, a
+  ``compute_loss_func`` that divides by it): ``s * sum_i / (N * s) = sum_i / N``, the micro-batch's
+  part of the batch's ``sum / N`` whatever its share of the tokens;
+- a mean over the micro-batch's samples that ignores the count (a sequence-classification
+  model's MSE or BCE loss, a custom model taking ``**kwargs``): ``s * mean_i``, the micro-batch's
+  part of the batch mean;
+- a sum of the two: each term as above.
+
+Without an OOM the batch is one micro-step with ``s = 1``, and the loss, the gradient and the
+division by the accumulation steps are the Trainer's own (the same rule,
+``loss_is_scaled_for_ga``, decides it). Not exact after a split: a loss that averages over the
+micro-batch's tokens itself, ignoring the count (weighted by samples where tokens would be
+right), and a term that is not a mean of per-sample terms (a MoE load-balancing loss).
+
+trl's ``SFTTrainer`` is a ``Trainer`` subclass: a memopt-wrapped model
+(:func:`take_over_checkpointing`) trains under it as under the plain run
 (``tests/test_integrations_trl.py``).
 """
 
@@ -45,7 +64,7 @@ import torch
 import transformers
 from torch import nn
 
-from memopt.adaptive import AdaptiveBatch
+from memopt.adaptive import AdaptiveBatch, _leading_size
 
 __all__ = ["MEMOPT_KEY", "MemoptTrainer", "take_over_checkpointing"]
 
@@ -171,7 +190,8 @@ class MemoptTrainer(transformers.Trainer):
         """The Trainer's training step over ``inputs``, as micro-batches that back off on OOM.
 
         Returns the batch's loss as ``Trainer.training_step`` does (divided by the accumulation
-        steps unless the model normalised it with ``num_items_in_batch``).
+        steps unless the model normalised it with ``num_items_in_batch``); how micro-batch losses
+        add up to it: the module docstring.
         """
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
@@ -179,13 +199,19 @@ class MemoptTrainer(transformers.Trainer):
         # Trainer has no public method that moves a batch to the device; its training_step calls
         # this one too.
         inputs = self._prepare_inputs(inputs)
-        pre_weighted = self._loss_is_scaled_for_ga(num_items_in_batch)
+        scaled_for_ga = self._loss_is_scaled_for_ga(num_items_in_batch)
         accumulation_steps = self.current_gradient_accumulation_steps
+        size = _leading_size(inputs)
 
         def loss_fn(model, micro_batch):
+            # AdaptiveBatch weights this loss by the micro-batch's share of the samples; the
+            # count the loss divides by is scaled by the same share, so the two cancel for a loss
+            # normalised by num_items_in_batch and the share weights a mean loss (module docstring).
+            share = _leading_size(micro_batch) / size
+            items = num_items_in_batch if num_items_in_batch is None or share == 1.0 else num_items_in_batch * share
             with self.compute_loss_context_manager():
-                loss = self.compute_loss(model, micro_batch, num_items_in_batch=num_items_in_batch)
-            return loss if pre_weighted else loss / accumulation_steps
+                loss = self.compute_loss(model, micro_batch, num_items_in_batch=items)
+            return loss if scaled_for_ga else loss / accumulation_steps
 
         if self.adaptive_batch is None or self.adaptive_batch.model is not model:
             # A Trainer's batches are dicts of (batch, ...) tensors (its collators' convention),
@@ -194,5 +220,4 @@ class MemoptTrainer(transformers.Trainer):
             options = {"batch_dim": 0, **self._adaptive_options}
             self.adaptive_batch = AdaptiveBatch(model, self.optimizer, loss_fn, backward=self.accelerator.backward, **options)
         self.adaptive_batch.loss_fn = loss_fn
-        self.adaptive_batch.pre_weighted = pre_weighted
         return self.adaptive_batch.accumulate(inputs).loss.to(self.args.device)

@@ -246,6 +246,9 @@ class _LayerWrap:
     offload: bool | Offload = False
     # whether the layer ran in the model's current forward (_RunCheck)
     ran: bool = False
+    # torch.is_grad_enabled() when the model's current forward began, while _RunCheck watches
+    # (until a forward with gradients has passed its checks); None afterwards
+    model_grad: bool | None = None
 
     def __deepcopy__(self, memo):
         # A deep copy of the model shares the offload engine (one host pool per process); the
@@ -253,7 +256,7 @@ class _LayerWrap:
         return _LayerWrap(self.name, self.policy, copy.deepcopy(self.previous_forward, memo), self.offload)
 
 
-def check_layer_call(name: str, layer: nn.Module, args: tuple, kwargs: dict) -> None:
+def check_layer_call(name: str, layer: nn.Module, args: tuple, kwargs: dict, model_grad: bool | None = True) -> None:
     """Refuse a layer call that checkpointing would get wrong or leave unchanged (``wrap``'s and
     ``memopt.plan``'s): a key/value cache while computing gradients that the recompute cannot
     see as the forward did (:func:`memopt.checkpoint` copies a ``transformers.Cache`` for it,
@@ -261,7 +264,9 @@ def check_layer_call(name: str, layer: nn.Module, args: tuple, kwargs: dict) -> 
     ``torch.compile``, would be appended to twice), or gradients off on inputs that need them
     (the model runs the layer inside its own ``autograd.Function``, as Reformer's reversible
     layers do, and computes its backward itself: a checkpoint there saves nothing and changes
-    nothing)."""
+    nothing). ``model_grad``: whether the model's forward began with gradients on; the last check
+    only runs when it did (under ``torch.no_grad`` evaluation a parameter handed to the layers, or
+    an input that requires grad, is no sign of a model's own Function), None: not known."""
     if torch.is_grad_enabled():
         compiling = torch.compiler.is_compiling()
         cache = next(
@@ -276,7 +281,7 @@ def check_layer_call(name: str, layer: nn.Module, args: tuple, kwargs: dict) -> 
                 f"{' and run without torch.compile' if compiling else ''}"
             )
         return
-    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs))):
+    if model_grad and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs))):
         raise RuntimeError(
             f"memopt.wrap: layer {name!r} ({type(layer).__name__}) ran with gradients off on inputs that "
             "require grad: the model runs it inside its own autograd.Function (reversible layers, as "
@@ -303,11 +308,15 @@ class _RunCheck:
             return
         infos: list[_LayerWrap] = [getattr(layer, _LAYER_ATTR) for layer in self.state.wrapped]
         if self.pre:
+            grad = torch.is_grad_enabled()
             for info in infos:
                 info.ran = False
+                info.model_grad = grad
             return
         if not torch.is_grad_enabled():
             return
+        for info in infos:
+            info.model_grad = None  # checked: no more run checks (the hooks go below)
         idle = [info.name for info in infos if not info.ran]
         if len(idle) == len(infos):
             raise RuntimeError(
@@ -338,7 +347,7 @@ class _CheckpointedForward:
     def __call__(self, *args, **kwargs):
         layer = self.layer
         info: _LayerWrap = getattr(layer, _LAYER_ATTR)
-        check_layer_call(info.name, layer, args, kwargs)
+        check_layer_call(info.name, layer, args, kwargs, info.model_grad)
         if not torch.compiler.is_compiling():
             info.ran = True
         # functools.partial rather than the bound method: torch 2.11's dynamo cannot trace

@@ -702,3 +702,45 @@ def test_choice_prefers_weaker_policies_when_times_tie():
     assert _choose(layer_bytes, layer_seconds, 10**6) == [N] * 3
     assert _choose(layer_bytes, layer_seconds, 700) == [S, N, N]
     assert _choose(layer_bytes, layer_seconds, 610) == [F, N, N]
+
+
+class _SharedInputLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x, pos):
+        return x + torch.tanh(self.lin(x + pos))
+
+
+class _PositionModel(nn.Module):
+    """Hands a learned parameter to every layer (a shared positional table, say)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(8))
+        self.layers = nn.ModuleList(_SharedInputLayer() for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x, self.pos)
+        return x
+
+
+@pytest.mark.parametrize("train_first", [False, True])
+def test_evaluation_without_gradients_runs_with_inputs_that_require_grad(train_first):
+    # The check for a model's own autograd.Function (Reformer) refused every call with gradients
+    # off whose inputs require grad: a parameter handed to the layers, or a saliency input, made
+    # torch.no_grad / inference_mode evaluation of the wrapped model raise.
+    torch.manual_seed(0)
+    model = _PositionModel().double()
+    plain = copy.deepcopy(model)
+    x = torch.randn(2, 8, dtype=torch.float64)
+    memopt.wrap(model, policy="full")
+    if train_first:
+        model(x).sum().backward()
+    leaf = x.clone().requires_grad_()
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            for inputs in (x, leaf):
+                torch.testing.assert_close(model(inputs), plain(inputs), atol=0, rtol=0)

@@ -12,6 +12,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 
 def storage_key(t: torch.Tensor) -> tuple[int, str]:
@@ -104,15 +105,15 @@ class SavedTensorCounter:
 def saved_bytes(fn: Callable, *args, exclude: Iterable[torch.Tensor] = (), **kwargs) -> int:
     """Bytes saved for backward by ``fn(*args, **kwargs)``, deduplicated by storage.
 
-    Tensor arguments, the parameters and buffers of ``fn`` when it is an ``nn.Module``, and the
-    tensors in ``exclude`` are not counted. The result of ``fn`` is discarded; use
+    Tensor arguments (also inside tuples, lists and dicts of them), the parameters and buffers of
+    ``fn`` when it is an ``nn.Module``, and the tensors in ``exclude`` are not counted. The result of ``fn`` is discarded; use
     :class:`SavedTensorCounter` to keep it.
     """
     if not callable(fn):
         raise TypeError(f"memopt.saved_bytes: fn must be callable, got {type(fn).__name__}")
     if isinstance(exclude, torch.Tensor) or not isinstance(exclude, Iterable):
         raise TypeError(f"memopt.saved_bytes: exclude must be an iterable of tensors, got {type(exclude).__name__}")
-    excluded = [a for a in list(args) + list(kwargs.values()) if isinstance(a, torch.Tensor)]
+    excluded = [a for a in tree_leaves((args, kwargs)) if isinstance(a, torch.Tensor)]
     excluded += list(exclude)
     if isinstance(fn, torch.nn.Module):
         excluded += list(fn.parameters()) + list(fn.buffers())

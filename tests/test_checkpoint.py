@@ -83,6 +83,21 @@ def test_saved_bytes_per_policy():
     assert counted["none"] >= fp32 * (n * d + 2 * n * hidden)
 
 
+def test_saved_bytes_leaves_out_tensor_arguments_inside_containers():
+    # Tensors passed in a tuple or dict were counted (524,288 bytes for (a * b).sum()), where
+    # the same tensors passed loose were not, as the docstring says.
+    a, b = torch.randn(256, 256, requires_grad=True), torch.randn(256, 256, requires_grad=True)
+
+    def product(x, y):
+        return (x * y).sum()
+
+    assert memopt.saved_bytes(product, a, b) == 0
+    assert memopt.saved_bytes(lambda pair: product(*pair), (a, b)) == 0
+    assert memopt.saved_bytes(lambda inputs: product(inputs["x"], inputs["y"]), {"x": a, "y": b}) == 0
+    # What the function makes is still counted: a*b's operands are arguments, its tanh is not.
+    assert memopt.saved_bytes(lambda pair: torch.tanh(pair[0] * pair[1]).sum(), [a, b]) == 256 * 256 * 4
+
+
 def test_saved_tensors_reach_outer_hooks_on_torch_without_respect_argument(monkeypatch):
     """torch 2.11..2.13 lack respect_saved_tensors_hooks: the fallback packs the cached tensors."""
     inputs = _block_inputs(torch.float32, 64, 32, 128)

@@ -99,6 +99,37 @@ def _chunk_logits(hidden_chunk, weight_c, bias_c, accumulate_dtype, softcap, kee
     return logits.mul_(softcap), None
 
 
+def _chunk_grad_logits(
+    hidden_chunk, weight_rows, bias_rows, first_class, vocab, lse_chunk, target_chunk, grad_loss_chunk,
+    ignore_index, label_smoothing, logit_softcap, accumulate_dtype,
+):
+    """``d loss / d z`` (accumulate dtype, ``chunk x rows``) of one chunk of tokens for the classes
+    ``[first_class, first_class + rows)`` whose weights (and bias) are ``weight_rows`` (``bias_rows``):
+    ``softmax(z)_c - (1 - eps) [c == target] - eps / vocab``, times ``1 - tanh^2`` under a softcap,
+    times the token's loss gradient, zero for ignored tokens. The softmax comes from the saved
+    ``lse_chunk`` over the whole vocabulary, so any block of classes gets its exact share."""
+    valid = target_chunk != ignore_index
+    # where, not a product: an all-ignored mean sends grad_loss = 1/0 = inf, and the ignored
+    # tokens' gradient must stay 0 as in torch.
+    coefficient = torch.where(valid, grad_loss_chunk.to(accumulate_dtype), 0.0)
+    logits, tanh_part = _chunk_logits(
+        hidden_chunk, weight_rows, bias_rows, accumulate_dtype, logit_softcap, keep_tanh=True
+    )
+    grad_logits = logits.sub_(lse_chunk.unsqueeze(1)).exp_()
+    if label_smoothing > 0.0:
+        grad_logits.sub_(label_smoothing / vocab)
+    # The target's -(1 - eps) where the target is one of these classes (elsewhere 0 is taken
+    # off, at a clamped column): no host sync.
+    rows, classes = grad_logits.shape
+    inside = valid & (target_chunk >= first_class) & (target_chunk < first_class + classes)
+    columns = (target_chunk - first_class).clamp_(0, classes - 1)
+    take = inside.to(accumulate_dtype).mul_(1.0 - label_smoothing)
+    grad_logits[torch.arange(rows, device=grad_logits.device), columns] -= take
+    if tanh_part is not None:
+        grad_logits.mul_(tanh_part.square_().neg_().add_(1.0))
+    return grad_logits.mul_(coefficient.unsqueeze(1))
+
+
 def _logsumexp_(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise log-sum-exp that overwrites ``logits`` instead of allocating a second buffer."""
     row_max = logits.amax(1, keepdim=True)
@@ -223,23 +254,11 @@ def _backward_chunks(
         bias_c = None if bias is None else bias.to(compute_dtype)
         for start in range(0, tokens, chunk_tokens):
             stop = min(start + chunk_tokens, tokens)
-            target_chunk = target[start:stop]
-            valid = target_chunk != ignore_index
-            # where, not a product: an all-ignored mean sends grad_loss = 1/0 = inf, and the
-            # ignored tokens' gradient must stay 0 as in torch.
-            coefficient = torch.where(valid, grad_loss[start:stop].to(accumulate_dtype), 0.0)
             hidden_chunk = hidden[start:stop].to(compute_dtype)
-            logits, tanh_part = _chunk_logits(
-                hidden_chunk, weight_c, bias_c, accumulate_dtype, logit_softcap, keep_tanh=True
-            )
-            grad_logits = logits.sub_(lse[start:stop].unsqueeze(1)).exp_()
-            if label_smoothing > 0.0:
-                grad_logits.sub_(label_smoothing / vocab)
-            rows = torch.arange(stop - start, device=hidden.device)
-            grad_logits[rows, torch.where(valid, target_chunk, 0)] -= 1.0 - label_smoothing
-            if tanh_part is not None:
-                grad_logits.mul_(tanh_part.square_().neg_().add_(1.0))
-            grad_logits.mul_(coefficient.unsqueeze(1))
+            grad_logits = _chunk_grad_logits(
+                hidden_chunk, weight_c, bias_c, 0, vocab, lse[start:stop], target[start:stop], grad_loss[start:stop],
+                ignore_index, label_smoothing, logit_softcap, accumulate_dtype,
+            )  # fmt: skip
             if bias is not None:
                 grad_bias_acc += grad_logits.sum(0)
             grad_logits_c = grad_logits.to(compute_dtype)
@@ -250,7 +269,7 @@ def _backward_chunks(
                     grad_weight.addmm_(grad_logits_c.t(), hidden_chunk)
                 else:
                     grad_weight += torch.mm(grad_logits_c.t(), hidden_chunk)
-            del logits, tanh_part, grad_logits, grad_logits_c  # before the next chunk's matmul
+            del grad_logits, grad_logits_c  # before the next chunk's matmul
     grad_bias = grad_bias_acc if bias is None else grad_bias_acc.to(bias.dtype)
     return grad_hidden, grad_weight, grad_bias
 
@@ -297,27 +316,11 @@ def _backward_vocab_blocks(
             grad_weight_acc = weight.new_zeros((v1 - v0, dim), dtype=accumulate_dtype)
             for start in range(0, tokens, chunk):
                 stop = min(start + chunk, tokens)
-                target_chunk = target[start:stop]
-                valid = target_chunk != ignore_index
-                # where, not a product: an all-ignored mean sends grad_loss = 1/0 = inf, and the
-                # ignored tokens' gradient must stay 0 as in torch.
-                coefficient = torch.where(valid, grad_loss[start:stop].to(accumulate_dtype), 0.0)
                 hidden_chunk = hidden[start:stop].to(compute_dtype)
-                logits, tanh_part = _chunk_logits(
-                    hidden_chunk, weight_block, bias_block, accumulate_dtype, logit_softcap, keep_tanh=True
-                )
-                grad_logits = logits.sub_(lse[start:stop].unsqueeze(1)).exp_()
-                if label_smoothing > 0.0:
-                    grad_logits.sub_(label_smoothing / vocab)
-                # The target's -(1 - eps) only where the target is one of this block's classes
-                # (elsewhere 0 is subtracted, at a clamped column): no host sync.
-                inside = valid & (target_chunk >= v0) & (target_chunk < v1)
-                columns = (target_chunk - v0).clamp_(0, v1 - v0 - 1)
-                rows = torch.arange(stop - start, device=hidden.device)
-                grad_logits[rows, columns] -= inside.to(accumulate_dtype).mul_(1.0 - label_smoothing)
-                if tanh_part is not None:
-                    grad_logits.mul_(tanh_part.square_().neg_().add_(1.0))
-                grad_logits.mul_(coefficient.unsqueeze(1))
+                grad_logits = _chunk_grad_logits(
+                    hidden_chunk, weight_block, bias_block, v0, vocab, lse[start:stop], target[start:stop],
+                    grad_loss[start:stop], ignore_index, label_smoothing, logit_softcap, accumulate_dtype,
+                )  # fmt: skip
                 if bias is not None:
                     grad_bias_acc[v0:v1] += grad_logits.sum(0)
                 grad_logits_c = grad_logits.to(compute_dtype)
@@ -327,7 +330,7 @@ def _backward_vocab_blocks(
                     grad_weight_acc.addmm_(grad_logits_c.t(), hidden_chunk)
                 else:
                     grad_weight_acc += torch.mm(grad_logits_c.t(), hidden_chunk)
-                del logits, tanh_part, grad_logits, grad_logits_c  # before the next step's matmul
+                del grad_logits, grad_logits_c  # before the next step's matmul
             grad_weight[v0:v1] = grad_weight_acc  # cast once into the gradient's rows
             del grad_weight_acc
     grad_hidden = grad_hidden_acc.to(hidden.dtype) if need_grad_hidden else hidden.new_empty((0,))

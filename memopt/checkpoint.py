@@ -51,6 +51,27 @@ from memopt.policy import (
 _CHECKPOINT_RESPECTS_HOOKS = (
     "respect_saved_tensors_hooks" in inspect.signature(torch.utils.checkpoint.checkpoint).parameters
 )
+# torch 2.14: the saved-tensors hooks a tensor saved now would use, skipping the internal hooks of
+# an enclosing torch checkpoint (absent in torch 2.11..2.13, whose internal hooks carry no mark).
+_current_user_saved_tensors_hooks = getattr(torch.utils.checkpoint, "_current_user_saved_tensors_hooks", None)
+
+
+def _hooks_around_call():
+    """The saved-tensors hooks around a checkpoint call, for what memopt packs itself (its
+    snapshots, and the selective cache on torch without ``respect_saved_tensors_hooks``).
+
+    Note: [the hooks memopt packs with] inside an enclosing checkpoint (memopt's or torch's), the
+    top of the hooks stack is that checkpoint's own: in its forward each tensor packed takes the
+    next slot, and in its recompute each one packed is matched to a slot by position. What memopt
+    packs with them would have to be made, in the same order, by every recompute, or a tensor gets
+    another one's slot (silently, where the shapes agree). torch packs its selective cache with the
+    user's hooks under them (``_current_user_saved_tensors_hooks``), and so does memopt where torch
+    can tell them apart (2.14); on older torch memopt makes the same copies in forward and
+    recompute (note [a snapshot per overlapping output]).
+    """
+    if _current_user_saved_tensors_hooks is not None:
+        return _current_user_saved_tensors_hooks()
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
 class _HookedCacheEntry:
@@ -283,6 +304,20 @@ def _storage_key(t: torch.Tensor):
     return (storage.data_ptr(), str(t.device)) if storage.nbytes() else None
 
 
+def _byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """``[first, end)``: the bytes of its storage that strided tensor ``t`` can reach (strides are
+    never negative in PyTorch); empty for an empty tensor."""
+    start = t.data_ptr()
+    if t.numel() == 0:
+        return start, start
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return start, start + (last + 1) * t.element_size()
+
+
+def _overlaps(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    return a[0] < b[1] and b[0] < a[1]
+
+
 def _output_leaves(out) -> list:
     """``tree_flatten(out)[0]``, without the pytree walk for the usual outputs."""
     if isinstance(out, torch.Tensor):
@@ -407,7 +442,8 @@ class _SelectiveGuardState:
         buffers: _BufferGuard | None = None,
         replay_rng: bool = False,
     ):
-        self.hooks = hooks  # the saved-tensors hooks around the checkpoint, or None
+        # the saved-tensors hooks around the checkpoint (note [the hooks memopt packs with]), or None
+        self.hooks = hooks
         self.is_cached = is_cached
         self.policy_name = policy_name
         self.buffers = buffers  # the call's _BufferGuard, or None
@@ -451,11 +487,33 @@ class _CachedOutputGuard:
     def before_write(self, func, args, kwargs) -> None:
         """Before ``func`` (a mutable op) runs: snapshot each cached output it writes into."""
         for t in _written_tensors(func, args, kwargs):
-            self._snapshot(_storage_key(t))
+            self._snapshot(_storage_key(t), t)
 
-    def _snapshot(self, key) -> None:
-        """Copy the cached outputs in storage ``key`` into the cache's entries (their values now)."""
-        for site, leaf_index, cached, slot in self._cached.pop(key, ()):
+    def _snapshot(self, key, written: torch.Tensor | None = None) -> None:
+        """Copy the cached outputs in storage ``key`` whose bytes overlap those of ``written`` (all
+        of them when None) into the cache's entries (their values now).
+
+        Note: [a snapshot per overlapping output] only the cached outputs that the write reaches
+        are copied, not every one in the storage. A recompute inside an enclosing checkpoint gets
+        its cached outputs back from that checkpoint's cache, and an offload engine that coalesces
+        small tensors unpacks them into one shared storage: copying by storage there would make
+        more copies than the forward made, and each is a saved tensor (the recompute must save
+        the same sequence of tensors the forward did). Disjoint byte ranges are the same in both.
+        """
+        found = self._cached.get(key)
+        if not found:
+            return
+        if written is None:
+            taken = self._cached.pop(key)
+        else:
+            span = _byte_span(written)
+            reached = [_overlaps(_byte_span(entry[2]), span) for entry in found]
+            taken = [entry for entry, hit in zip(found, reached) if hit]
+            if len(taken) == len(found):
+                del self._cached[key]
+            elif taken:
+                self._cached[key] = [entry for entry, hit in zip(found, reached) if not hit]
+        for site, leaf_index, cached, slot in taken:
             # Outside the dispatch modes: selective checkpointing must not see memopt's copy
             # as an op of the checkpointed function.
             with _disable_current_modes():
@@ -1210,7 +1268,7 @@ def checkpoint(
         "debug": wants_debug,
     }
     if policy != "full" or buffers or context_fn is not None:
-        outer_hooks = None if compiling else torch._C._autograd._top_saved_tensors_default_hooks(False)
+        outer_hooks = None if compiling else _hooks_around_call()
         respect_hooks = respect_saved_tensors_hooks if _CHECKPOINT_RESPECTS_HOOKS else None
         if respect_hooks is not None:
             options["respect_saved_tensors_hooks"] = respect_hooks

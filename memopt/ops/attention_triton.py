@@ -369,7 +369,7 @@ def _attn_bwd_dkdv_kernel(
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom,
     stride_dkb, stride_dkh, stride_dkn,  # dk and dv (one layout)
-    num_heads, group_size,
+    num_heads, num_kv_heads, group_size,
     seq_q, seq_k,
     qk_scale,        # softmax scale * log2(e)
     sm_scale,        # softmax scale, applied to dk once at the end
@@ -385,8 +385,13 @@ def _attn_bwd_dkdv_kernel(
 ):
     # Transposed tiles throughout: rows are keys (BLOCK_N), columns are queries (BLOCK_M).
     pid_n = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    batch = tl.program_id(2)
+    # (kv head, batch) from the grid's y and z axes through one linear index and back: the same
+    # values as reading the two ids, but Triton 3.6 then allocates as it did for a 1-D batch x
+    # heads axis (236 registers, no spill, in the masked head_dim-48 dropout variant; read
+    # directly, 255 and 4 bytes spilled: bench/attention_aot.py).
+    pid_bkv = tl.program_id(2) * num_kv_heads + tl.program_id(1)
+    batch = pid_bkv // num_kv_heads
+    kv_head = pid_bkv % num_kv_heads
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
@@ -620,7 +625,7 @@ def attention_bwd_triton(
         q, k, v, grad_out, lse, delta, dk, dv,
         *strides,
         dk.stride(0), dk.stride(1), dk.stride(2),
-        heads, group, seq_q, seq_k,
+        heads, kv_heads, group, seq_q, seq_k,
         scale * LOG2E, scale, seed, offset, threshold, keep_scale,
         HEAD_DIM=head_dim, BLOCK_D=block_head_dim(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=causal, DROPOUT=dropout, GROUPED_RNG=seq_k % 4 == 0, UPCAST_DOT=INTERPRETED,

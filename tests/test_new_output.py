@@ -64,9 +64,16 @@ def test_large_outputs_are_advised_and_exact():
 
 
 def test_a_small_output_is_left_alone():
-    y = memopt.layer_norm(torch.randn(256, 512))
-    assert y.nbytes < 32 << 20
-    assert "hg" not in _vm_flags(y.data_ptr())
+    # In a fresh process: the flags belong to the mapping, and in a long test run a small block
+    # can come from memory an earlier large output had advised (seen once in CI's torch 2.11 run).
+    code = (
+        "import torch, memopt, sys; sys.path.insert(0, %r); from test_new_output import _vm_flags; "
+        "y = memopt.layer_norm(torch.randn(256, 512)); print(y.nbytes < 32 << 20, 'hg' in _vm_flags(y.data_ptr()))"
+        % os.path.dirname(__file__)
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["True", "False"]
 
 
 def test_environment_variable_turns_the_advice_off():

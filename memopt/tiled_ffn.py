@@ -438,7 +438,7 @@ class _TiledForward:
         return tiled_ffn(original, x, self.chunk_tokens, params)
 
     def _check_hooks_inside(self) -> None:
-        """Raise for a forward (pre-)hook on a module the tiled function runs inside it.
+        """Raise for a forward hook on a module the tiled function runs inside it.
 
         Note: the chunks run inside :class:`TiledFFNFunction`'s forward, where no graph is built,
         so what such a hook keeps of a submodule's output has no gradient: transformers records
@@ -451,8 +451,10 @@ class _TiledForward:
             for name, module in used.named_modules():
                 if module is used and owner_hooks_outside:
                     continue
-                hooks = (*module._forward_pre_hooks.values(), *module._forward_hooks.values())
-                recording = [hook for hook in hooks if not _idle_output_recorder(hook)]
+                # Forward hooks only: they see an output. A pre-hook that rebuilds a weight
+                # (torch.nn.utils.prune, the old weight_norm) runs again in the backward's
+                # recompute, with gradients on, and stays exact.
+                recording = [hook for hook in module._forward_hooks.values() if not _idle_output_recorder(hook)]
                 if recording:
                     where = f"{type(used).__name__}.{name}" if name else type(used).__name__
                     raise ValueError(
@@ -500,21 +502,19 @@ def _tile(owner: nn.Module, attribute: str, chunk_tokens: int, where: str, width
     return TiledLayer(owner, attribute, previous)
 
 
-# Modules whose output rows mix input rows (tokens): a convolution wider than one position, a
-# pooling window, a recurrent layer. An MLP holding one is not token-wise.
-_TOKEN_MIXING = (nn.modules.conv._ConvNd, nn.modules.pooling._MaxPoolNd, nn.modules.pooling._AvgPoolNd, nn.RNNBase)
-
-
 def _token_mixing(module: nn.Module) -> bool:
+    """Whether ``module`` mixes the rows (tokens) it is given: a convolution wider than one
+    position (FastSpeech2-Conformer's FFN), a recurrent layer. Pooling is not counted: a maxout
+    MLP pools over features, within a token."""
     if isinstance(module, nn.modules.conv._ConvNd):
         return any(k != 1 for k in module.kernel_size)
-    return isinstance(module, _TOKEN_MIXING)
+    return isinstance(module, nn.RNNBase)
 
 
 def install(layer: nn.Module, chunk_tokens: int, layer_name: str = "layer") -> list[TiledLayer]:
     """Tile ``layer``'s MLP (:func:`find_ffn`) and its norms (:func:`find_norms`) ``chunk_tokens``
     tokens at a time; undo each with :func:`remove`. ``ValueError`` for an MLP holding a module
-    that mixes tokens (a convolution of kernel size > 1, pooling, a recurrent layer)."""
+    that mixes tokens (a convolution of kernel size > 1, a recurrent layer)."""
     owner, attribute = find_ffn(layer, layer_name)
     mixing = [f"{name or type(owner).__name__} ({type(m).__name__})" for name, m in owner.named_modules() if _token_mixing(m)]
     if attribute == "forward" and mixing:

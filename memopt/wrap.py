@@ -246,8 +246,9 @@ class _LayerWrap:
     offload: bool | Offload = False
     # whether the layer ran in the model's current forward (_RunCheck)
     ran: bool = False
-    # torch.is_grad_enabled() when the model's current forward began, while _RunCheck watches
-    # (until a forward with gradients has passed its checks); None afterwards
+    # Whether the model's current forward began with gradients on, as _RunCheck's pre-hook saw
+    # it; False too once a forward with gradients has passed the run check (no checks after it);
+    # None: not seen (under torch.compile the hooks step aside), checked as True
     model_grad: bool | None = None
 
     def __deepcopy__(self, memo):
@@ -256,7 +257,7 @@ class _LayerWrap:
         return _LayerWrap(self.name, self.policy, copy.deepcopy(self.previous_forward, memo), self.offload)
 
 
-def check_layer_call(name: str, layer: nn.Module, args: tuple, kwargs: dict, model_grad: bool | None = True) -> None:
+def check_layer_call(name: str, layer: nn.Module, args: tuple, kwargs: dict, model_grad: bool | None = None) -> None:
     """Refuse a layer call that checkpointing would get wrong or leave unchanged (``wrap``'s and
     ``memopt.plan``'s): a key/value cache while computing gradients that the recompute cannot
     see as the forward did (:func:`memopt.checkpoint` copies a ``transformers.Cache`` for it,
@@ -265,8 +266,9 @@ def check_layer_call(name: str, layer: nn.Module, args: tuple, kwargs: dict, mod
     (the model runs the layer inside its own ``autograd.Function``, as Reformer's reversible
     layers do, and computes its backward itself: a checkpoint there saves nothing and changes
     nothing). ``model_grad``: whether the model's forward began with gradients on; the last check
-    only runs when it did (under ``torch.no_grad`` evaluation a parameter handed to the layers, or
-    an input that requires grad, is no sign of a model's own Function), None: not known."""
+    is skipped when it is False (under ``torch.no_grad`` evaluation a parameter handed to the
+    layers, or an input that requires grad, is no sign of a model's own Function); None: not
+    known, checked."""
     if torch.is_grad_enabled():
         compiling = torch.compiler.is_compiling()
         cache = next(
@@ -281,7 +283,7 @@ def check_layer_call(name: str, layer: nn.Module, args: tuple, kwargs: dict, mod
                 f"{' and run without torch.compile' if compiling else ''}"
             )
         return
-    if model_grad and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs))):
+    if model_grad is not False and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves((args, kwargs))):
         raise RuntimeError(
             f"memopt.wrap: layer {name!r} ({type(layer).__name__}) ran with gradients off on inputs that "
             "require grad: the model runs it inside its own autograd.Function (reversible layers, as "
@@ -316,7 +318,7 @@ class _RunCheck:
         if not torch.is_grad_enabled():
             return
         for info in infos:
-            info.model_grad = None  # checked: no more run checks (the hooks go below)
+            info.model_grad = False  # passed: no more checks of this kind (the hooks go below)
         idle = [info.name for info in infos if not info.ran]
         if len(idle) == len(infos):
             raise RuntimeError(

@@ -10,6 +10,7 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.nn.utils.prune
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
@@ -383,6 +384,29 @@ def test_wrap_refuses_an_mlp_that_mixes_tokens(kernel):
     want = _grads(model, x)  # a kernel-1 convolution is token-wise: tiled as any MLP
     memopt.wrap(model, policy="full", ffn_chunk_tokens=4)
     _assert_exact(_grads(model, x), want, "kernel 1")
+
+
+class _MaxoutMLP(nn.Module):
+    def __init__(self, d=16):
+        super().__init__()
+        self.up = nn.Linear(d, 2 * d)
+        self.pool = nn.MaxPool1d(2)  # over features, within a token
+
+    def forward(self, x):
+        return self.pool(self.up(x))
+
+
+def test_wrap_tiles_pre_hooks_and_pooling_over_features_exactly():
+    # A weight-rebuilding pre-hook (pruning) runs again in the recompute with gradients on, and
+    # a maxout MLP pools within a token: both tile exactly, and neither is refused.
+    model = _PlainModel().double()
+    torch.nn.utils.prune.l1_unstructured(model.layers[0].mlp.up, "weight", 0.5)
+    model.layers[1].mlp = _MaxoutMLP().double()
+    x = torch.randn(2, 9, 16, dtype=torch.float64)
+    params = list(model.parameters())
+    want = _grads(model, x, params=params)
+    memopt.wrap(model, policy="selective", ffn_chunk_tokens=4)
+    _assert_exact(_grads(model, x, params=params), want, "pre-hook and maxout")
 
 
 def test_wrap_refuses_forward_hooks_inside_the_tiled_mlp():

@@ -744,3 +744,37 @@ def test_evaluation_without_gradients_runs_with_inputs_that_require_grad(train_f
         with mode():
             for inputs in (x, leaf):
                 torch.testing.assert_close(model(inputs), plain(inputs), atol=0, rtol=0)
+
+
+class _ReversibleRun(torch.autograd.Function):
+    """Runs layers with gradients off and computes its own backward, as Reformer does."""
+
+    @staticmethod
+    def forward(ctx, x, layers, *params):
+        ctx.params = len(params)
+        for layer in layers:
+            x = x + layer(x)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad, None) + (None,) * ctx.params
+
+
+class _ReversibleModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+    def forward(self, x):
+        return _ReversibleRun.apply(x, self.layers, *self.parameters())
+
+
+def test_layers_run_inside_the_models_own_function_are_refused_under_compile_too():
+    # Under torch.compile the run check's hooks step aside, so the model's grad mode is unknown:
+    # it is checked as on (the gate that lets no_grad evaluation run must not open here).
+    model = memopt.wrap(_ReversibleModel(), layers=nn.Linear)
+    x = torch.randn(2, 8, requires_grad=True)
+    for run in (model, torch.compile(model, backend="eager")):
+        with pytest.raises(RuntimeError, match="ran with gradients off on inputs that require grad"):
+            run(x)

@@ -26,7 +26,9 @@ from torch import nn
 
 from memopt import _extension
 from memopt._stock_forward import has_module_hooks, runs_stock_forward
-from memopt.block_functions import MAX_HEAD_DIM, PARAM_NAMES, BlockSpec, apply_block, head_dim_supported, saved_names
+from memopt.block_functions import (
+    MAX_HEAD_DIM, PARAM_NAMES, BlockSpec, apply_block, block_forward, head_dim_supported, needs_autograd, saved_names,
+)
 from memopt.offload import Offload, offload_group
 from memopt.ops._common import _AUTOCAST_CASTABLE
 from memopt.ops._rng import new_rng_key
@@ -449,7 +451,10 @@ class FusedCheckpointBlock(_TransformerBlockBase):
             return y if self.batch_first else y.transpose(0, 1)
         rng_key = new_rng_key() if spec.uses_rng else None
         x_flat = x_bf.reshape(batch * seq, self.d_model).contiguous()
-        if self.offload:
+        if not needs_autograd(x_flat, params):
+            # Evaluation, inference: nothing to save, so neither autograd Functions nor an offload group.
+            y = block_forward(spec, x_flat, rng_key, batch, seq, params)
+        elif self.offload:
             with offload_group(self.offload):
                 y = apply_block(spec, x_flat, rng_key, batch, seq, params)
         else:

@@ -483,6 +483,9 @@ BAD_ARGUMENTS = [
     ("bench.long_context", ["--preset", "tiny", "--seqs", "1,64"], "--seqs"),
     ("bench.long_context", ["--preset", "tiny", "--seqs", "x"], "--seqs"),
     ("bench.offload", ["--preset", "nope"], "--preset"),
+    ("bench.inference", ["--preset", "tiny", "--model-modes", "eval,serve"], "--model-modes"),
+    ("bench.inference", ["--preset", "tiny", "--grad-modes", "enable_grad"], "--grad-modes"),
+    ("bench.inference", ["--preset", "tiny", "--repeats", "0"], "--repeats"),
 ]
 
 
@@ -530,6 +533,9 @@ VALID_ARGUMENTS = [
      {"repeats": 1, "threads": 0}),
     ("bench.long_context", ["--preset", "tiny", "--device", "cpu", "--seqs", "64,128"], {"seqs": (64, 128)}),
     ("bench.offload", ["--preset", "cpu", "--out", "o.json"], {"preset": "cpu"}),
+    ("bench.inference", ["--preset", "tiny", "--model-modes", "train", "--grad-modes", "inference_mode,no_grad",
+                         "--no-causal", "--warmup", "0", "--out", "i.json"],
+     {"model_modes": ("train",), "grad_modes": ("inference_mode", "no_grad"), "causal": False, "warmup": 0}),
     ("bench.plot", ["a.json", "b.json"], {"files": [Path("a.json"), Path("b.json")]}),
 ]
 

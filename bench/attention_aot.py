@@ -1,7 +1,8 @@
 """Compile every GPU configuration of the attention kernels for Hopper (sm_90), no GPU needed.
 
 For each kernel x head_dim x dtype x causal x dropout in ``attention_triton.GPU_CONFIGS`` (and,
-for each entry, a head_dim below its power of two: the masked tiles of ``block_head_dim``) this
+for each entry, head_dims below its power of two: the masked tiles of ``block_head_dim``, with and
+without the strides' divisibility hint, ``strides_aligned``) this
 runs ``triton.compile`` for ``GPUTarget("cuda", 90, 32)``, then Triton's bundled ``ptxas -v
 --gpu-name=sm_90a`` on the PTX for registers and spills, and reads shared memory from the
 compiled metadata. Rows go to ``bench/results/attention_aot_sm90.json``.
@@ -35,8 +36,9 @@ _FLOAT_SCALARS = {"qk_scale", "sm_scale", "keep_scale"}
 _INT64_SCALARS = {"seed", "rng_offset", "drop_threshold"}
 
 
-def _signature(kernel, dtype: str, constexprs: dict) -> tuple[dict, dict]:
-    """(signature, divisibility attrs) for ``kernel``'s arguments, as the launcher passes them."""
+def _signature(kernel, dtype: str, constexprs: dict, aligned: bool = True) -> tuple[dict, dict]:
+    """(signature, divisibility attrs) for ``kernel``'s arguments, as the launcher passes them:
+    ``aligned`` as ``attention_triton.strides_aligned`` says for the head_dim."""
     signature, attrs = {}, {}
     for index, name in enumerate(kernel.arg_names):
         if name in constexprs:
@@ -51,8 +53,10 @@ def _signature(kernel, dtype: str, constexprs: dict) -> tuple[dict, dict]:
             signature[name] = "i64"
         else:
             signature[name] = "i32"
-        # Pointers from the caching allocator and strides of head_dim-multiple rows are 16-aligned.
-        if signature[name].startswith("*") or name.startswith("stride_"):
+        # Pointers from the caching allocator and strides of head_dim-multiple rows are 16-aligned;
+        # with a head_dim that is not a multiple of 16 the strides are not, nor are the views' base
+        # pointers (k, v and the gradients inside one qkv buffer): only lse and delta keep theirs.
+        if (aligned and signature[name].startswith("*")) or name in _FLOAT32_POINTERS or (aligned and name.startswith("stride_")):
             attrs[(index,)] = [["tt.divisibility", 16]]
     return signature, attrs
 
@@ -81,15 +85,21 @@ def configurations(full: bool = False):
 
     Every table entry is compiled; dropout entries in both RNG variants (``grouped_rng``: one
     Philox call per four probabilities when seq_k % 4 == 0, else one per probability). Each entry
-    is also compiled for a head_dim of three quarters of its width (12, 24, 48, 96, 192), whose
-    tiles mask the columns past head_dim (more predicates, the same tile), in the heaviest variant
-    (bfloat16, causal; dropout in both RNG variants). ``full``
+    is also compiled for head_dims below its width, whose tiles mask the columns past head_dim (more
+    predicates, the same tile): three quarters of it (12, 24, 48, 96, 192) and ``block - 8`` (8, 24,
+    56, 120, 248), a multiple of 16 in the heaviest variant (bfloat16, causal; dropout in both RNG
+    variants), another as below. ``full``
     adds every dtype x causal combination; the default compiles a dropout entry in its heaviest
     variant (bfloat16, causal) and a plain entry both causal (bfloat16) and not (float16): the
     dtype changes instruction types, not register pressure, but causal adds the branch that masks
-    the diagonal blocks, so both sides of it are compiled.
+    the diagonal blocks, so both sides of it are compiled. A head_dim that is not a multiple of 16
+    (``attention_triton.strides_aligned``) runs a variant compiled without the strides'
+    divisibility hint, with its own launch configuration where the table's spills there
+    (``UNALIGNED_GPU_CONFIGS``): those head_dims are compiled causal and not (without the hint,
+    the causal variant is not always the heavier one), in bfloat16 (both dtypes with ``full``).
     """
     from memopt.ops import attention_triton
+    from memopt.ops.attention_triton import strides_aligned
 
     for kernel_name, table in attention_triton.GPU_CONFIGS.items():
         for head_dim, dropout in sorted(table):
@@ -106,9 +116,15 @@ def configurations(full: bool = False):
                 yield kernel_name, head_dim, "float16", False, False, False
                 if kernel_name != "bwd_delta":
                     yield kernel_name, head_dim, "bfloat16", True, False, False
-            masked_head_dim = head_dim * 3 // 4
-            for grouped in rng_variants:
-                yield kernel_name, masked_head_dim, "bfloat16", kernel_name != "bwd_delta", dropout, grouped
+            for masked_head_dim in sorted({head_dim * 3 // 4, head_dim - 8}):
+                if strides_aligned(masked_head_dim):
+                    for grouped in rng_variants:
+                        yield kernel_name, masked_head_dim, "bfloat16", kernel_name != "bwd_delta", dropout, grouped
+                    continue
+                for dtype in ("float16", "bfloat16") if full else ("bfloat16",):
+                    for causal in ((False,) if kernel_name == "bwd_delta" else (False, True)):
+                        for grouped in rng_variants:
+                            yield kernel_name, masked_head_dim, dtype, causal, dropout, grouped
 
 
 def compile_one(kernel_name: str, head_dim: int, dtype: str, causal: bool, dropout: bool, grouped_rng: bool = False) -> dict:
@@ -124,17 +140,19 @@ def compile_one(kernel_name: str, head_dim: int, dtype: str, causal: bool, dropo
         "bwd_dq": attention_triton._attn_bwd_dq_kernel,
     }[kernel_name]
     block_d = attention_triton.block_head_dim(head_dim)
-    block_m, block_n, num_warps, num_stages = attention_triton.GPU_CONFIGS[kernel_name][(block_d, dropout)]
+    aligned = attention_triton.strides_aligned(head_dim)
+    block_m, block_n, num_warps, num_stages = attention_triton.gpu_config(kernel_name, head_dim, dropout)
     constexprs = {"HEAD_DIM": head_dim, "BLOCK_D": block_d, "BLOCK_M": block_m}
     if kernel_name != "bwd_delta":
         constexprs.update(BLOCK_N=block_n, CAUSAL=causal, DROPOUT=dropout, GROUPED_RNG=grouped_rng, UPCAST_DOT=False)
-    signature, attrs = _signature(kernel, dtype, constexprs)
+    signature, attrs = _signature(kernel, dtype, constexprs, aligned)
     source = triton.compiler.ASTSource(fn=kernel, signature=signature, constexprs=constexprs, attrs=attrs)
     target = GPUTarget("cuda", 90, 32)
     started = time.perf_counter()
     compiled = triton.compile(source, target=target, options={"num_warps": num_warps, "num_stages": num_stages})
     row = {
-        "kernel": kernel_name, "head_dim": head_dim, "block_head_dim": block_d, "dtype": dtype, "causal": causal, "dropout": dropout,
+        "kernel": kernel_name, "head_dim": head_dim, "block_head_dim": block_d, "strides_aligned": aligned,
+        "dtype": dtype, "causal": causal, "dropout": dropout,
         "grouped_rng": grouped_rng,
         "block_m": block_m, "block_n": block_n, "num_warps": num_warps, "num_stages": num_stages,
         "shared_bytes": int(compiled.metadata.shared),
@@ -180,12 +198,12 @@ def main(argv=None) -> int:
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
-    print("| kernel | head_dim | dtype | causal | dropout | grouped rng | BM x BN | warps | stages | regs | spills (st/ld) | smem (B) |")
-    print("|---|---:|---|---|---|---|---|---:|---:|---:|---|---:|")
+    print("| kernel | head_dim | strides aligned | dtype | causal | dropout | grouped rng | BM x BN | warps | stages | regs | spills (st/ld) | smem (B) |")
+    print("|---|---:|---|---|---|---|---|---|---:|---:|---:|---|---:|")
     for r in rows:
         head_dim = str(r["head_dim"]) if r["head_dim"] == r["block_head_dim"] else f"{r['head_dim']} (as {r['block_head_dim']})"
         print(
-            f"| {r['kernel']} | {head_dim} | {r['dtype']} | {r['causal']} | {r['dropout']} | {r['grouped_rng']} | "
+            f"| {r['kernel']} | {head_dim} | {r['strides_aligned']} | {r['dtype']} | {r['causal']} | {r['dropout']} | {r['grouped_rng']} | "
             f"{r['block_m']}x{r['block_n']} | {r['num_warps']} | {r['num_stages']} | {r['registers']} | "
             f"{r['spill_stores']}/{r['spill_loads']} | {r['shared_bytes']} |"
         )

@@ -97,6 +97,22 @@ GPU_CONFIGS = {
 BLOCK_HEAD_DIMS = (16, 32, 64, 128, 256)
 # rowsum(dout * out): no dropout variant, BLOCK_N unused; the head sizes of the forward table.
 GPU_CONFIGS["bwd_delta"] = {(d, False): (64, 0, 4, 1) for d, dropout in GPU_CONFIGS["fwd"] if not dropout}
+# The entries of GPU_CONFIGS that a head_dim which is not a multiple of 16 runs instead (see
+# strides_aligned): Triton then compiles the kernels without its 16-divisibility hint on the
+# strides, and these entries of the table spilled there (sm_90, bfloat16, the most bytes a variant
+# stored, triton 3.8 unless said): bwd_dkdv at 128 816, with dropout 96, at 256 with dropout 108,
+# at 64 (triton 3.6) 140, with dropout 36; bwd_dq at 64 168, at 128 134, at 256 with dropout 56
+# (3.6: 16); bwd_delta at 256 (3.6) 16; fwd at 256 with dropout 8. Smaller tiles or more warps,
+# none spilling under 3.6 or 3.8 (bench/attention_aot.py compiles every entry both ways).
+UNALIGNED_GPU_CONFIGS = {
+    "fwd": {(256, True): (32, 32, 8, 2)},
+    "bwd_dkdv": {
+        (64, False): (32, 64, 8, 3), (64, True): (32, 64, 8, 3),
+        (128, False): (32, 64, 8, 2), (128, True): (16, 32, 8, 2), (256, True): (32, 16, 8, 1),
+    },
+    "bwd_dq": {(64, False): (128, 32, 8, 3), (128, False): (64, 32, 8, 2), (256, True): (16, 32, 8, 2)},
+    "bwd_delta": {(256, False): (64, 0, 8, 1)},
+}
 
 # Under the interpreter the blocks are small so CPU tests stay fast, and tile edges are crossed
 # by short sequences.
@@ -111,11 +127,30 @@ def block_head_dim(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
+def strides_aligned(head_dim: int) -> bool:
+    """Whether Triton compiles the kernels for q, k, v, out (and their gradients) with row and
+    head strides that are multiples of 16 elements, its divisibility hint: the strides of every
+    layout memopt passes ((B, S, H, D) and (B, H, S, D) buffers and their views, a fused qkv
+    projection's included) are multiples of head_dim, and one of them is head_dim itself (the head
+    stride of (B, S, H, D), the row stride of (B, H, S, D)), so exactly when head_dim is a multiple
+    of 16. Without the hint the loads are not vectorised and the kernels hold more registers
+    (``UNALIGNED_GPU_CONFIGS``)."""
+    return head_dim % 16 == 0
+
+
+def gpu_config(kernel: str, head_dim: int, dropout: bool = False) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kernel`` on the GPU for heads of ``head_dim``."""
+    key = (block_head_dim(head_dim), dropout and kernel != "bwd_delta")
+    if not strides_aligned(head_dim) and key in UNALIGNED_GPU_CONFIGS[kernel]:
+        return UNALIGNED_GPU_CONFIGS[kernel][key]
+    return GPU_CONFIGS[kernel][key]
+
+
 def launch_config(kernel: str, head_dim: int, dropout: bool = False) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``kernel`` on this backend."""
     if INTERPRETED:
         return INTERPRETER_CONFIG
-    return GPU_CONFIGS[kernel][(block_head_dim(head_dim), dropout and kernel != "bwd_delta")]
+    return gpu_config(kernel, head_dim, dropout)
 
 
 @triton.jit

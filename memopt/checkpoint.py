@@ -43,6 +43,7 @@ from torch.utils._python_dispatch import (
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
+from memopt._parameters_as_called import ParametersAsCalled, submodules
 from memopt.offload import Offload, offload_group
 from memopt.policy import (
     PolicyFunctionCall, check_offload, check_policy, is_selective_saved, selective_checkpoint_policy,
@@ -190,7 +191,7 @@ class _CacheEntriesToHost:
 #
 # Note: [what a recompute may rely on]
 #
-# A recompute replays ``fn`` and must see exactly what the forward saw. Three things break that
+# A recompute replays ``fn`` and must see exactly what the forward saw. Four things break that
 # silently in PyTorch's own checkpointing, and memopt guards them:
 #
 # 1. Selective checkpointing keeps the outputs of matmuls in a cache and hands them to the
@@ -241,6 +242,11 @@ class _CacheEntriesToHost:
 #    ``preserve_rng_state``, the recompute starts from the forward's RNG state, so every draw
 #    then matches; the generators get their state back when the recompute ends). An op given a
 #    ``generator=`` of its own is left alone: no checkpoint replays such a generator.
+# 4. A recompute reruns the module's forward, which reads its parameters from the module then:
+#    ``torch.func.functional_call`` (fast weights, MAML) has put the model's own parameters back
+#    by the backward, and a parameter may have been assigned anew. ``ParametersAsCalled``
+#    (``memopt._parameters_as_called``) records the modules' parameter tensors when the forward
+#    starts and runs each recompute on them.
 #
 # Note: [a backward inside the checkpointed forward]
 #
@@ -804,13 +810,13 @@ class _BufferGuard:
 
 
     def __init__(self, modules: list[nn.Module]):
-        # One walk over the submodules (every checkpointed call builds a guard): their buffers,
-        # each once, and the running statistics of the BatchNorm-style ones.
+        # ``modules``: the checkpointed modules and their submodules, each once (``submodules``).
+        # Their buffers, each once, and the running statistics of the BatchNorm-style ones.
         found: dict[int, torch.Tensor] = {}
         unread: set[int] = set()  # read by nothing in training but their module's own update
         self._running_stats: list[torch.Tensor] = []
         self._entries: list[tuple[nn.Module, str, torch.Tensor]] = []
-        for sub in {id(sub): sub for m in modules for sub in m.modules()}.values():
+        for sub in modules:
             for name, b in sub._buffers.items():
                 if b is not None:
                     self._entries.append((sub, name, b))
@@ -1202,7 +1208,9 @@ def checkpoint(
     iteration) are updated once per step, not again by the recompute, and the recompute reads
     them as the forward started; a saved random op (a policy function that keeps a dropout mask,
     an attention kernel with dropout under ``"selective"``) leaves the generator where the
-    forward did, so later random ops draw the same numbers. With ``"selective"`` each forward supports one backward: a
+    forward did, so later random ops draw the same numbers; the parameters the modules of ``fn``
+    hold when the forward starts are the ones every recompute runs on (``torch.func.functional_call``
+    puts the model's own back before the backward). With ``"selective"`` each forward supports one backward: a
     second backward through the same graph (``retain_graph=True``, ``gradcheck``) raises
     ``RuntimeError``, as PyTorch's selective checkpointing does; ``"full"`` and ``"none"`` allow it.
     """
@@ -1250,8 +1258,10 @@ def checkpoint(
     # Under torch.compile the contexts must be PyTorch's own dispatch modes (its partitioner
     # decides what is saved, and functionalization replays in-place updates): no guards there.
     guarded = not compiling
+    # One walk over the checkpointed modules (every call makes one) serves both guards below.
+    modules = submodules(_checkpointed_modules(fn)) if guarded else []
     # None under compile: the context_fn's arguments must be constants dynamo can guard on.
-    buffers = _BufferGuard(_checkpointed_modules(fn)) if guarded else None
+    buffers = _BufferGuard(modules) if guarded else None
     buffers = buffers if buffers else None
     global_debug = torch.utils.checkpoint._checkpoint_debug_enabled
     wants_debug = debug or (global_debug is True and policy == "full")
@@ -1292,5 +1302,7 @@ def checkpoint(
     )
     if guarded and torch.is_grad_enabled() and any(is_cache(v) for v in (*args, *kwargs.values())):
         fn = _CacheAsCalled(fn, args, kwargs)
+    if modules and torch.is_grad_enabled():
+        fn = ParametersAsCalled(fn, modules)  # note [what a recompute may rely on], 4
     with no_global_debug:
         return torch.utils.checkpoint.checkpoint(fn, *args, **options, **kwargs)

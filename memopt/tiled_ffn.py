@@ -56,6 +56,7 @@ from typing import Callable, Iterator
 import torch
 from torch import Tensor, nn
 
+from memopt._parameters_as_called import ParametersAsCalled, submodules
 from memopt.ops._common import autocast_as, autocast_state, building_graph
 
 __all__ = [
@@ -432,10 +433,14 @@ class _TiledForward:
                     f"{active}: torch's RNG draws per call, so chunks would drop other elements than the untiled "
                     "layer; set that dropout to 0, train in eval mode, or leave ffn_chunk_tokens None"
                 )
-        if torch.is_grad_enabled():
-            self._check_hooks_inside()
-        params = [p for m in self._modules_used() for p in m.parameters() if p.requires_grad] if torch.is_grad_enabled() else []
-        return tiled_ffn(original, x, self.chunk_tokens, params)
+        if not torch.is_grad_enabled():
+            return tiled_ffn(original, x, self.chunk_tokens)
+        self._check_hooks_inside()
+        modules = submodules(self._modules_used())
+        params = list(dict.fromkeys(p for m in modules for p in m._parameters.values() if p is not None and p.requires_grad))
+        # The backward's recompute reads the module's parameters then: it must get the forward's,
+        # the ones whose gradients it returns (functional_call has put the model's own back by then).
+        return tiled_ffn(ParametersAsCalled(original, modules), x, self.chunk_tokens, params)
 
     def _check_hooks_inside(self) -> None:
         """Raise for a forward hook on a module the tiled function runs inside it.

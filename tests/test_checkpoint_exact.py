@@ -503,7 +503,7 @@ def test_constant_buffers_cost_no_copy_kept_past_the_forward():
     rotary = nn.Module()
     rotary.register_buffer("table", torch.randn(6, 6, dtype=torch.float64))
     fn = lambda x: model(x) * rotary.table  # noqa: E731
-    guard = ckpt._BufferGuard([model, rotary])
+    guard = ckpt._BufferGuard(ckpt.submodules([model, rotary]))
     with guard.forward():
         fn(torch.randn(2, 3, 6, 6, dtype=torch.float64))
     assert guard._start == {}  # BatchNorm's statistics are read by nothing in training but their update

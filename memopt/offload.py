@@ -294,7 +294,9 @@ class Offload:
         """Whether this engine would move ``t`` (a tensor saved for backward) to the host: a
         plain strided tensor on a device it takes, not a parameter (or a view of one), not one of
         the storages kept on the device for the current call, and at least ``min_bytes``."""
-        if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_quantized:
+        # Kept as they are: subclasses, sparse and quantized tensors, nested tensors, and an
+        # efficient zero tensor (forward-mode AD's zero tangent), which has no storage to copy.
+        if type(t) is not torch.Tensor or t.layout != torch.strided or t.is_quantized or t.is_nested or t._is_zerotensor():
             return False
         # is_cuda / is_cpu rather than t.device.type: building the device object costs ~0.5 us,
         # and this runs for every saved tensor.
@@ -311,7 +313,7 @@ class Offload:
     def _keeping_on_device(self, tensors: Iterable[torch.Tensor]) -> Iterator[None]:
         """Inside, saved tensors sharing storage with ``tensors`` stay on the device (inputs the
         caller holds anyway: copying them would cost bandwidth and host memory, free nothing)."""
-        keys = {storage_key(t) for t in tensors} - self._kept_storages
+        keys = {storage_key(t) for t in tensors} - {None} - self._kept_storages
         self._kept_storages |= keys
         try:
             yield

@@ -12,12 +12,42 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
 
 
-def storage_key(t: torch.Tensor) -> tuple[int, str]:
-    """What identifies ``t``'s storage: views of one buffer share it."""
+def storage_key(t: torch.Tensor) -> tuple[int, str] | None:
+    """What identifies ``t``'s storage: views of one buffer share it. None for a tensor without a
+    storage of its own (asking raises): an efficient zero tensor (forward-mode AD's zero tangent,
+    which ``F.linear`` saves there), which holds no memory, and a sparse or jagged tensor, whose
+    memory is in the tensors it is made of (:func:`storages`)."""
+    if t.layout != torch.strided or t._is_zerotensor():
+        return None
     return t.untyped_storage().data_ptr(), str(t.device)
+
+
+def storages(t: torch.Tensor) -> list[tuple[tuple[int, str], int]]:
+    """``(storage_key, bytes)`` of each storage holding ``t``'s data: its own, or those of the
+    index and value tensors of a sparse tensor or the inner tensors of a jagged one; none for an
+    efficient zero tensor."""
+    key = storage_key(t)
+    if key is not None:
+        return [(key, t.untyped_storage().nbytes())]
+    return [found for part in _parts(t) for found in storages(part)]
+
+
+def _parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The tensors a tensor without a storage of its own is made of."""
+    if t.layout == torch.sparse_coo:
+        return t._indices(), t._values()
+    if t.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return t.crow_indices(), t.col_indices(), t.values()
+    if t.layout in (torch.sparse_csc, torch.sparse_bsc):
+        return t.ccol_indices(), t.row_indices(), t.values()
+    if is_traceable_wrapper_subclass(t):  # a jagged nested tensor (torch.nested, layout=torch.jagged)
+        names, _ = t.__tensor_flatten__()
+        return tuple(part for part in (getattr(t, name) for name in names) if isinstance(part, torch.Tensor))
+    return ()  # an efficient zero tensor
 
 
 class SavedTensorCounter:
@@ -69,13 +99,14 @@ class SavedTensorCounter:
             raise TypeError(
                 f"{owner}: exclude must be an iterable of tensors (or None), got elements of type {', '.join(wrong)}"
             )
-        self._excluded.update(storage_key(t) for t in tensors)
+        self._excluded.update(key for t in tensors for key, _ in storages(t))
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        key = storage_key(t)
-        if key not in self._excluded:
+        found = storages(t)  # none for a zero tensor: seen, no bytes
+        counted = [(key, nbytes) for key, nbytes in found if key not in self._excluded]
+        if counted or not found:
             self.num_tensors += 1
-            nbytes = t.untyped_storage().nbytes()
+        for key, nbytes in counted:
             self._storages[key] = nbytes
             if self._on_save is not None:
                 self._on_save(t, key, nbytes)

@@ -261,6 +261,18 @@ class _CacheEntriesToHost:
 # modes lifted off the stack (``_SuspendedModes``) and every buffer of its modules put back after.
 # The cache is left as the forward made it for the real backward.
 #
+# Note: [a second backward]
+#
+# torch recomputes once per backward (graph task) that needs the checkpoint's saved tensors. A
+# gradient penalty or Hessian-vector product (``create_graph=True``, then a backward through
+# that graph, which reaches the forward's nodes again) and a second backward through a retained
+# graph (``retain_graph=True``, ``gradcheck``) each start a second recompute, and under
+# ``"selective"`` the first one consumed the cache (PyTorch's selective checkpointing raises:
+# "backward an extra time"). Every recompute after the first runs plainly, as ``"full"`` would
+# (everything from the inputs, the buffers and parameters as the forward started, the RNG state
+# replayed), which gives the forward's values again. The first backward still frees the cache as
+# it goes, as PyTorch's does.
+#
 # Note: [a key/value cache argument]
 #
 # A Hugging Face layer given a key/value cache (``transformers.Cache``) appends its keys and
@@ -1066,17 +1078,25 @@ class _SuspendedModes:
 
 
 class _RecomputeContexts(_Contexts):
-    """The recompute's contexts: ``factories``, or ``during_forward`` for a recompute that
-    starts while the checkpointed forward runs (note [a backward inside the checkpointed
-    forward])."""
+    """The recompute's contexts: ``factories`` for the first recompute after the forward,
+    ``during_forward`` for a recompute that starts while the checkpointed forward runs (note [a
+    backward inside the checkpointed forward]), ``after_first`` for every later one (note [a
+    second backward])."""
 
-    def __init__(self, tracker: _ForwardTracker, factories, during_forward):
+    def __init__(self, tracker: _ForwardTracker, factories, during_forward, after_first):
         super().__init__(*factories)
         self._tracker = tracker
         self._during_forward = tuple(during_forward)
+        self._after_first = tuple(after_first)
+        self._first_done = False
 
     def _chosen(self) -> tuple[Callable[[], Any], ...]:
-        return self._during_forward if self._tracker.running else self._factories
+        if self._tracker.running:
+            return self._during_forward
+        if self._first_done:
+            return self._after_first
+        self._first_done = True
+        return self._factories
 
 
 def _is_selective_saved(op, n: int) -> bool:
@@ -1093,12 +1113,13 @@ def _context_fn(
     recompute starts from the forward's RNG state), and the caller's own ``context_fn``
     innermost."""
     tracker = _ForwardTracker()
-    forward, recompute, during_forward = [tracker.forward], [], []
+    forward, recompute, during_forward, after_first = [tracker.forward], [], [], []
     lowest_mode = None  # the lowest of this checkpoint's forward modes: what a recompute during the forward lifts
     if buffers:
         # Outermost: its copies happen outside selective checkpointing's dispatch modes.
         forward.append(buffers.forward)
         recompute.append(buffers.recompute)
+        after_first.append(buffers.recompute)
     if policy != "full":
         if policy == "selective":
             policy_fn, is_cached = selective_checkpoint_policy, _is_selective_saved
@@ -1139,7 +1160,8 @@ def _context_fn(
         forward.append(lambda: user_forward)
         recompute.append(lambda: user_recompute)
         during_forward.append(lambda: user_recompute)
-    return _Contexts(*forward), _RecomputeContexts(tracker, recompute, during_forward)
+        after_first.append(lambda: user_recompute)
+    return _Contexts(*forward), _RecomputeContexts(tracker, recompute, during_forward, after_first)
 
 
 def checkpoint(
@@ -1210,9 +1232,10 @@ def checkpoint(
     an attention kernel with dropout under ``"selective"``) leaves the generator where the
     forward did, so later random ops draw the same numbers; the parameters the modules of ``fn``
     hold when the forward starts are the ones every recompute runs on (``torch.func.functional_call``
-    puts the model's own back before the backward). With ``"selective"`` each forward supports one backward: a
-    second backward through the same graph (``retain_graph=True``, ``gradcheck``) raises
-    ``RuntimeError``, as PyTorch's selective checkpointing does; ``"full"`` and ``"none"`` allow it.
+    puts the model's own back before the backward). A second backward through the region
+    (``create_graph=True`` then a backward through that graph, ``retain_graph=True``,
+    ``gradcheck``) recomputes plainly under ``"selective"`` and policy functions, as ``"full"``
+    would, where PyTorch's selective checkpointing raises ("backward an extra time").
     """
     if not callable(fn):
         raise TypeError(f"memopt.checkpoint: fn must be callable, got {type(fn).__name__}")

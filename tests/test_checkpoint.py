@@ -142,21 +142,12 @@ def test_kwargs_nested_outputs_and_autograd_grad():
     torch.testing.assert_close(gw, ref_gw)
 
 
-@pytest.mark.parametrize("policy", ["none", "full"])
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
 def test_gradcheck_float64(policy):
-    # gradcheck runs many backwards through one graph; "selective" allows one (test below).
+    # gradcheck runs many backwards through one graph: under "selective" each after the first
+    # recomputes plainly (note [a second backward] in memopt/checkpoint.py).
     inputs = _block_inputs(torch.float64, n=5, d=4, hidden=6)
     assert torch.autograd.gradcheck(lambda *a: memopt.checkpoint(_block, *a, policy=policy), inputs)
-
-
-def test_selective_second_backward_raises():
-    inputs = _block_inputs(torch.float64, n=5, d=4, hidden=6)
-    out = memopt.checkpoint(_block, *inputs, policy="selective").sum()
-    out.backward(retain_graph=True)
-    # torch 2.14 names the extra backward; 2.11 (the GPU machine's) fails the recompute's
-    # metadata check, the selective cache having been consumed by the first backward.
-    with pytest.raises(RuntimeError, match="backward an extra time|different metadata than during the forward"):
-        out.backward()
 
 
 def test_no_grad_runs_plainly():

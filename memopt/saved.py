@@ -19,17 +19,18 @@ from torch.utils._pytree import tree_leaves
 def storage_key(t: torch.Tensor) -> tuple[int, str] | None:
     """What identifies ``t``'s storage: views of one buffer share it. None for a tensor without a
     storage of its own (asking raises): an efficient zero tensor (forward-mode AD's zero tangent,
-    which ``F.linear`` saves there), which holds no memory, and a sparse or jagged tensor, whose
-    memory is in the tensors it is made of (:func:`storages`)."""
-    if t.layout != torch.strided or t._is_zerotensor():
+    which ``F.linear`` saves there), which holds no memory, and a sparse tensor or a wrapper
+    subclass (a jagged nested tensor, a DTensor, a torchao quantized tensor), whose memory is in
+    the tensors it is made of (:func:`storages`)."""
+    if t.layout != torch.strided or t._is_zerotensor() or is_traceable_wrapper_subclass(t):
         return None
     return t.untyped_storage().data_ptr(), str(t.device)
 
 
 def storages(t: torch.Tensor) -> list[tuple[tuple[int, str], int]]:
     """``(storage_key, bytes)`` of each storage holding ``t``'s data: its own, or those of the
-    index and value tensors of a sparse tensor or the inner tensors of a jagged one; none for an
-    efficient zero tensor."""
+    index and value tensors of a sparse tensor or the inner tensors of a wrapper subclass; none
+    for an efficient zero tensor."""
     key = storage_key(t)
     if key is not None:
         return [(key, t.untyped_storage().nbytes())]
@@ -44,10 +45,12 @@ def _parts(t: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return t.crow_indices(), t.col_indices(), t.values()
     if t.layout in (torch.sparse_csc, torch.sparse_bsc):
         return t.ccol_indices(), t.row_indices(), t.values()
-    if is_traceable_wrapper_subclass(t):  # a jagged nested tensor (torch.nested, layout=torch.jagged)
+    if is_traceable_wrapper_subclass(t):  # a jagged nested tensor, a DTensor, a quantized weight
         names, _ = t.__tensor_flatten__()
         return tuple(part for part in (getattr(t, name) for name in names) if isinstance(part, torch.Tensor))
-    return ()  # an efficient zero tensor
+    if t._is_zerotensor():
+        return ()
+    raise TypeError(f"memopt.saved: cannot tell which storages hold a saved tensor of layout {t.layout} (counted it would be 0 bytes)")
 
 
 class SavedTensorCounter:
@@ -66,8 +69,9 @@ class SavedTensorCounter:
 
     Args:
         exclude: tensors whose storages are not counted (parameters, inputs).
-        on_save: called as ``on_save(tensor, storage_key, storage_nbytes)`` for every saved
-            tensor that is counted (before deduplication: once per saved view), so a caller can
+        on_save: called as ``on_save(tensor, storage_key, storage_nbytes)`` for every storage of
+            a saved tensor that is counted (before deduplication: once per saved view; once per
+            component storage of a sparse tensor or wrapper subclass), so a caller can
             classify storages its own way (``memopt.plan`` splits them by where an offload
             engine would keep them).
     """

@@ -113,6 +113,34 @@ def test_saved_tensor_counter_counts_the_storages_a_tensor_is_made_of(name):
     assert counter.total_bytes == 0
 
 
+def _two_tensor():
+    """A strided wrapper subclass, as DTensor and torchao's quantized tensors are: no storage of
+    its own (asking raised 'invalid python storage'), its memory in the inner tensors."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    return TwoTensor(torch.randn(4, 5), torch.randn(4, 5))
+
+
+def test_saved_tensor_counter_counts_a_wrapper_subclass_by_its_inner_tensors():
+    a = _two_tensor().requires_grad_()
+    want = sum(inner.untyped_storage().nbytes() for inner in (a.a, a.b))
+    with memopt.SavedTensorCounter() as counter:
+        (a * a).sum()
+    assert counter.total_bytes == want  # the two inner storages, counted once though saved twice
+    assert memopt.saved.storage_key(a) is None
+    assert not _cpu_engine().should_offload(a)
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs a torch built with oneDNN")
+def test_saved_tensor_counter_refuses_a_layout_it_cannot_count():
+    """An mkldnn tensor has no storage to ask and no parts: counted as 0 bytes before."""
+    kept = torch.randn(4, 5).to_mkldnn()
+    x = torch.randn(8, requires_grad=True)
+    with pytest.raises(TypeError, match="layout torch._mkldnn"):
+        with memopt.SavedTensorCounter(exclude=[x]):
+            _SaveAsIs.apply(x, kept)
+
+
 def test_offload_keeps_a_strided_nested_tensor():
     """(autograd.Function cannot save one; the engine raised 'NestedTensorImpl doesn't support
     sizes' when asked to copy one.)"""

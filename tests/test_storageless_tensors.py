@@ -30,6 +30,14 @@ class _MLP(nn.Module):
         return x + self.fc2(F.gelu(self.fc1(self.norm(x))))
 
 
+def _torch_checkpoint_takes_forward_ad() -> bool:
+    """torch 2.11's non-reentrant checkpoint saves its inputs through an autograd.Function without
+    a jvp (``_NoopSaveInputs``), so forward-mode AD through it raises NotImplementedError; later
+    torch saves them otherwise. memopt's "selective" and "full" run on it."""
+    noop = getattr(torch.utils.checkpoint, "_NoopSaveInputs", None)
+    return noop is None or "jvp" in vars(noop)
+
+
 @pytest.mark.parametrize("coalesce_bytes", [None, 0], ids=["coalesced", "one-by-one"])
 @pytest.mark.parametrize("policy", ["none", "selective", "full"])
 def test_forward_ad_through_an_offloaded_checkpoint(policy, coalesce_bytes):
@@ -40,10 +48,14 @@ def test_forward_ad_through_an_offloaded_checkpoint(policy, coalesce_bytes):
     with fwAD.dual_level():
         want = fwAD.unpack_dual(model(fwAD.make_dual(x, tangent))).tangent
     engine = _cpu_engine(coalesce_bytes)
-    with fwAD.dual_level():
-        out = memopt.checkpoint(model, fwAD.make_dual(x, tangent), policy=policy, offload=engine)
-        got = fwAD.unpack_dual(out).tangent
-    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    if policy != "none" and not _torch_checkpoint_takes_forward_ad():
+        with fwAD.dual_level(), pytest.raises(NotImplementedError, match="forward mode AD"):
+            memopt.checkpoint(model, fwAD.make_dual(x, tangent), policy=policy, offload=engine)
+    else:
+        with fwAD.dual_level():
+            out = memopt.checkpoint(model, fwAD.make_dual(x, tangent), policy=policy, offload=engine)
+            got = fwAD.unpack_dual(out).tangent
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
     x.requires_grad_()
     want_grads = torch.autograd.grad(model(x).sum(), [x, model.fc1.weight])

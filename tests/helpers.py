@@ -75,3 +75,27 @@ def leave_without_gloo_teardown() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def tiny_llama_float64():
+    """A 2-layer Llama (hidden 16, grouped-query attention: 4 heads, 2 kv heads, vocab 40, eager
+    attention) in float64 and training mode, with random weights: no download."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=40, attn_implementation="eager",
+    )  # fmt: skip
+    return transformers.LlamaForCausalLM(config).double().train()
+
+
+def tiny_gpt2_float64():
+    """A 2-layer GPT-2 (hidden 16, 4 heads, vocab 40, 16 positions, eager attention, every dropout
+    0.1) in float64 and training mode, with random weights: no download."""
+    import transformers
+
+    config = transformers.GPT2Config(
+        n_embd=16, n_layer=2, n_head=4, vocab_size=40, n_positions=16, attn_implementation="eager",
+        attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.1,
+    )  # fmt: skip
+    return transformers.GPT2LMHeadModel(config).double().train()

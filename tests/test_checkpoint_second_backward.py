@@ -14,6 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 import memopt
+from helpers import tiny_gpt2_float64, tiny_llama_float64
 
 transformers = pytest.importorskip("transformers")
 
@@ -98,23 +99,7 @@ def test_second_backward_through_a_retained_graph(policy):
     _assert_close(second, want)
 
 
-def _llama():
-    config = transformers.LlamaConfig(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=40, attn_implementation="eager",
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config).double().train()
-
-
-def _gpt2():
-    config = transformers.GPT2Config(
-        n_embd=16, n_layer=2, n_head=4, vocab_size=40, n_positions=16, attn_implementation="eager",
-        attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.1,
-    )  # fmt: skip
-    return transformers.GPT2LMHeadModel(config).double().train()
-
-
-@pytest.mark.parametrize("make", [_llama, _gpt2], ids=["llama", "gpt2"])
+@pytest.mark.parametrize("make", [tiny_llama_float64, tiny_gpt2_float64], ids=["llama", "gpt2"])
 def test_gradient_penalty_through_wrap_default_policy(make):
     """The norm of the loss's gradient with respect to the parameters, differentiated."""
     model = make()

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy
 
 import memopt
+from helpers import tiny_gpt2_float64, tiny_llama_float64
 
 transformers = pytest.importorskip("transformers")
 
@@ -155,25 +156,9 @@ def test_tiled_ffn_parameter_assigned_between_forward_and_backward(policy):
     _assert_close([old.grad, model[1].mlp.fc2.bias.grad], want)
 
 
-def _llama():
-    config = transformers.LlamaConfig(
-        hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=40, attn_implementation="eager",
-    )  # fmt: skip
-    return transformers.LlamaForCausalLM(config).double().train()
-
-
-def _gpt2():
-    config = transformers.GPT2Config(
-        n_embd=16, n_layer=2, n_head=4, vocab_size=40, n_positions=16, attn_implementation="eager",
-        attn_pdrop=0.1, resid_pdrop=0.1, embd_pdrop=0.1,
-    )  # fmt: skip
-    return transformers.GPT2LMHeadModel(config).double().train()
-
-
 @pytest.mark.parametrize(
     "make, chunk",
-    [(_llama, None), (_llama, 4), (_gpt2, None)],
+    [(tiny_llama_float64, None), (tiny_llama_float64, 4), (tiny_gpt2_float64, None)],
     ids=["llama", "llama-tiled", "gpt2"],
 )
 @pytest.mark.parametrize("policy", ["selective", "full"])

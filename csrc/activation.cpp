@@ -17,6 +17,14 @@ at::Tensor bias_act_fwd_cpu(const at::Tensor& x, const std::optional<at::Tensor>
   return call.y;
 }
 
+// y written over x: the kernel loads each vector of x before it stores y's at the same place, and
+// no element reads another's x, so the bits are bias_act_fwd's.
+void bias_act_fwd_inplace_cpu(const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                              const std::string& activation) {
+  const ActForward call = prepare_bias_act_fwd(x, bias, activation, /*y_in_x=*/true);
+  MEMOPT_CPU_KERNEL(bias_act_fwd_kernel)(call.activation, x, cpu_param(bias, x), call.y);
+}
+
 // The kernel reads grad_y[i] and x[i] before it writes grad_x[i] and y[i], element by element, so
 // call.grad_x may be grad_y itself (bias_act_bwd_inplace).
 void run_bias_act_bwd_cpu(const ActBackward& call, const at::Tensor& grad_y, const at::Tensor& x,
@@ -64,6 +72,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_bwd_cpu(const at::Tensor& 
 
 TORCH_LIBRARY_IMPL(memopt, CPU, m) {
   m.impl("bias_act_fwd", &bias_act_fwd_cpu);
+  m.impl("bias_act_fwd_inplace", &bias_act_fwd_inplace_cpu);
   m.impl("bias_act_bwd", &bias_act_bwd_cpu);
   m.impl("bias_act_bwd_inplace", &bias_act_bwd_inplace_cpu);
   m.impl("swiglu_fwd", &swiglu_fwd_cpu);

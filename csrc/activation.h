@@ -154,8 +154,9 @@ struct ActBackward {
   at::Tensor y;          // the rebuilt output with return_y, else empty
 };
 
+// y_in_x (bias_act_fwd_inplace): y is x itself, written over it; bias must not share x's memory.
 ActForward prepare_bias_act_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias,
-                                const std::string& activation);
+                                const std::string& activation, bool y_in_x = false);
 // grad_x_in_grad_y (bias_act_bwd_inplace): grad_x is grad_y itself, nothing of x's size is
 // allocated but y with return_y.
 ActBackward prepare_bias_act_bwd(const at::Tensor& grad_y, const at::Tensor& x, const std::optional<at::Tensor>& bias,

@@ -81,10 +81,14 @@ ActBackward allocate_backward(Activation activation, int64_t rows, const at::Ten
 }  // namespace
 
 ActForward prepare_bias_act_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias,
-                                const std::string& activation) {
+                                const std::string& activation, bool y_in_x) {
   const Activation act = parse_activation(activation, kBiasAct);
   const int64_t rows = check_act_inputs(x, bias, x.dim() >= 1 ? x.size(-1) : 0, kBiasAct);
-  return {act, rows, x.size(-1), new_output_like(x)};
+  if (y_in_x && bias.has_value()) {
+    MEMOPT_CHECK(at::get_overlap_status(x, *bias) == at::MemOverlapStatus::No, kBiasAct,
+                 "x is overwritten with y, so it must not share memory with bias");
+  }
+  return {act, rows, x.size(-1), y_in_x ? x : new_output_like(x)};
 }
 
 ActBackward prepare_bias_act_bwd(const at::Tensor& grad_y, const at::Tensor& x, const std::optional<at::Tensor>& bias,

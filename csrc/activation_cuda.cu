@@ -75,11 +75,12 @@ BiasGradGrid bias_grad_grid(Kernel kernel, int64_t rows, int64_t cols, int64_t c
 }
 
 // Pack index p covers elements [p * W, p * W + W); a pack never straddles two rows (W divides
-// the row), so its bias columns are consecutive.
+// the row), so its bias columns are consecutive. y may be x (bias_act_fwd_inplace): a thread loads
+// its x pack before it stores its y pack there, and no thread reads another's pack.
 template <Activation A, typename scalar_t, typename bias_t, int W>
-__global__ void bias_act_fwd_cuda_kernel(const scalar_t* __restrict__ x,
-                                         const bias_t* __restrict__ bias,  // [cols], or null
-                                         scalar_t* __restrict__ y, int64_t packs, int64_t row_packs) {
+__device__ __forceinline__ void bias_act_fwd_packs(const scalar_t* x,
+                                                   const bias_t* __restrict__ bias,  // [cols], or null
+                                                   scalar_t* y, int64_t packs, int64_t row_packs) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < packs; p += stride) {
@@ -94,6 +95,21 @@ __global__ void bias_act_fwd_cuda_kernel(const scalar_t* __restrict__ x,
     }
     store_pack<W>(y + p * W, out);
   }
+}
+
+template <Activation A, typename scalar_t, typename bias_t, int W>
+__global__ void bias_act_fwd_cuda_kernel(const scalar_t* __restrict__ x,
+                                         const bias_t* __restrict__ bias,  // [cols], or null
+                                         scalar_t* __restrict__ y, int64_t packs, int64_t row_packs) {
+  bias_act_fwd_packs<A, scalar_t, bias_t, W>(x, bias, y, packs, row_packs);
+}
+
+// bias_act_fwd_inplace: y written over x, which therefore carries no __restrict__.
+template <Activation A, typename scalar_t, typename bias_t, int W>
+__global__ void bias_act_fwd_inplace_cuda_kernel(scalar_t* x,
+                                                 const bias_t* __restrict__ bias,  // [cols], or null
+                                                 int64_t packs, int64_t row_packs) {
+  bias_act_fwd_packs<A, scalar_t, bias_t, W>(x, bias, x, packs, row_packs);
 }
 
 // grad_x may be grad_y (bias_act_bwd_inplace): a thread loads its grad_y pack before it stores its
@@ -318,31 +334,51 @@ void launch_reduce_partials(const at::Tensor& partials, int64_t chunks, int64_t 
   launch_column_sum(partials.const_data_ptr<acc_t>(), chunks, width, grad_bias.mutable_data_ptr<bias_t>());
 }
 
-at::Tensor bias_act_fwd_cuda(const at::Tensor& x, const std::optional<at::Tensor>& bias,
-                             const std::string& activation) {
-  const ActForward call = prepare_bias_act_fwd(x, bias, activation);
+// call.y may be x itself (bias_act_fwd_inplace): the in-place kernel then runs.
+void run_bias_act_fwd_cuda(const ActForward& call, const at::Tensor& x, const std::optional<at::Tensor>& bias) {
   const at::Tensor& y = call.y;
   const int64_t numel = x.numel();
-  if (numel == 0) return y;
+  if (numel == 0) return;
+  const bool in_place = y.is_same(x);
   const c10::cuda::CUDAGuard guard(x.device());
+  const auto stream = at::cuda::getCurrentCUDAStream();
   MEMOPT_DISPATCH_CUDA_FLOATS(x.scalar_type(), "bias_act_fwd_cuda", [&] {
     const scalar_t* x_data = x.const_data_ptr<scalar_t>();
     scalar_t* y_data = y.mutable_data_ptr<scalar_t>();
     const bool packed = packable<scalar_t>(call.cols, {x_data, y_data});
     const int64_t w = packed ? kPack16<scalar_t> : 1;
+    const int blocks = elementwise_blocks(numel / w);
     dispatch_param_type<scalar_t>(param_dtype(bias, x), [&](auto* bias_tag) {
       using bias_t = std::remove_pointer_t<decltype(bias_tag)>;
       dispatch_activation(call.activation, [&](auto a) {
         constexpr Activation A = decltype(a)::value;
-        const auto kernel = packed ? bias_act_fwd_cuda_kernel<A, scalar_t, bias_t, kPack16<scalar_t>>
-                                   : bias_act_fwd_cuda_kernel<A, scalar_t, bias_t, 1>;
-        kernel<<<elementwise_blocks(numel / w), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-            x_data, optional_data<bias_t>(bias), y_data, numel / w, call.cols / w);
+        if (in_place) {
+          const auto kernel = packed ? bias_act_fwd_inplace_cuda_kernel<A, scalar_t, bias_t, kPack16<scalar_t>>
+                                     : bias_act_fwd_inplace_cuda_kernel<A, scalar_t, bias_t, 1>;
+          kernel<<<blocks, kThreads, 0, stream>>>(y_data, optional_data<bias_t>(bias), numel / w, call.cols / w);
+        } else {
+          const auto kernel = packed ? bias_act_fwd_cuda_kernel<A, scalar_t, bias_t, kPack16<scalar_t>>
+                                     : bias_act_fwd_cuda_kernel<A, scalar_t, bias_t, 1>;
+          kernel<<<blocks, kThreads, 0, stream>>>(x_data, optional_data<bias_t>(bias), y_data, numel / w,
+                                                  call.cols / w);
+        }
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
     });
   });
-  return y;
+}
+
+at::Tensor bias_act_fwd_cuda(const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                             const std::string& activation) {
+  const ActForward call = prepare_bias_act_fwd(x, bias, activation);
+  run_bias_act_fwd_cuda(call, x, bias);
+  return call.y;
+}
+
+void bias_act_fwd_inplace_cuda(const at::Tensor& x, const std::optional<at::Tensor>& bias,
+                               const std::string& activation) {
+  const ActForward call = prepare_bias_act_fwd(x, bias, activation, /*y_in_x=*/true);
+  run_bias_act_fwd_cuda(call, x, bias);
 }
 
 // Each thread reads grad_y[i] and x[i] before it writes grad_x[i] and y[i], so call.grad_x may be
@@ -483,6 +519,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_bwd_cuda(const at::Tensor&
 
 TORCH_LIBRARY_IMPL(memopt, CUDA, m) {
   m.impl("bias_act_fwd", &bias_act_fwd_cuda);
+  m.impl("bias_act_fwd_inplace", &bias_act_fwd_inplace_cuda);
   m.impl("bias_act_bwd", &bias_act_bwd_cuda);
   m.impl("bias_act_bwd_inplace", &bias_act_bwd_inplace_cuda);
   m.impl("swiglu_fwd", &swiglu_fwd_cuda);

@@ -53,6 +53,10 @@ TORCH_LIBRARY(memopt, m) {
   // y = act(x + bias), activation in {"relu", "gelu", "gelu_tanh", "silu"}. Only x is saved for
   // backward; the backward recomputes act and act' (and y when return_y).
   m.def("bias_act_fwd(Tensor x, Tensor? bias, str activation) -> Tensor y");
+  // bias_act_fwd writing y over x (bias must not share x's memory): for a caller that made x (the
+  // matmul output) and needs it no more, as torch's encoder fast path does, so a forward without a
+  // graph holds one d_ff-wide buffer instead of two. The same kernels: the same bits.
+  m.def("bias_act_fwd_inplace(Tensor(a!) x, Tensor? bias, str activation) -> ()");
   m.def("bias_act_bwd(Tensor grad_y, Tensor x, Tensor? bias, str activation, bool return_y)"
         " -> (Tensor grad_x, Tensor grad_bias, Tensor y)");
   // bias_act_bwd writing grad_x over grad_y (same shape, dtype and layout): the caller owns grad_y

@@ -234,6 +234,7 @@ def test_opcheck(with_bias, return_y):
     grad = torch.randn(5, 34, dtype=torch.float64)
     for activation in ACTIVATIONS:
         torch.library.opcheck(torch.ops.memopt.bias_act_fwd.default, (x, bias, activation))
+        torch.library.opcheck(torch.ops.memopt.bias_act_fwd_inplace.default, (x.clone(), bias, activation))
         torch.library.opcheck(torch.ops.memopt.bias_act_bwd.default, (grad, x, bias, activation, return_y))
         torch.library.opcheck(
             torch.ops.memopt.bias_act_bwd_inplace.default, (grad.clone(), x, bias, activation, return_y)
@@ -267,6 +268,47 @@ def test_bias_act_bwd_inplace_writes_grad_x_over_grad_y(device, dtype, with_bias
             assert torch.equal(y, y_copy)
         else:
             assert y.numel() == 0
+
+
+@pytest.mark.parametrize("device,dtype", device_dtype_params())
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+@pytest.mark.parametrize("shape", [(97, 123), (123, 1025), (2, 5, 33), (7,)], ids=_shape_id)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bias_act_fwd_inplace_writes_y_over_x(device, dtype, activation, shape, with_bias):
+    x = torch.randn(shape, device=device, dtype=dtype)
+    bias = torch.randn(shape[-1], device=device, dtype=dtype) if with_bias else None
+    scratch = x.clone()
+    address = scratch.data_ptr()
+    assert torch.ops.memopt.bias_act_fwd_inplace(scratch, bias, activation) is None
+    assert scratch.data_ptr() == address and scratch.shape == x.shape
+    torch.testing.assert_close(scratch.double(), bias_act_ref(x, bias, activation, upcast=True), **tolerances(dtype))
+    # The out-of-place op's bits: the same kernel, its output written where its input was read.
+    assert torch.equal(scratch, torch.ops.memopt.bias_act_fwd(x, bias, activation))
+
+
+@pytest.mark.parametrize("device,dtype", _float32_bias_params())
+@pytest.mark.parametrize("activation", ACTIVATIONS)
+def test_bias_act_fwd_inplace_with_float32_bias(device, dtype, activation):
+    x = torch.randn(97, 123, device=device, dtype=dtype)
+    bias = torch.randn(123, device=device, dtype=torch.float32)
+    scratch = x.clone()
+    torch.ops.memopt.bias_act_fwd_inplace(scratch, bias, activation)
+    torch.testing.assert_close(scratch.double(), bias_act_ref(x, bias, activation, upcast=True), **tolerances(dtype))
+    assert torch.equal(scratch, torch.ops.memopt.bias_act_fwd(x, bias, activation))
+
+
+def test_bias_act_fwd_inplace_compiles_fullgraph(compile_cache):
+    # torch.compile functionalizes the mutation of an intermediate: the same numbers as eager.
+    def fn(x, bias):
+        u = x * 2.0  # a tensor of fn's own, as fc1's output is block_forward's
+        torch.ops.memopt.bias_act_fwd_inplace(u, bias, "gelu")
+        return u + x
+
+    x, bias = torch.randn(97, 123), torch.randn(123)
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x, bias), fn(x, bias), atol=0, rtol=0)
+    expected = bias_act_ref(2.0 * x.double(), bias.double(), "gelu") + x.double()
+    torch.testing.assert_close(compiled(x, bias).double(), expected, **tolerances(torch.float32))
 
 
 @pytest.mark.parametrize("activation", ["gelu", "swiglu"])
@@ -402,6 +444,16 @@ def _raises(call, match):
         (lambda: torch.ops.memopt.bias_act_fwd(torch.ones(4, dtype=torch.int32), None, "gelu"), "x must be float32"),
         (lambda: torch.ops.memopt.bias_act_fwd(torch.randn(4), torch.randn(4, dtype=torch.float64), "gelu"),
          r"bias must have x's dtype \(Float\) or float32"),
+        (lambda: torch.ops.memopt.bias_act_fwd_inplace(torch.randn(4, 4).t(), None, "gelu"), "x must be contiguous"),
+        (lambda: torch.ops.memopt.bias_act_fwd_inplace(torch.randn(3, 4), torch.randn(4, dtype=torch.float64), "gelu"),
+         r"bias must have x's dtype \(Float\) or float32, got Double"),
+        (lambda: torch.ops.memopt.bias_act_fwd_inplace(torch.randn(3, 4), torch.randn(5), "gelu"),
+         r"bias must have shape \[4\]"),
+        (lambda: torch.ops.memopt.bias_act_fwd_inplace(torch.ones(4, dtype=torch.int32), None, "gelu"),
+         "x must be float32"),
+        (lambda: torch.ops.memopt.bias_act_fwd_inplace(torch.randn(3, 4), None, "tanh"), "activation must be one of"),
+        (lambda: (lambda x: torch.ops.memopt.bias_act_fwd_inplace(x, x[0], "gelu"))(torch.randn(3, 4)),
+         "x is overwritten with y, so it must not share memory with bias"),
         (lambda: torch.ops.memopt.bias_act_bwd(torch.randn(3, 4, dtype=torch.float64), torch.randn(3, 4), None, "gelu",
                                                False), "grad_y must have the dtype of x"),
         (lambda: torch.ops.memopt.bias_act_bwd(torch.randn(3, 5), torch.randn(3, 4), None, "gelu", False),
@@ -480,6 +532,12 @@ def test_cuda_packed_and_elementwise_kernels_agree(activation, with_bias, dtype)
             return (y, *torch.ops.memopt.swiglu_bwd(grad, x_in, bias, True))
         y = torch.ops.memopt.bias_act_fwd(x_in, bias, activation)
         grad_x, grad_bias, rebuilt = torch.ops.memopt.bias_act_bwd(grad, x_in, bias, activation, True)
+        # y written over a copy of x_in with x_in's alignment (the same kernel choice).
+        buffer_in_place = torch.empty(x_in.numel() + 1, device="cuda", dtype=dtype)
+        y_in_place = buffer_in_place[int(x_in.data_ptr() % 16 != 0):][: x_in.numel()].view_as(x_in).copy_(x_in)
+        assert y_in_place.data_ptr() % 16 == x_in.data_ptr() % 16
+        torch.ops.memopt.bias_act_fwd_inplace(y_in_place, bias, activation)
+        assert torch.equal(y_in_place, y)
         in_place = grad.clone()
         grad_bias_in_place, _ = torch.ops.memopt.bias_act_bwd_inplace(in_place, x_in, bias, activation, False)
         assert torch.equal(in_place, grad_x)

@@ -2,9 +2,12 @@
 
 Layers: kernels in ``csrc/activation.cpp`` (CPU) and ``csrc/activation_cuda.cu`` (CUDA), with the
 math shared in ``csrc/activation.h``, registered as ``torch.ops.memopt.bias_act_fwd`` /
-``bias_act_bwd`` / ``bias_act_bwd_inplace`` / ``swiglu_fwd`` / ``swiglu_bwd``; the fake impls below
-let ``torch.compile`` trace them. ``bias_act_bwd_inplace`` writes grad_x over grad_y, for callers
-that made grad_y themselves (a matmul output): ``ActLinearFunction`` and the block's FFN backward.
+``bias_act_fwd_inplace`` / ``bias_act_bwd`` / ``bias_act_bwd_inplace`` / ``swiglu_fwd`` /
+``swiglu_bwd``; the fake impls below let ``torch.compile`` trace them. The ``_inplace`` ops write
+their result over an input that the caller made itself (a matmul output) and needs no more:
+``bias_act_fwd_inplace`` y over x, for the block's forward without a graph
+(``block_functions.block_forward``); ``bias_act_bwd_inplace`` grad_x over grad_y, for
+``ActLinearFunction`` and the block's FFN backward.
 
 * ``BiasActFunction`` / ``SwiGLUFunction`` save the pre-activation ``x`` (and the bias); the
   backward kernel recomputes ``act`` and ``act'`` from it.
@@ -33,6 +36,11 @@ ACT_LINEAR_ACTIVATIONS = ACTIVATIONS + ("swiglu",)
 @torch.library.register_fake("memopt::bias_act_fwd")
 def _bias_act_fwd_fake(x, bias, activation):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.register_fake("memopt::bias_act_fwd_inplace")
+def _bias_act_fwd_inplace_fake(x, bias, activation):
+    return None
 
 
 @torch.library.register_fake("memopt::bias_act_bwd")
@@ -160,6 +168,16 @@ def _act_forward(x, bias, activation):
     if activation == "swiglu":
         return torch.ops.memopt.swiglu_fwd(x, bias)
     return torch.ops.memopt.bias_act_fwd(x, bias, activation)
+
+
+def _act_forward_inplace(x, bias, activation):
+    """``_act_forward(x, bias, activation)`` written over ``x`` (the same bits), for a caller that
+    made ``x`` (a matmul output, contiguous) and needs it no more; returns ``x``. Swiglu's output
+    is half as wide and comes in a new tensor."""
+    if activation == "swiglu":
+        return torch.ops.memopt.swiglu_fwd(x, bias)
+    torch.ops.memopt.bias_act_fwd_inplace(x, bias, activation)
+    return x
 
 
 def _act_backward(grad_y, x, bias, activation, return_y: bool = True, grad_y_is_scratch: bool = False):

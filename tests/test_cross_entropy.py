@@ -562,3 +562,49 @@ def test_cuda_float64_equals_reference():
     _assert_close_relative(loss, ref_loss, 1e-12, "loss")
     for grad, ref in zip(grads, ref_grads):
         _assert_close_relative(grad, ref, 1e-12, "grad")
+
+
+_INF = float("inf")
+
+
+@pytest.mark.parametrize(
+    "bias_values, hidden_values, target, reduction, label_smoothing",
+    [
+        ({6: _INF}, {}, [0, 1, 2, 3], "none", 0.0),  # a +inf logit of another class
+        ({1: _INF}, {}, [0, 1, 2, 3], "none", 0.0),  # a +inf logit of the target
+        ({6: _INF}, {}, [0, -100, 2, 3], "mean", 0.0),
+        ({6: _INF}, {}, [0, 1, 2, 3], "none", 0.1),
+        ({2: -_INF, 3: -_INF}, {}, [0, 1, 2, 3], "none", 0.0),  # -inf logits: an infinite loss on their targets
+        ({2: -_INF}, {}, [0, 1, 2, 3], "none", 0.1),
+        (dict.fromkeys(range(7), -_INF), {}, [0, 1, 2, 3], "none", 0.0),  # rows of -inf only
+        ({}, {(1, 2): _INF}, [0, 1, 2, 3], "none", 0.0),  # one row of logits with both infinities
+        ({}, {(1, 2): _INF}, [0, -100, 2, 3], "mean", 0.0),  # ... and that row ignored
+        ({}, {(2, 0): -_INF}, [0, 1, 2, 3], "sum", 0.1),
+    ],
+)
+def test_infinite_logits_give_pytorchs_nan_and_inf(bias_values, hidden_values, target, reduction, label_smoothing):
+    """Overflowed logits (fp16 products under autocast): the loss and every gradient are NaN, inf
+    and finite where F.cross_entropy's are, with the same finite values. A +inf logit gave a +inf
+    loss where PyTorch's is NaN, and a weight gradient that was finite in most entries."""
+    hidden = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    for index, value in hidden_values.items():
+        hidden[index] = value
+    weight = torch.randn(7, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    bias = torch.zeros(7, dtype=torch.float64)
+    for index, value in bias_values.items():
+        bias[index] = value
+    target = torch.tensor(target)
+    inputs = [t.requires_grad_() for t in (hidden, weight, bias)]
+    kwargs = dict(reduction=reduction, label_smoothing=label_smoothing)
+
+    def loss_and_grads(loss):
+        return (loss.detach(), *torch.autograd.grad(loss.sum(), inputs))
+
+    got = loss_and_grads(memopt.linear_cross_entropy(hidden, weight, target, bias=bias, **kwargs))
+    want = loss_and_grads(F.cross_entropy(F.linear(hidden, weight, bias), target, **kwargs))
+    for name, g, w in zip(("loss", "grad hidden", "grad weight", "grad bias"), got, want):
+        assert torch.equal(g.isnan(), w.isnan()), f"{name}: NaN at {g.isnan().nonzero().tolist()}, PyTorch's at {w.isnan().nonzero().tolist()}"
+        assert torch.equal(g.isinf() & (g > 0), w.isinf() & (w > 0)), f"{name}: +inf differs from PyTorch's"
+        assert torch.equal(g.isinf() & (g < 0), w.isinf() & (w < 0)), f"{name}: -inf differs from PyTorch's"
+        finite = w.isfinite()
+        torch.testing.assert_close(g[finite], w[finite], atol=1e-12, rtol=1e-10, msg=name)

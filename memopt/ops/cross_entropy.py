@@ -133,7 +133,11 @@ def _chunk_grad_logits(
 def _logsumexp_(logits: torch.Tensor) -> torch.Tensor:
     """Row-wise log-sum-exp that overwrites ``logits`` instead of allocating a second buffer."""
     row_max = logits.amax(1, keepdim=True)
-    row_max = torch.where(row_max.isinf(), 0.0, row_max)  # as torch.logsumexp: no inf - inf
+    # A row of -inf only: 0, so that its log-sum-exp is -inf (and its loss NaN or inf as
+    # F.cross_entropy's), not -inf - -inf. A +inf maximum stays: the row's log-sum-exp is NaN, as
+    # log_softmax gives there, so its loss and every gradient it reaches are NaN as PyTorch's
+    # (torch.logsumexp's inf would give a finite-looking share of the weight gradient).
+    row_max = torch.where(row_max == -math.inf, 0.0, row_max)
     return logits.sub_(row_max).exp_().sum(1).log_().add_(row_max.squeeze(1))
 
 

@@ -121,6 +121,17 @@ NormMath norm_math(bool rms, const at::Tensor& x, double eps) {
   return {compute, centred * rstd, rstd};
 }
 
+// Whether a backward takes its differentiable path (ATen ops of the saved tensors) rather than
+// the kernels: under create_graph=True, and for a gradient that torch.autograd.grad batched
+// (is_grads_batched=True, jacobian(vectorize=True): legacy vmap), for which the kernels have no
+// batching rule and vmap's fallback cannot run their out= products.
+bool differentiable_backward(const at::Tensor& grad_a, const at::Tensor& grad_b) {
+  const auto batched = [](const at::Tensor& grad) {
+    return grad.defined() && grad.key_set().has(c10::DispatchKey::Batched);
+  };
+  return at::GradMode::is_enabled() || batched(grad_a) || batched(grad_b);
+}
+
 // y = x_hat * weight + bias in x's dtype, as differentiable ops (the kernels' forward, for a
 // backward under create_graph=True that needs y).
 at::Tensor norm_value_math(bool rms, const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
@@ -184,7 +195,7 @@ struct NormFunction : public torch::autograd::Function<NormFunction<kRms>> {
     const at::Tensor& grad_y = grads[0];
     const at::Tensor grad_residual_out = has_residual ? grads[1] : at::Tensor();
     at::Tensor grad_x, grad_weight, grad_bias;
-    if (at::GradMode::is_enabled()) {
+    if (differentiable_backward(grad_y, grad_residual_out)) {
       if (grad_y.defined()) {
         std::tie(grad_x, grad_weight, grad_bias) =
             norm_backward_math(kRms, grad_y, x, weight, bias, ctx->saved_data["eps"].toDouble());
@@ -326,8 +337,9 @@ struct NormLinearFunction : public torch::autograd::Function<NormLinearFunction>
       if (bias_dtype_code >= 0) {
         grad_linear_bias = grad_out_2d.sum(0).to(static_cast<at::ScalarType>(bias_dtype_code));
       }
-      if (at::GradMode::is_enabled()) {
-        // create_graph=True: every gradient as differentiable ops of x, the parameters and grad_out.
+      if (differentiable_backward(grad_out, grad_residual_out)) {
+        // create_graph=True or batched gradients: every gradient as differentiable ops of x, the
+        // parameters and grad_out.
         const double eps = ctx->saved_data["eps"].toDouble();
         const at::Tensor grad_y = at::mm(grad_out_2d, weight_c).to(x.scalar_type()).reshape_symint(x.sym_sizes());
         std::tie(grad_x, grad_norm_weight, grad_norm_bias) =

@@ -800,7 +800,7 @@ class TransformerBlockFunction(torch.autograd.Function):
         saved = saved_for_recompute(ctx, grad_y, _recompute_count(ctx.spec, count))
         x, attention, ffn, h = _saved_halves(ctx.saved_tensor_names, saved[:count])
         params = BlockParams(*saved[count + 1 :])
-        if building_graph():
+        if building_graph(grad_y):
             call = BlockCall.make(ctx.spec, x, saved[count], ctx.batch, ctx.seq, params, graph=True)
             forward = lambda: _ffn_half_forward(call, _attention_forward(call, x)[1])[1]  # noqa: E731
             grad_x, *grads = _grads_with_graph(forward, (x, *params), grad_y)
@@ -905,7 +905,7 @@ class BlockAttentionFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_h):
         by_name, call, need = _restore_half(ctx, "attention", grad_h)
-        if building_graph():
+        if building_graph(grad_h):
             x, params = by_name["x"], call.params[:6]
             call = call._replace(graph=True)
             grad_x, *grads = _grads_with_graph(lambda: _attention_forward(call, x)[1], (x, *params), grad_h)
@@ -935,7 +935,7 @@ class BlockFFNFunction(torch.autograd.Function):
         grad_y = grad_y.contiguous()  # y.sum().backward() hands in a stride-0 expanded tensor
         by_name, call, need = _restore_half(ctx, "ffn", grad_y)
         h = by_name["h"]
-        if building_graph():
+        if building_graph(grad_y):
             params = call.params[6:]
             call = call._replace(graph=True)
             grad_h, *grads = _grads_with_graph(lambda: _ffn_half_forward(call, h)[1], (h, *params), grad_y)
@@ -1009,7 +1009,7 @@ class BlockFFNInFunction(torch.autograd.Function):
         h = by_name["h"]
         call = _ffn_split_call(spec, h, None, ctx.batch, ctx.seq, saved[count:], slots)
         need = _at_slots(ctx.needs_input_grad[-len(slots) :], slots, False)
-        if building_graph():
+        if building_graph(grad_u, grad_residual):
             call = call._replace(graph=True)
             params = tuple(call.params[slot] for slot in slots)
             grad_h, *grads = _grads_with_graph(lambda: _ffn_in_forward(call, h)[2], (h, *params), grad_u)
@@ -1052,7 +1052,7 @@ class BlockFFNOutFunction(torch.autograd.Function):
         u, h, rng_key = by_name["u"], saved[count], saved[count + 1]
         call = _ffn_split_call(spec, u, rng_key, ctx.batch, ctx.seq, saved[count + 2 :], slots)
         need = _at_slots(ctx.needs_input_grad[-len(slots) :], slots, False)
-        if building_graph():
+        if building_graph(grad_y):
             call = call._replace(graph=True)
             params = tuple(call.params[slot] for slot in slots)
             grad_u, grad_h, *grads = _grads_with_graph(lambda: _ffn_out_half_forward(call, u, h)[1], (u, h, *params), grad_y)

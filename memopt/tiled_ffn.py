@@ -207,7 +207,7 @@ class TiledFFNFunction(torch.autograd.Function):
         x, *params = ctx.saved_tensors
         # Under create_graph=True (second derivatives) each chunk's gradients keep their graph:
         # the chunk input is a view of x itself, and the pieces are joined out of place.
-        graph = building_graph()
+        graph = building_graph(grad_out)
         need_x = ctx.needs_input_grad[2]
         wanted = [i for i, need in enumerate(ctx.needs_input_grad[3:]) if need]
         rows = (x if graph else x.detach()).reshape(-1, x.shape[-1])

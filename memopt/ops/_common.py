@@ -123,9 +123,18 @@ def autocast_off(device_type: str):
     return _NO_CONTEXT
 
 
-def building_graph() -> bool:
-    """True inside a backward that runs with ``create_graph=True``."""
-    return torch.is_grad_enabled()
+def building_graph(*grads) -> bool:
+    """Whether a backward takes its differentiable path (the recompute as differentiable ops,
+    differentiated) rather than the kernels: under ``create_graph=True``, and when one of its
+    incoming ``grads`` is batched (``torch.autograd.grad(..., is_grads_batched=True)``,
+    ``jacobian(vectorize=True)``, ``hessian(vectorize=True)``: legacy vmap), which the kernels
+    cannot take (they have no batching rule, and vmap's fallback cannot run their in-place and
+    out= products). Batched gradients do not occur under torch.compile, which is not asked."""
+    if torch.is_grad_enabled():
+        return True
+    return not torch.compiler.is_compiling() and any(
+        g is not None and torch._C._functorch.is_legacy_batchedtensor(g) for g in grads
+    )
 
 
 def grads_with_graph(output: torch.Tensor, inputs, grad_output: torch.Tensor | None) -> list:

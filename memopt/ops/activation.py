@@ -135,7 +135,7 @@ class BiasActFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         x, bias = ctx.saved_tensors
-        if building_graph():
+        if building_graph(grad_y):
             grad_x, grad_bias = _act_double_backward(grad_y, x, bias, ctx.activation)
         else:
             grad_x, grad_bias, _ = torch.ops.memopt.bias_act_bwd(grad_y.contiguous(), x, bias, ctx.activation, False)
@@ -157,7 +157,7 @@ class SwiGLUFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         x, bias = ctx.saved_tensors
-        if building_graph():
+        if building_graph(grad_y):
             grad_x, grad_bias = _act_double_backward(grad_y, x, bias, "swiglu")
         else:
             grad_x, grad_bias, _ = torch.ops.memopt.swiglu_bwd(grad_y.contiguous(), x, bias, False)
@@ -235,7 +235,7 @@ class ActLinearFunction(torch.autograd.Function):
         rows = x.shape[:-1].numel()
         with autocast_as(ctx.autocast_state):
             grad_out_2d = grad_out.reshape(rows, grad_out.shape[-1])
-            if building_graph():
+            if building_graph(grad_out):
                 with torch.enable_grad():
                     out = F.linear(_act_differentiable(x, bias, ctx.activation), weight)
                 grad_x, grad_bias, grad_weight = grads_with_graph(out, [x, bias, weight], grad_out)

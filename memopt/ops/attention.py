@@ -974,7 +974,7 @@ class AttentionFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_out):
-        if building_graph():
+        if building_graph(grad_out):
             return (*_attention_backward_with_graph(ctx, grad_out), None, None, None, None, None)
         q, k, v, out, lse, rng_key = ctx.saved_tensors
         grad_q, grad_k, grad_v = torch.ops.memopt.attention_bwd(

@@ -154,3 +154,17 @@ def test_checkpoint_of_torch_dropout_refuses_batched_grads_as_torch_does(policy)
         torch.autograd.grad(torch.utils.checkpoint.checkpoint(mlp, x, use_reentrant=False), x, basis, is_grads_batched=True)
     with pytest.raises(RuntimeError, match="random operations inside of vmap"):
         torch.autograd.grad(memopt.checkpoint(mlp, x, policy=policy), x, basis, is_grads_batched=True)
+
+
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+def test_hessian_vectorize_of_the_block_equals_the_eager_blocks(policy):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.manual_seed(0)
+    block = memopt.FusedCheckpointBlock(8, 2, 16, policy=policy).to(DTYPE)
+    eager = block.to_eager()
+    x = torch.randn(1, 3, 8, dtype=DTYPE, generator=torch.Generator().manual_seed(1))
+    got = torch.autograd.functional.hessian(lambda x: block(x).square().sum(), x, vectorize=True)
+    with sdpa_kernel(SDPBackend.MATH):  # SDPA's CPU flash kernel has no double backward
+        want = torch.autograd.functional.hessian(lambda x: eager(x).square().sum(), x)
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=1e-10)

@@ -432,12 +432,13 @@ def test_without_triton_cpu_runs_native_and_triton_backend_says_install(monkeypa
 def test_gpu_launch_table_covers_every_block_head_dim():
     for kernel, table in attention_triton.GPU_CONFIGS.items():
         assert sorted({head_dim for head_dim, _ in table}) == list(attention_triton.BLOCK_HEAD_DIMS), kernel
-        # The unaligned entries replace entries of the table, for head_dims that are not multiples of 16.
+        # The unaligned entries replace entries of the table, for launches without Triton's
+        # divisibility hints (tests/test_attention_triton_config.py).
         unaligned = attention_triton.UNALIGNED_GPU_CONFIGS[kernel]
         assert set(unaligned) <= set(table), kernel
         for (block, dropout), config in unaligned.items():
-            assert attention_triton.gpu_config(kernel, block - 8, dropout) == config
-            assert attention_triton.gpu_config(kernel, block, dropout) == table[(block, dropout)]
+            assert attention_triton.gpu_config(kernel, block - 8, dropout, False) == config
+            assert attention_triton.gpu_config(kernel, block, dropout, True) == table[(block, dropout)]
     # Every head_dim memopt takes tiles as one of them: the smallest power of two >= max(16, head_dim).
     for head_dim in range(1, MAX_HEAD_DIM + 1):
         block = attention_triton.block_head_dim(head_dim)

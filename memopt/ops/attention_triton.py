@@ -97,13 +97,18 @@ GPU_CONFIGS = {
 BLOCK_HEAD_DIMS = (16, 32, 64, 128, 256)
 # rowsum(dout * out): no dropout variant, BLOCK_N unused; the head sizes of the forward table.
 GPU_CONFIGS["bwd_delta"] = {(d, False): (64, 0, 4, 1) for d, dropout in GPU_CONFIGS["fwd"] if not dropout}
-# The entries of GPU_CONFIGS that a head_dim which is not a multiple of 16 runs instead (see
-# strides_aligned): Triton then compiles the kernels without its 16-divisibility hint on the
-# strides, and these entries of the table spilled there (sm_90, bfloat16, the most bytes a variant
-# stored, triton 3.8 unless said): bwd_dkdv at 128 816, with dropout 96, at 256 with dropout 108,
+# The entries of GPU_CONFIGS that a launch runs instead when Triton compiles the kernels without
+# its 16-divisibility hint on some pointer or stride (see args_aligned): always with a head_dim
+# that is not a multiple of 16, and with strided views of a wider buffer whatever the head_dim.
+# Loads are then not vectorised and the kernels hold more registers; these entries of the table
+# spilled there (sm_90, bfloat16, the most bytes a variant stored, triton 3.8 unless said, strides
+# and element pointers unhinted): bwd_dkdv at 128 816, with dropout 96, at 256 with dropout 108,
 # at 64 (triton 3.6) 140, with dropout 36; bwd_dq at 64 168, at 128 134, at 256 with dropout 56
-# (3.6: 16); bwd_delta at 256 (3.6) 16; fwd at 256 with dropout 8. Smaller tiles or more warps,
-# none spilling under 3.6 or 3.8 (bench/attention_aot.py compiles every entry both ways).
+# (3.6: 16); bwd_delta at 256 (3.6) 16; fwd at 256 with dropout 8; at a block's own width (views of
+# wider rows, pointers hinted) bwd_dkdv at 128 700, bwd_dq at 64 60, at 128 36. Smaller tiles or
+# more warps, none spilling under 3.6 or 3.8 (bench/attention_aot.py compiles every entry with the
+# strides unhinted: at masked head_dims with the pointers hinted and not, at the block's own width
+# with them; without either hint Triton emitted the same PTX).
 UNALIGNED_GPU_CONFIGS = {
     "fwd": {(256, True): (32, 32, 8, 2)},
     "bwd_dkdv": {
@@ -127,30 +132,40 @@ def block_head_dim(head_dim: int) -> int:
     return max(16, triton.next_power_of_2(head_dim))
 
 
-def strides_aligned(head_dim: int) -> bool:
-    """Whether Triton compiles the kernels for q, k, v, out (and their gradients) with row and
-    head strides that are multiples of 16 elements, its divisibility hint: the strides of every
-    layout memopt passes ((B, S, H, D) and (B, H, S, D) buffers and their views, a fused qkv
-    projection's included) are multiples of head_dim, and one of them is head_dim itself (the head
-    stride of (B, S, H, D), the row stride of (B, H, S, D)), so exactly when head_dim is a multiple
-    of 16. Without the hint the loads are not vectorised and the kernels hold more registers
-    (``UNALIGNED_GPU_CONFIGS``)."""
-    return head_dim % 16 == 0
+def args_aligned(tensors, strides) -> bool:
+    """Whether Triton compiles a launch with its 16-divisibility hint on every pointer and stride
+    it passes: Triton specialises each pointer on ``data_ptr() % 16 == 0`` (bytes) and each integer
+    on ``value % 16 == 0``, one argument at a time. ``tensors``: the element tensors the kernel
+    reads and writes (lse and delta, fresh float32 buffers, are always aligned); ``strides``: every
+    stride passed. False with a head_dim that is not a multiple of 16 (a fresh output's head or
+    row stride is head_dim itself), and with strided views of a wider buffer (q, k, v of head_dim 64
+    sliced from rows of 72) or views at an unaligned offset, whatever the head_dim: the loads are
+    then not vectorised and the kernels run ``UNALIGNED_GPU_CONFIGS``."""
+    for stride in strides:
+        if stride % 16:
+            return False
+    for tensor in tensors:
+        if tensor.data_ptr() % 16:
+            return False
+    return True
 
 
-def gpu_config(kernel: str, head_dim: int, dropout: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kernel`` on the GPU for heads of ``head_dim``."""
+def gpu_config(kernel: str, head_dim: int, dropout: bool, aligned: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) of ``kernel`` on the GPU for heads of ``head_dim``,
+    from ``UNALIGNED_GPU_CONFIGS`` where it has the entry and the launch is not ``aligned``
+    (:func:`args_aligned`), else from ``GPU_CONFIGS``."""
     key = (block_head_dim(head_dim), dropout and kernel != "bwd_delta")
-    if not strides_aligned(head_dim) and key in UNALIGNED_GPU_CONFIGS[kernel]:
+    if not aligned and key in UNALIGNED_GPU_CONFIGS[kernel]:
         return UNALIGNED_GPU_CONFIGS[kernel][key]
     return GPU_CONFIGS[kernel][key]
 
 
-def launch_config(kernel: str, head_dim: int, dropout: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``kernel`` on this backend."""
+def launch_config(kernel: str, head_dim: int, dropout: bool, tensors, strides) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for ``kernel`` on this backend, launched on
+    ``tensors`` with ``strides`` (see :func:`args_aligned`)."""
     if INTERPRETED:
         return INTERPRETER_CONFIG
-    return gpu_config(kernel, head_dim, dropout)
+    return gpu_config(kernel, head_dim, dropout, args_aligned(tensors, strides))
 
 
 @triton.jit
@@ -600,14 +615,12 @@ def attention_fwd_triton(q, k, v, causal: bool, dropout_p: float, scale: float, 
     out = attention_out_empty(q)
     lse = torch.empty((batch, heads, seq_q), device=q.device, dtype=torch.float32)
     seed, offset, threshold, keep_scale = _dropout_args(dropout_p, rng_key)
-    block_m, block_n, num_warps, num_stages = launch_config("fwd", head_dim, dropout_p > 0.0)
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *out.stride()[:3])
+    block_m, block_n, num_warps, num_stages = launch_config("fwd", head_dim, dropout_p > 0.0, (q, k, v, out), strides)
     grid = launch_grid(seq_q, block_m, heads, batch)
     _attn_fwd_kernel[grid](
         q, k, v, out, lse,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
+        *strides,
         heads, heads // kv_heads, seq_q, seq_k,
         scale * LOG2E, seed, offset, threshold, keep_scale,
         HEAD_DIM=head_dim, BLOCK_D=block_head_dim(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
@@ -641,36 +654,40 @@ def attention_bwd_triton(
     seed, offset, threshold, keep_scale = _dropout_args(dropout_p, rng_key)
     dropout = dropout_p > 0.0
 
-    block_m, _, num_warps, num_stages = launch_config("bwd_delta", head_dim)
+    out_strides = out.stride()[:3]
+    grad_out_strides = grad_out.stride()[:3]
+    block_m, _, num_warps, num_stages = launch_config(
+        "bwd_delta", head_dim, False, (out, grad_out), out_strides + grad_out_strides
+    )
     _attn_bwd_delta_kernel[launch_grid(seq_q, block_m, heads, batch)](
         out, grad_out, delta,
-        out.stride(0), out.stride(1), out.stride(2),
-        grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
+        *out_strides, *grad_out_strides,
         heads, seq_q,
         HEAD_DIM=head_dim, BLOCK_D=block_head_dim(head_dim), BLOCK_M=block_m, num_warps=num_warps, num_stages=num_stages,
     )
-    strides = (
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
+    strides = (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *grad_out_strides)
+    dk_strides = dk.stride()[:3]
+    block_m, block_n, num_warps, num_stages = launch_config(
+        "bwd_dkdv", head_dim, dropout, (q, k, v, grad_out, dk, dv), strides + dk_strides
     )
-    block_m, block_n, num_warps, num_stages = launch_config("bwd_dkdv", head_dim, dropout)
     _attn_bwd_dkdv_kernel[launch_grid(seq_k, block_n, kv_heads, batch)](
         q, k, v, grad_out, lse, delta, dk, dv,
         *strides,
-        dk.stride(0), dk.stride(1), dk.stride(2),
+        *dk_strides,
         heads, kv_heads, group, seq_q, seq_k,
         scale * LOG2E, scale, seed, offset, threshold, keep_scale,
         HEAD_DIM=head_dim, BLOCK_D=block_head_dim(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=causal, DROPOUT=dropout, GROUPED_RNG=seq_k % 4 == 0, UPCAST_DOT=INTERPRETED,
         num_warps=num_warps, num_stages=num_stages,
     )
-    block_m, block_n, num_warps, num_stages = launch_config("bwd_dq", head_dim, dropout)
+    dq_strides = dq.stride()[:3]
+    block_m, block_n, num_warps, num_stages = launch_config(
+        "bwd_dq", head_dim, dropout, (q, k, v, grad_out, dq), strides + dq_strides
+    )
     _attn_bwd_dq_kernel[launch_grid(seq_q, block_m, heads, batch)](
         q, k, v, grad_out, lse, delta, dq,
         *strides,
-        dq.stride(0), dq.stride(1), dq.stride(2),
+        *dq_strides,
         heads, group, seq_q, seq_k,
         scale * LOG2E, scale, seed, offset, threshold, keep_scale,
         HEAD_DIM=head_dim, BLOCK_D=block_head_dim(head_dim), BLOCK_M=block_m, BLOCK_N=block_n,

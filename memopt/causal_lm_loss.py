@@ -23,7 +23,9 @@ that does anything else between its base model and its logits (a rescaling this 
 know of) gets an error rather than a wrong loss.
 
 The output is the model's own output class with ``loss`` set and ``logits`` None: logits are not
-materialised under ``loss="chunked"``; pass ``loss="plain"`` or call without labels to get them.
+materialised under ``loss="chunked"``; pass ``loss="plain"``, call without labels, or call
+inside :func:`plain_loss` (what ``MemoptTrainer``'s prediction step does for ``compute_metrics``)
+to get them.
 With ``return_dict=False`` the tuple has None in the logits' place. An LM head that is no longer
 a plain ``nn.Linear`` when called (a PEFT LoRA adapter added after ``wrap``, a hook) would be
 bypassed: the model's own forward and loss run instead, with a warning.
@@ -31,6 +33,7 @@ bypassed: the model's own forward and loss run instead, with a warning.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import inspect
@@ -232,7 +235,7 @@ class _ChunkedLossForward:
 
     __slots__ = (
         "model", "previous_forward", "parameter_names", "hook", "capturing", "captured", "checked",
-        "aux_loss_coefficient", "warned",
+        "aux_loss_coefficient", "warned", "plain",
     )  # fmt: skip
 
     def __init__(self, model: nn.Module, previous_forward):
@@ -255,6 +258,8 @@ class _ChunkedLossForward:
         self.aux_loss_coefficient = _aux_loss_coefficient(type(model))[0]
         # Whether the fallback to the plain loss for a changed LM head has been warned of.
         self.warned = False
+        # Whether calls run the model's own forward and loss (inside plain_loss).
+        self.plain = False
         self.hook = _decoder(model).register_forward_hook(_CaptureHidden(self))
 
     @property
@@ -269,7 +274,7 @@ class _ChunkedLossForward:
             return original(*args, **kwargs)  # let the model's forward raise its own TypeError
         call = dict(zip(self.parameter_names, args))
         call.update(kwargs)
-        if call.get("labels") is None:
+        if self.plain or call.get("labels") is None:
             return original(*args, **kwargs)
         if call.get("fused_lm_head"):
             # TRL's SFTTrainer patches the forward with its own fused LM-head loss and asks for it
@@ -403,6 +408,24 @@ class _ChunkedLossForward:
                 "model's last hidden state (it rescales or transforms them in a way loss='chunked' does "
                 "not reproduce); pass loss='plain'"
             )
+
+
+@contextlib.contextmanager
+def plain_loss(model: nn.Module):
+    """Within the context, every causal LM in ``model`` (itself, or one a PEFT wrapper holds) that
+    :func:`install` gave the chunked loss runs its own forward and Hugging Face's loss: calls
+    with labels return the logits too. For a step that needs them (a Trainer's prediction step
+    feeding ``compute_metrics``); other calls keep the chunked loss, which saves the logits'
+    memory also without gradients. A model without a chunked loss runs unchanged."""
+    forwards = [f for m in model.modules() if isinstance(f := m.__dict__.get("forward"), _ChunkedLossForward)]
+    previous = [f.plain for f in forwards]
+    for forward in forwards:
+        forward.plain = True
+    try:
+        yield
+    finally:
+        for forward, plain in zip(forwards, previous):
+            forward.plain = plain
 
 
 def install(lm: nn.Module) -> _ChunkedLossForward:

@@ -319,3 +319,93 @@ def test_short_last_batch_does_not_lower_the_micro_batch(tmp_path):
         warnings.simplefilter("ignore", FutureWarning)
         trainer.train()
     assert seen == [(4, 4), (4, 4), (1, 4)] * 2  # (batch, micro-batch after it); before: 1 from the first batch of 1
+
+
+# PEFT models: the Trainer calls the PeftModel's activation_checkpointing_enable, which its class
+# does not define (the instance reaches the inner model's through __getattr__).
+
+
+def _lora(seed=0):
+    peft = pytest.importorskip("peft")
+    return peft.get_peft_model(_llama(seed), peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+
+
+@pytest.mark.parametrize("policy", [None, "selective"])
+def test_memopt_trainer_trains_a_peft_model_as_the_unwrapped_trainer(tmp_path, policy):
+    """MemoptTrainer refused every PEFT model (TypeError 'not a Hugging Face PreTrainedModel'),
+    with gradient_checkpointing off too."""
+    plain = _train(RecordingTrainer, _lora(), _args(tmp_path / "plain", gradient_accumulation_steps=2))
+    checkpointing = {} if policy is None else {
+        "gradient_checkpointing": True, "gradient_checkpointing_kwargs": {"memopt": {"policy": policy}},
+    }  # fmt: skip
+    ours = _train(RecordingMemoptTrainer, _lora(), _args(tmp_path / "memopt", gradient_accumulation_steps=2, **checkpointing))
+    assert wrap_module.is_wrapped(ours.model) is (policy is not None)
+    assert not ours.model.base_model.model.is_activation_checkpointing  # Hugging Face's own stayed off
+    assert len(ours.step_losses) == len(plain.step_losses) == 5
+    torch.testing.assert_close(torch.tensor(ours.step_losses), torch.tensor(plain.step_losses), rtol=1e-5, atol=1e-6)
+    _assert_params_close(_params(ours.model), _params(plain.model), rtol=1e-4, atol=1e-5)
+
+
+def test_take_over_checkpointing_on_a_peft_model_falls_back_to_the_inner_models_checkpointing():
+    from memopt.integrations.transformers import take_over_checkpointing
+
+    model = take_over_checkpointing(_lora())
+    model.activation_checkpointing_enable()  # no "memopt" key: Hugging Face's, on the model PEFT holds
+    assert model.base_model.model.is_activation_checkpointing and not wrap_module.is_wrapped(model)
+    model = take_over_checkpointing(_lora())
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"memopt": {"policy": "full"}})
+    assert set(wrap_module.wrapped_policies(model).values()) == {"full"}
+    with pytest.raises(TypeError, match="not a Hugging Face PreTrainedModel"):
+        take_over_checkpointing(torch.nn.Linear(2, 2))
+
+
+def test_wrapped_peft_model_with_hf_checkpointing_raises_instead_of_checkpointing_twice(tmp_path):
+    """wrap(peft_model) installed no switch (its class defines no checkpointing method), so
+    Hugging Face's checkpointing went on top and every layer was checkpointed twice."""
+    model = memopt.wrap(_lora())
+    with pytest.raises(RuntimeError, match="checkpoint its layers a second time"):
+        model.activation_checkpointing_enable()
+    with pytest.raises(RuntimeError, match="checkpoint its layers a second time"):
+        model.gradient_checkpointing_enable()  # the 4.x name, which the PEFT model reaches in the inner model
+    trainer = transformers.Trainer(model=model, args=_args(tmp_path, gradient_checkpointing=True), train_dataset=_dataset())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        with pytest.raises(RuntimeError, match="checkpoint its layers a second time"):
+            trainer.train()
+    assert not model.base_model.model.is_activation_checkpointing
+
+
+# Evaluation: the chunked loss makes no logits, and the Trainer's prediction step passes on what
+# the model returns besides the loss.
+
+
+def _evaluate(trainer_class, model, tmp_path, compute_metrics):
+    seen = []
+    metrics = None if compute_metrics is None else lambda p: seen.append(p) or {}
+    args = _args(tmp_path, per_device_eval_batch_size=4)
+    trainer = trainer_class(model=model, args=args, eval_dataset=_dataset(), compute_metrics=metrics)
+    return trainer.evaluate()["eval_loss"], seen
+
+
+def test_memopt_trainer_evaluate_gives_compute_metrics_the_logits_of_the_unwrapped_model(tmp_path):
+    """compute_metrics got empty predictions () from a wrapped causal LM (its chunked loss returns
+    logits=None with labels); eval_loss was right."""
+    want_loss, (want,) = _evaluate(transformers.Trainer, _llama(), tmp_path / "plain", compute_metrics=True)
+    model = memopt.wrap(_llama(), policy="selective")
+    got_loss, (got,) = _evaluate(MemoptTrainer, model, tmp_path / "memopt", compute_metrics=True)
+    assert got.predictions.shape == want.predictions.shape == (SAMPLES, SEQ, VOCAB)
+    torch.testing.assert_close(torch.from_numpy(got.predictions), torch.from_numpy(want.predictions), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # outside the prediction step the chunked loss is back
+        batch = _dataset()[0]
+        assert model(input_ids=batch["input_ids"][None], labels=batch["labels"][None]).logits is None
+
+
+def test_memopt_trainer_loss_only_evaluation_keeps_the_chunked_loss(tmp_path):
+    model = memopt.wrap(_llama(), policy="selective")
+    logits = []
+    model.register_forward_hook(lambda module, args, output: logits.append(output.logits))
+    got_loss, _ = _evaluate(MemoptTrainer, model, tmp_path / "memopt", compute_metrics=None)
+    want_loss, _ = _evaluate(transformers.Trainer, _llama(), tmp_path / "plain", compute_metrics=None)
+    assert logits and all(value is None for value in logits)
+    torch.testing.assert_close(got_loss, want_loss, rtol=1e-5, atol=1e-6)

@@ -1,6 +1,6 @@
 """memopt with Hugging Face ``transformers.Trainer``.
 
-Two things, usable apart:
+Three things, usable apart:
 
 - **Checkpointing through ``TrainingArguments``.** With ``gradient_checkpointing=True`` (in
   transformers 5.x also spelled ``activation_checkpointing=True``) the Trainer calls the model's
@@ -27,6 +27,15 @@ Two things, usable apart:
   ``per_device_train_batch_size`` and restarts the training loop: the effective batch (and the
   step count, the learning-rate schedule, what the run computes) changes, and the steps already
   taken are run again.
+
+- **Logits for metrics.** The chunked causal-LM loss :func:`memopt.wrap` gives by default makes
+  no logits (``logits`` is None with labels), so a plain ``Trainer``'s ``evaluate`` /
+  ``predict`` would hand ``compute_metrics`` no predictions. :class:`MemoptTrainer`'s
+  ``prediction_step`` runs the model's own forward and loss where logits are asked for, and the
+  chunked loss where only the loss is (``evaluate`` without ``compute_metrics``).
+
+Both take PEFT models (``peft.PeftModel`` over a Hugging Face model): the switch goes on the
+PEFT instance, whose ``activation_checkpointing_enable`` the Trainer calls.
 
 Limits: :class:`MemoptTrainer` runs on one process (under DDP a rank's OOM would leave the others
 in the gradient all-reduce; :class:`memopt.AdaptiveBatch` itself handles DDP in its own loop).
@@ -65,6 +74,7 @@ import transformers
 from torch import nn
 
 from memopt.adaptive import AdaptiveBatch, _leading_size
+from memopt.causal_lm_loss import plain_loss
 
 __all__ = ["MEMOPT_KEY", "MemoptTrainer", "take_over_checkpointing"]
 
@@ -72,12 +82,33 @@ MEMOPT_KEY = "memopt"
 """The key of ``gradient_checkpointing_kwargs`` whose dict goes to :func:`memopt.wrap`."""
 
 
+_METHOD_NAMES = ("activation_checkpointing_enable", "gradient_checkpointing_enable")
+
+
 def _checkpointing_method_name(model: nn.Module) -> str:
     # transformers 5.x: activation_checkpointing_enable (the Trainer's entry point; the older
-    # name forwards to it); 4.x: gradient_checkpointing_enable.
-    return "activation_checkpointing_enable" if hasattr(type(model), "activation_checkpointing_enable") else (
+    # name forwards to it); 4.x: gradient_checkpointing_enable. Asked of the instance: a PEFT
+    # model's class defines neither, its instance reaches the inner model's through __getattr__.
+    return "activation_checkpointing_enable" if hasattr(model, "activation_checkpointing_enable") else (
         "gradient_checkpointing_enable"
     )
+
+
+def _own_method(model: nn.Module, name: str):
+    """The model's ``name`` method as it is without the switch: its class's, else the one its
+    ``__getattr__`` reaches (a PEFT model's: the wrapped Hugging Face model's); None when none."""
+    if hasattr(type(model), name):
+        return getattr(type(model), name).__get__(model)
+    try:
+        return type(model).__getattr__(model, name)
+    except AttributeError:
+        return None
+
+
+def has_checkpointing_method(model: nn.Module) -> bool:
+    """Whether ``model`` has Hugging Face's checkpointing switch (a ``PreTrainedModel``, or a PEFT
+    model holding one), on which :func:`take_over_checkpointing` installs memopt's."""
+    return any(_own_method(model, n) is not None for n in _METHOD_NAMES)
 
 
 class _CheckpointingSwitch:
@@ -103,7 +134,7 @@ class _CheckpointingSwitch:
                     f"{{'{MEMOPT_KEY}': {{...memopt.wrap arguments}}}}) on an unwrapped model), or set "
                     "gradient_checkpointing=False"
                 )
-            return getattr(type(self.model), self.method_name)(self.model, *args, **kwargs)
+            return _own_method(self.model, self.method_name)(*args, **kwargs)
         options = checkpointing_kwargs[MEMOPT_KEY]
         if not isinstance(options, dict):
             raise TypeError(
@@ -142,15 +173,22 @@ def take_over_checkpointing(model: nn.Module) -> nn.Module:
     ``gradient_checkpointing_enable``) on this instance by a switch: with the ``"memopt"`` key it
     calls ``memopt.wrap(model, **kwargs["memopt"])`` (``offload=True`` from the Trainer's
     ``offload`` key); without it, the model's own method, refused with ``RuntimeError`` while the
-    model is memopt-wrapped. Calling it again does nothing. Returns ``model``.
+    model is memopt-wrapped. A PEFT model (``peft.PeftModel``) gets the switch on its own instance,
+    which the Trainer calls; its fallback is the wrapped Hugging Face model's method. Calling it
+    again does nothing. Returns ``model``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"memopt.integrations.transformers: model must be an nn.Module, got {type(model).__name__}")
     name = _checkpointing_method_name(model)
-    if not hasattr(type(model), name):
-        raise TypeError(f"{type(model).__name__} has no {name}: not a Hugging Face PreTrainedModel")
-    if not isinstance(model.__dict__.get(name), _CheckpointingSwitch):
-        setattr(model, name, _CheckpointingSwitch(model, name))
+    if _own_method(model, name) is None:
+        raise TypeError(f"{type(model).__name__} has no {name}: not a Hugging Face PreTrainedModel (or a PEFT model of one)")
+    # A PreTrainedModel's gradient_checkpointing_enable calls its activation_checkpointing_enable,
+    # which finds the switch; a PEFT model's reaches the inner model's, which would not: each name
+    # its class does not define gets a switch of its own.
+    names = [name] + [n for n in _METHOD_NAMES if n != name and not hasattr(type(model), n) and _own_method(model, n)]
+    for each in names:
+        if not isinstance(model.__dict__.get(each), _CheckpointingSwitch):
+            setattr(model, each, _CheckpointingSwitch(model, each))
     return model
 
 
@@ -175,10 +213,23 @@ class MemoptTrainer(transformers.Trainer):
                 f"MemoptTrainer: OOM recovery runs on one process (world_size {self.args.world_size}): a rank that "
                 "runs out of memory would leave the others waiting in the gradient all-reduce"
             )
-        take_over_checkpointing(self.model)
+        if has_checkpointing_method(self.model):  # a model without one trains with gradient_checkpointing off
+            take_over_checkpointing(self.model)
         self._adaptive_options = {"micro_batch": micro_batch, "min_micro_batch": min_micro_batch,
                                   "grow_after": grow_after}
         self.adaptive_batch: AdaptiveBatch | None = None
+
+    def prediction_step(self, model: nn.Module, inputs: dict[str, Any], prediction_loss_only: bool,
+                        ignore_keys: list[str] | None = None):
+        """The Trainer's prediction step; where it returns logits (``prediction_loss_only`` False:
+        ``evaluate`` with ``compute_metrics``, ``predict``), a causal LM that ``memopt.wrap`` gave
+        the chunked loss (which makes no logits) runs its own forward and loss for the step
+        (:func:`memopt.causal_lm_loss.plain_loss`). A loss-only step keeps the chunked loss.
+        """
+        if prediction_loss_only:
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
+        with plain_loss(model):
+            return super().prediction_step(model, inputs, prediction_loss_only, ignore_keys=ignore_keys)
 
     def _loss_is_scaled_for_ga(self, num_items_in_batch) -> bool:
         # The rule of Trainer.training_step, from the Trainer's public attributes.

@@ -44,6 +44,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflat
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 from memopt._parameters_as_called import ParametersAsCalled, submodules
+from memopt._records_graph import records_graph
 from memopt.offload import Offload, offload_group
 from memopt.policy import (
     PolicyFunctionCall, check_offload, check_policy, is_selective_saved, selective_checkpoint_policy,
@@ -1164,6 +1165,14 @@ def _context_fn(
     return _Contexts(*forward), _RecomputeContexts(tracker, recompute, during_forward, after_first)
 
 
+def _refuse_debug():
+    raise ValueError(
+        "memopt.checkpoint: debug=True needs policy='full', no context_fn, and a function whose modules "
+        "have no buffers (torch's debug mode takes no context_fn; 'selective', a policy function and "
+        "memopt's buffer guard are one each)"
+    )
+
+
 def checkpoint(
     fn: Callable,
     *args,
@@ -1236,6 +1245,10 @@ def checkpoint(
     (``create_graph=True`` then a backward through that graph, ``retain_graph=True``,
     ``gradcheck``) recomputes plainly under ``"selective"`` and policy functions, as ``"full"``
     would, where PyTorch's selective checkpointing raises ("backward an extra time").
+
+    With gradients off (``torch.no_grad``, ``torch.inference_mode``) and no forward-mode AD,
+    ``fn`` runs directly, as ``torch.utils.checkpoint`` runs it there: nothing is saved, and the
+    checkpoint's host work would be overhead only (:func:`memopt._records_graph.records_graph`).
     """
     if not callable(fn):
         raise TypeError(f"memopt.checkpoint: fn must be callable, got {type(fn).__name__}")
@@ -1259,6 +1272,20 @@ def checkpoint(
         raise TypeError(f"memopt.checkpoint: preserve_rng_state must be a bool, got {preserve_rng_state!r}")
     if determinism_check not in ("default", "none"):
         raise ValueError(f"memopt.checkpoint: determinism_check must be 'default' or 'none', got {determinism_check!r}")
+    compiling = torch.compiler.is_compiling()
+    if debug and policy != "none" and (policy != "full" or context_fn is not None):
+        _refuse_debug()  # the part that needs no module walk; the buffers' below
+    if compiling and context_fn is not None and policy != "full":
+        raise ValueError(
+            "memopt.checkpoint: under torch.compile, policy='selective' or a policy function cannot take a context_fn "
+            "(torch.compile needs the selective checkpoint's own dispatch modes)"
+        )
+    if not records_graph((args, kwargs), None):
+        # Gradients off (torch.no_grad, inference_mode) and no forward-mode AD: nothing would be
+        # saved, and torch.utils.checkpoint runs fn plainly there too (so a fn that turns
+        # gradients on inside keeps what it keeps under torch's checkpoint); the checkpoint's
+        # frame, RNG stash and module walks cost a small MLP 2.3-2.7x its own forward.
+        return fn(*args, **kwargs)
     if offload:
         # Inputs that need no gradient (attention masks, rotary tables) are held by the caller,
         # usually for every layer: moving them would free nothing.
@@ -1277,7 +1304,6 @@ def checkpoint(
             )
     if policy == "none":
         return fn(*args, **kwargs)
-    compiling = torch.compiler.is_compiling()
     # Under torch.compile the contexts must be PyTorch's own dispatch modes (its partitioner
     # decides what is saved, and functionalization replays in-place updates): no guards there.
     guarded = not compiling
@@ -1289,11 +1315,7 @@ def checkpoint(
     global_debug = torch.utils.checkpoint._checkpoint_debug_enabled
     wants_debug = debug or (global_debug is True and policy == "full")
     if wants_debug and (policy != "full" or context_fn is not None or buffers):
-        raise ValueError(
-            "memopt.checkpoint: debug=True needs policy='full', no context_fn, and a function whose modules "
-            "have no buffers (torch's debug mode takes no context_fn; 'selective', a policy function and "
-            "memopt's buffer guard are one each)"
-        )
+        _refuse_debug()
     options: dict[str, Any] = {
         "use_reentrant": False,
         "preserve_rng_state": preserve_rng_state,
@@ -1307,11 +1329,6 @@ def checkpoint(
             options["respect_saved_tensors_hooks"] = respect_hooks
         cache_hooks = outer_hooks if respect_saved_tensors_hooks and not _CHECKPOINT_RESPECTS_HOOKS else None
         guard_hooks = outer_hooks if respect_saved_tensors_hooks else None
-        if compiling and context_fn is not None and policy != "full":
-            raise ValueError(
-                "memopt.checkpoint: under torch.compile, policy='selective' or a policy function cannot take a context_fn "
-                "(torch.compile needs the selective checkpoint's own dispatch modes)"
-            )
         options["context_fn"] = functools.partial(
             _context_fn, policy, respect_hooks, cache_hooks, guard_hooks, guarded and policy != "full",
             buffers, context_fn, preserve_rng_state,

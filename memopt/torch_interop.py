@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from memopt._records_graph import records_graph
 from memopt._stock_forward import has_module_hooks, runs_stock_forward
 from memopt.block import FusedCheckpointBlock, compute_dtype
 from memopt.block_functions import MAX_HEAD_DIM, head_dim_supported
@@ -287,6 +288,9 @@ class FusedTransformerEncoderLayer(nn.Module):
         def layer_forward(src, **kwargs):
             return torch.func.functional_call(layer, params, (src,), kwargs)
 
+        if not records_graph(((src, src_mask, src_key_padding_mask), params), ()):
+            # A frozen model, or gradients off: no graph, so the checkpoint would be host time only.
+            return layer_forward(src, src_mask=src_mask, src_key_padding_mask=src_key_padding_mask, is_causal=is_causal)
         return checkpoint(
             layer_forward, src, policy=block.policy, offload=block.offload,
             src_mask=src_mask, src_key_padding_mask=src_key_padding_mask, is_causal=is_causal,

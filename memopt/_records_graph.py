@@ -1,0 +1,83 @@
+"""Whether a call records an autograd graph: the one rule for skipping a checkpoint.
+
+A checkpoint saves less for a backward; where no backward graph is recorded it saves nothing
+and costs host time only (its frame, the RNG state stash, buffer copies, saved-tensor hooks, the
+selective policy's dispatch mode on every op). :func:`memopt.checkpoint`, ``memopt.wrap``'s
+layers and the torch layer that a swapped ``nn.TransformerEncoderLayer`` falls back to ask
+:func:`records_graph` and call the function directly when it says no. The fused block's
+``memopt.block_functions.needs_autograd`` is the same rule for one input and the block's
+parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+from torch.autograd import forward_ad
+from torch.utils._pytree import tree_leaves
+
+from memopt._parameters_as_called import submodules
+
+
+def records_graph(tensors: Any, modules: Iterable[nn.Module] | None) -> bool:
+    """Whether a call that reads ``tensors`` and runs ``modules`` records an autograd graph or
+    runs under forward-mode AD, so that it must take memopt's checkpointed path:
+
+    * a forward-mode AD level is active (``torch.autograd.forward_ad.dual_level``,
+      ``torch.func.jvp``): True, the checkpointed path as it always ran;
+    * gradients are off (``torch.no_grad``, ``torch.inference_mode``): False. A function that
+      turns gradients on inside records a graph there; ``torch.utils.checkpoint`` runs such a
+      call plainly too (no saved-tensor hooks when gradients are off as it starts), so the
+      direct call keeps as much memory as torch's checkpoint would;
+    * ``modules`` is None (the call may read tensors nobody can see: a closure, a plain
+      function): True;
+    * otherwise whether a tensor among the leaves of ``tensors`` (a pytree: ``(args, kwargs)``)
+      or a parameter of ``modules`` or of their submodules (their ``_parameters`` as the call
+      starts: ``torch.func.functional_call``'s and FSDP2's swapped-in ones) requires grad.
+
+    This is the rule of ``memopt.block_functions.needs_autograd``, for any call. Tensors the call
+    reads from elsewhere (a tied weight held as a plain attribute, another module's parameter
+    read by a closure or a hook) are not seen: a call that reads one that requires grad records
+    a graph where this says False. Running it directly is still exact; only the checkpoint's
+    memory saving is lost (``memopt.wrap`` notices it from the output, outside ``torch.compile``,
+    and checkpoints the layer's later calls). Traces under ``torch.compile(fullgraph=True)``.
+    """
+    if forward_ad._current_level >= 0:  # -1 outside every dual level; read under torch.compile too
+        return True
+    if not torch.is_grad_enabled():
+        return False
+    if modules is None:
+        return True
+    if _requires_grad(tensors):
+        return True
+    for module in submodules(modules):
+        for p in module._parameters.values():
+            if p is not None and p.requires_grad:
+                return True
+    return False
+
+
+def output_requires_grad(output: Any) -> bool:
+    """Whether a tensor among the leaves of ``output`` (a pytree) requires grad: the call
+    recorded a graph that reaches its result."""
+    return _requires_grad(output)
+
+
+_NOT_CONTAINERS = (type(None), bool, int, float, str)
+
+
+def _requires_grad(tree: Any) -> bool:
+    # tree_leaves flattens the whole tree first (~4 us for a layer's (args, kwargs)); the usual
+    # hit, a tensor argument that requires grad (the hidden states in training), comes first here.
+    if isinstance(tree, torch.Tensor):
+        return tree.requires_grad
+    if isinstance(tree, (tuple, list)):
+        return any(_requires_grad(v) for v in tree)
+    if isinstance(tree, dict):
+        return any(_requires_grad(v) for v in tree.values())
+    if isinstance(tree, _NOT_CONTAINERS):
+        return False
+    # Other pytree nodes (a registered dataclass); a leaf that is no tensor gives False.
+    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(tree))

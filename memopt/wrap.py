@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import inspect
+import sys
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -53,8 +55,8 @@ class _WrapState:
     wrapped: list[nn.Module] = field(default_factory=list)
     # (parent, attribute, original layer) for layers swapped for a fused block
     swapped: list[tuple[nn.Module, str, nn.Module]] = field(default_factory=list)
-    # Hugging Face configs whose use_cache wrap turned off (it was True); an encoder-decoder's
-    # decoder stack holds a copy of the model's config, so there can be several
+    # the forward pre-hooks (_CacheOff) that default use_cache to False on the Hugging Face
+    # modules whose forward takes it (an encoder-decoder's decoder stack has its own config)
     use_cache: list[Any] = field(default_factory=list)
     policies: dict[str, str] = field(default_factory=dict)
     # the chunked-loss forward installed on a Hugging Face causal LM (memopt.causal_lm_loss)
@@ -452,13 +454,15 @@ def wrap(
     own forward through :func:`memopt.checkpoint`, and ``("none", False)`` leaves them as they are.
 
     Wrapping twice, or wrapping a model with a wrapped module inside, raises ``RuntimeError``:
-    call :func:`unwrap` first. Hugging Face models get
-    ``config.use_cache = False`` while wrapped (a cache built while training holds every layer's
-    keys and values until the backward), as their own gradient checkpointing does, on every
-    config in the model (an encoder-decoder's decoder stack has its own copy); ``unwrap``
-    restores them. A ``transformers.Cache`` a layer gets anyway (``use_cache=True``, or XLM's,
-    built on every call) is exact: each recompute sees a copy of it as the forward did
-    (:func:`memopt.checkpoint`, note [a key/value cache argument]).
+    call :func:`unwrap` first. While wrapped, a Hugging Face model called with gradients on
+    and without ``use_cache`` runs with ``use_cache=False`` (a cache built while training holds
+    every layer's keys and values until the backward), as under Hugging Face's own gradient
+    checkpointing, on every module whose config has ``use_cache`` True and whose forward takes it
+    (an encoder-decoder's decoder stack has its own config); the configs are not changed, so
+    ``save_pretrained`` writes them as they were, and calls without gradients (``generate``,
+    evaluation) use the cache as the config says. A ``transformers.Cache`` a layer gets anyway
+    (``use_cache=True``, or XLM's, built on every call) is exact: each recompute sees a copy of
+    it as the forward did (:func:`memopt.checkpoint`, note [a key/value cache argument]).
 
     Returns:
         ``model``.
@@ -534,7 +538,7 @@ def wrap(
     if ffn_chunk_tokens is not None:
         final_norms = tiled_ffn.find_stack_norms(model, [name for name, _ in found])
         state.tiled_ffns += tiled_ffn.install_norms(final_norms, ffn_chunk_tokens)
-    state.use_cache = _disable_use_cache(model)
+    state.use_cache = _default_use_cache_off(model)
     if chunked_loss_lm is not None:
         state.loss_forward = causal_lm_loss.install(chunked_loss_lm)
     if state.wrapped:
@@ -543,44 +547,81 @@ def wrap(
             model.register_forward_hook(_RunCheck(model, state, pre=False)),
         ]
     object.__setattr__(model, _STATE_ATTR, state)
-    if any(hasattr(type(model), n) for n in ("activation_checkpointing_enable", "gradient_checkpointing_enable")):
+    if any(hasattr(model, n) for n in ("activation_checkpointing_enable", "gradient_checkpointing_enable")):
         # A Trainer with gradient_checkpointing=True would checkpoint the layers a second time: the
         # switch refuses that (and lets gradient_checkpointing_kwargs={"memopt": ...} select memopt).
+        # Asked of the instance: a PEFT model reaches the method through __getattr__.
         from memopt.integrations.transformers import take_over_checkpointing
 
         take_over_checkpointing(model)
     return model
 
 
-def _disable_use_cache(model: nn.Module) -> list:
-    """Set ``use_cache = False`` on every Hugging Face config in ``model`` that has it True (an
-    encoder-decoder's decoder stack holds a copy of the model's config); returns those configs."""
-    configs = {id(c): c for c in (getattr(m, "config", None) for m in model.modules()) if c is not None}
-    turned_off = [c for c in configs.values() if getattr(c, "use_cache", False) is True]
-    for config in turned_off:
-        config.use_cache = False
-    return turned_off
+class _CacheOff:
+    """Forward pre-hook (with kwargs) on a Hugging Face module whose forward takes ``use_cache``:
+    a call with gradients on that does not pass it gets ``use_cache=False``. Per call rather than
+    on the config, which ``save_pretrained`` writes and the unwrapped model would keep. An
+    object, not a closure, so that a wrapped model pickles and deep-copies."""
+
+    __slots__ = ("position",)
+
+    def __init__(self, position: int):
+        # use_cache's index among the forward's positional parameters (self excluded); a call
+        # with that many positional arguments passed it
+        self.position = position
+
+    def __call__(self, module, args, kwargs):
+        if torch.is_grad_enabled() and len(args) <= self.position and kwargs.get("use_cache") is None:
+            return args, {**kwargs, "use_cache": False}
+        return None
 
 
-def _restore_use_cache(configs: list) -> None:
-    for config in configs:
-        config.use_cache = True
+def _use_cache_position(module: nn.Module) -> int | None:
+    """The index of ``use_cache`` among ``module.forward``'s positional parameters (a large number
+    for a keyword-only one), or None when the forward takes no such parameter."""
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):
+        return None
+    positional = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if "use_cache" in positional:
+        return positional.index("use_cache")
+    return sys.maxsize if any(p.name == "use_cache" and p.kind == p.KEYWORD_ONLY for p in parameters) else None
+
+
+def _default_use_cache_off(model: nn.Module) -> list:
+    """Give every module of ``model`` whose Hugging Face config has ``use_cache`` True and whose
+    forward takes ``use_cache`` a :class:`_CacheOff` pre-hook; returns their handles."""
+    handles = []
+    for module in model.modules():
+        if getattr(getattr(module, "config", None), "use_cache", False) is not True:
+            continue
+        position = _use_cache_position(module)
+        if position is not None:
+            handles.append(module.register_forward_pre_hook(_CacheOff(position), with_kwargs=True))
+    return handles
+
+
+def _remove_hooks(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 @contextlib.contextmanager
 def model_wide_settings(model: nn.Module, loss: str | None = None):
     """What ``wrap(model, loss=loss)`` changes besides the layers, for as long as the context
-    lasts: ``use_cache = False`` on Hugging Face configs and the chosen LM-head loss
-    (:mod:`memopt.causal_lm_loss`). ``memopt.plan`` measures the model this way, as it will run."""
+    lasts: ``use_cache=False`` by default on Hugging Face modules called with gradients and the
+    chosen LM-head loss (:mod:`memopt.causal_lm_loss`). ``memopt.plan`` measures the model this
+    way, as it will run."""
     lm = causal_lm_loss.chosen_loss(model, loss)
-    configs = _disable_use_cache(model)
+    cache_hooks = _default_use_cache_off(model)
     loss_forward = causal_lm_loss.install(lm) if lm is not None else None
     try:
         yield
     finally:
         if loss_forward is not None:
             causal_lm_loss.remove(loss_forward)
-        _restore_use_cache(configs)
+        _remove_hooks(cache_hooks)
 
 
 def _plan_loss(given_plan, loss: str | None) -> str | None:
@@ -651,7 +692,7 @@ def unwrap(model: nn.Module) -> nn.Module:
         handle.remove()
     for tiled in state.tiled_ffns:
         tiled_ffn.remove(tiled)
-    _restore_use_cache(state.use_cache)
+    _remove_hooks(state.use_cache)
     if state.loss_forward is not None:
         causal_lm_loss.remove(state.loss_forward)
     object.__delattr__(model, _STATE_ATTR)

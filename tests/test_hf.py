@@ -177,15 +177,26 @@ def test_saved_bytes_against_hf_gradient_checkpointing(name):
     assert hf_full < counted["selective"] < counted["none"]
 
 
-def test_wrap_turns_off_and_unwrap_restores_use_cache():
-    model = _llama("sdpa")
-    assert model.config.use_cache is True
-    memopt.wrap(model)
-    assert model.config.use_cache is False
+@pytest.mark.parametrize("name", ["llama-sdpa", "gpt2-eager"])
+def test_wrap_turns_the_cache_off_per_call_and_leaves_the_config(tmp_path, name):
+    """wrap set config.use_cache = False while wrapped, which save_pretrained wrote to config.json:
+    the model reloaded from it (unwrapped) made no cache. Hugging Face's own checkpointing keeps
+    the config and turns the cache off per call, with gradients on."""
+    torch.manual_seed(0)
+    model = memopt.wrap(MODELS[name]())
     ids = _input_ids()
-    model(input_ids=ids, labels=ids).loss.backward()
-    memopt.unwrap(model)
     assert model.config.use_cache is True
+    assert model(input_ids=ids, labels=ids).cache is None  # with gradients: no cache, as before
+    assert model(input_ids=ids).cache is None
+    assert model(input_ids=ids, use_cache=True).cache is not None  # asked for: copied for the recompute
+    with torch.no_grad():  # as the config says, as the unwrapped model (generate, evaluation)
+        assert model(input_ids=ids).cache is not None
+    model.save_pretrained(tmp_path)
+    reloaded = type(model).from_pretrained(tmp_path)
+    assert reloaded.config.use_cache is True
+    assert reloaded(input_ids=ids).cache is not None
+    memopt.unwrap(model)
+    assert model(input_ids=ids).cache is not None  # the per-call switch went with unwrap
 
 
 def test_wrap_refuses_model_with_hf_checkpointing_on():

@@ -11,6 +11,7 @@ parameters.
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Iterable
 
 import torch
@@ -35,7 +36,11 @@ def records_graph(tensors: Any, modules: Iterable[nn.Module] | None) -> bool:
       function): True;
     * otherwise whether a tensor among the leaves of ``tensors`` (a pytree: ``(args, kwargs)``)
       or a parameter of ``modules`` or of their submodules (their ``_parameters`` as the call
-      starts: ``torch.func.functional_call``'s and FSDP2's swapped-in ones) requires grad.
+      starts: ``torch.func.functional_call``'s and FSDP2's swapped-in ones) requires grad. A leaf
+      that is neither a tensor nor a plain value (None, bool, int, float, complex, str, bytes, a
+      dtype, device, layout, memory format or enum) counts as one that requires grad: an object
+      that is no registered pytree node (a plain dataclass, a cache object, a function) may hold
+      such a tensor unseen.
 
     This is the rule of ``memopt.block_functions.needs_autograd``, for any call. Tensors the call
     reads from elsewhere (a tied weight held as a plain attribute, another module's parameter
@@ -60,24 +65,34 @@ def records_graph(tensors: Any, modules: Iterable[nn.Module] | None) -> bool:
 
 
 def output_requires_grad(output: Any) -> bool:
-    """Whether a tensor among the leaves of ``output`` (a pytree) requires grad: the call
-    recorded a graph that reaches its result."""
+    """Whether ``output`` (a pytree) may hold a tensor that requires grad, by the rule of
+    :func:`records_graph`'s arguments: a tensor leaf that requires grad, or a leaf that is neither a
+    tensor nor a plain value (an object that is no registered pytree node: its tensors cannot be
+    seen). True means the call may have recorded a graph that reaches its result."""
     return _requires_grad(output)
 
 
-_NOT_CONTAINERS = (type(None), bool, int, float, str)
+# Values that hold no tensor: None, bool, int, float, complex, str, bytes, dtypes, devices,
+# layouts, memory formats, enums (torch.Size is a tuple of ints, seen through below).
+_PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
+          torch.memory_format, enum.Enum)  # fmt: skip
 
 
 def _requires_grad(tree: Any) -> bool:
-    # tree_leaves flattens the whole tree first (~4 us for a layer's (args, kwargs)); the usual
-    # hit, a tensor argument that requires grad (the hidden states in training), comes first here.
+    # True where a tensor leaf of ``tree`` requires grad, or a leaf is an object this cannot see
+    # into (a plain dataclass, a cache object, a closure: anything but a tensor, a plain value or a
+    # pytree node) and so may hold one. tree_leaves flattens the whole tree first (~4 us for a
+    # layer's (args, kwargs)); the usual hit, a tensor argument that requires grad (the hidden
+    # states in training), comes first here, and tuples, lists and dicts are walked without it.
     if isinstance(tree, torch.Tensor):
         return tree.requires_grad
     if isinstance(tree, (tuple, list)):
         return any(_requires_grad(v) for v in tree)
     if isinstance(tree, dict):
         return any(_requires_grad(v) for v in tree.values())
-    if isinstance(tree, _NOT_CONTAINERS):
+    if isinstance(tree, _PLAIN):
         return False
-    # Other pytree nodes (a registered dataclass); a leaf that is no tensor gives False.
-    return any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(tree))
+    leaves = tree_leaves(tree)  # another pytree node (a registered dataclass), or a leaf
+    if len(leaves) == 1 and leaves[0] is tree:
+        return True  # no pytree node: what it holds is unseen
+    return any(_requires_grad(leaf) for leaf in leaves)

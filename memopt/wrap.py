@@ -254,8 +254,9 @@ class _LayerWrap:
     # None: not seen (under torch.compile the hooks step aside), checked as True
     model_grad: bool | None = None
     # Whether a call that records_graph said records no graph returned a result that requires
-    # grad: the layer reads such a tensor from outside its arguments and parameters (a tied
-    # weight held as a plain attribute, a closure, a hook's), so its calls are always checkpointed
+    # grad (or one output_requires_grad cannot see into): the layer may read such a tensor from
+    # outside its arguments and parameters (a tied weight held as a plain attribute, a closure, a
+    # hook's), so its calls are always checkpointed
     reads_hidden_grad: bool = False
 
     def __deepcopy__(self, memo):
@@ -379,10 +380,11 @@ class _CheckpointedForward:
                 info.reads_hidden_grad = True
                 warnings.warn(
                     f"memopt.wrap: layer {info.name!r} ({type(layer).__name__}) returned a result that requires "
-                    "grad although none of its arguments and parameters does: it reads such a tensor from "
-                    "elsewhere (a tied weight held as a plain attribute, a closure, a hook). This call ran "
-                    "without its checkpoint (exact, but it kept what the layer saves); its later calls are "
-                    "checkpointed",
+                    "grad, or an object memopt cannot look into (neither a tensor, a plain value nor a registered "
+                    "pytree node), although none of its arguments and parameters requires grad: it may read such "
+                    "a tensor from elsewhere (a tied weight held as a plain attribute, a closure, a hook). This "
+                    "call ran without its checkpoint (exact, but it kept what the layer saves); its later calls "
+                    "are checkpointed",
                     stacklevel=2,
                 )
             return out

@@ -7,6 +7,8 @@ whether a checkpoint ran by counting calls of memopt.wrap's / torch's checkpoint
 """
 
 import copy
+import dataclasses
+import enum
 import importlib
 
 import pytest
@@ -80,6 +82,40 @@ def test_records_graph_rule():
         assert records_graph(((x,), {}), (layer,))
         with torch.no_grad():
             assert records_graph(((x,), {}), (layer,))
+
+
+@dataclasses.dataclass
+class _State:
+    """A layer's state in a plain dataclass: no pytree node, so the rule cannot see its tensors."""
+
+    h: torch.Tensor
+    mask: torch.Tensor
+
+
+@dataclasses.dataclass
+class _RegisteredState:
+    h: torch.Tensor
+    scale: float
+
+
+torch.utils._pytree.register_pytree_node(
+    _RegisteredState, lambda s: ([s.h], s.scale), lambda leaves, scale: _RegisteredState(leaves[0], scale)
+)
+
+
+def test_records_graph_counts_an_object_it_cannot_see_into_as_recording():
+    layer = nn.Linear(4, 4).requires_grad_(False)
+    x, leaf = torch.randn(2, 4), torch.randn(2, 4, requires_grad=True)
+    assert records_graph(((_State(leaf, x),), {}), (layer,))
+    assert records_graph(((x,), {"state": _State(x, x)}), (layer,))  # its tensors are unseen
+    assert records_graph(((x, lambda: leaf), {}), (layer,))  # a closure, likewise
+    assert records_graph(((_RegisteredState(leaf, 2.0),), {}), (layer,))  # a pytree node is walked
+    assert not records_graph(((_RegisteredState(x, 2.0),), {}), (layer,))
+    plain_values = (None, True, 3, 2.5, 1j, "s", b"b", torch.float64, torch.device("cpu"), torch.strided,
+                    torch.contiguous_format, torch.Size([2, 4]), enum.Enum("E", "A").A)  # fmt: skip
+    assert not records_graph(((x, *plain_values), {"v": list(plain_values)}), (layer,))
+    with torch.no_grad():
+        assert not records_graph(((_State(leaf, x),), {}), (layer,))
 
 
 # -- memopt.wrap ------------------------------------------------------------------------------
@@ -189,6 +225,97 @@ def test_a_layer_reading_a_hidden_tensor_that_requires_grad_is_checkpointed_afte
     torch.testing.assert_close(first_grad, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(second_grad, want, rtol=1e-12, atol=1e-12)
     assert second.total_bytes < first.total_bytes  # "full" keeps layer 0's input only
+
+
+class _StateLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(D_MODEL, FFN, dtype=torch.float64)
+        self.fc2 = nn.Linear(FFN, D_MODEL, dtype=torch.float64)
+
+    def forward(self, state):
+        return _State(state.h + self.fc2(torch.tanh(self.fc1(state.h))) * state.mask, state.mask)
+
+
+class _StateModel(nn.Module):
+    def __init__(self, checkpointed=False):
+        super().__init__()
+        self.layers = nn.ModuleList(_StateLayer() for _ in range(3))
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        state = _State(x, torch.ones(x.shape[:-1] + (1,), dtype=x.dtype))
+        for layer in self.layers:
+            if self.checkpointed:
+                state = torch.utils.checkpoint.checkpoint(layer, state, use_reentrant=False)
+            else:
+                state = layer(state)
+        return state.h
+
+
+def _saved_bytes_and_input_grad(model, x):
+    leaf = x.clone().requires_grad_()
+    with memopt.SavedTensorCounter() as counter:
+        out = model(leaf)
+    return counter.total_bytes, out.detach(), torch.autograd.grad(out.square().sum(), leaf)[0]
+
+
+@pytest.mark.parametrize("policy", ["selective", "full"])
+def test_frozen_model_passing_a_plain_dataclass_is_checkpointed(policy, wrap_checkpoints):
+    # The gradient of the input through a frozen model whose layers pass a dataclass the rule
+    # cannot see into: the layers record a graph, so they are checkpointed, as torch's are.
+    plain = _StateModel().requires_grad_(False)
+    model = memopt.wrap(copy.deepcopy(plain), layers=_StateLayer, policy=policy)
+    torch_ckpt = copy.deepcopy(plain)
+    torch_ckpt.checkpointed = True
+    x = _x()
+    plain_bytes, want_out, want_grad = _saved_bytes_and_input_grad(plain, x)
+    torch_bytes, _, _ = _saved_bytes_and_input_grad(torch_ckpt, x)
+    for step in range(2):
+        got_bytes, got_out, got_grad = _saved_bytes_and_input_grad(model, x)
+        assert len(wrap_checkpoints) == 3 * (step + 1)
+        torch.testing.assert_close(got_out, want_out, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(got_grad, want_grad, rtol=1e-12, atol=1e-12)
+        if policy == "full":
+            assert got_bytes == torch_bytes
+        assert got_bytes < plain_bytes
+
+
+class _HiddenStateLayer(nn.Module):
+    """A frozen layer returning a dataclass that holds a tensor read from a plain attribute."""
+
+    def __init__(self, tied):
+        super().__init__()
+        self.fc = nn.Linear(D_MODEL, D_MODEL, dtype=torch.float64)
+        self.__dict__["tied"] = tied
+
+    def forward(self, x):
+        return _State(torch.tanh(torch.tanh(self.fc(x)) @ self.tied) @ self.tied, x)
+
+
+class _HiddenStateModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Parameter(torch.randn(D_MODEL, D_MODEL, dtype=torch.float64) / D_MODEL**0.5)
+        self.layer = _HiddenStateLayer(self.shared).requires_grad_(False)
+
+    def forward(self, x):
+        return self.layer(x).h
+
+
+def test_a_layer_returning_an_object_the_rule_cannot_see_into_is_checkpointed_after_its_first_call(wrap_checkpoints):
+    plain = _HiddenStateModel()
+    model = memopt.wrap(copy.deepcopy(plain), layers=_HiddenStateLayer, policy="full")
+    model.layer.__dict__["tied"] = model.shared
+    x = _x()
+    want = torch.autograd.grad(plain(x).square().sum(), plain.shared)[0]
+    with pytest.warns(UserWarning, match="layer 'layer' .* an object memopt cannot look into"):
+        first = torch.autograd.grad(model(x).square().sum(), model.shared)[0]
+    assert not wrap_checkpoints
+    second = torch.autograd.grad(model(x).square().sum(), model.shared)[0]
+    assert len(wrap_checkpoints) == 1
+    torch.testing.assert_close(first, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(second, want, rtol=1e-12, atol=1e-12)
 
 
 class _Residual(nn.Module):

@@ -97,10 +97,13 @@ step bench_h200 "${STEP_TIMEOUT_BENCH_H200:-300}" python -m bench --preset h200 
 step profile_h200 "${STEP_TIMEOUT_PROFILE:-90}" python -m bench.profile --preset h200 --out "$OUT/profile_h200.json"
 # Files whose GPU tests have never run (or cover code changed since the last run) come first, so a
 # step cut by its time limit still reports them: offload, wrap and the block changed since the
-# last GPU run; then attention (the Triton grid's batch and head axes), the chunked LM-head loss
-# (its GPU tests never ran; half weights now take a vocabulary-blocked backward), norm and activation.
+# last GPU run; then activation and the block's forward without a graph (bias_act_fwd_inplace, a
+# CUDA kernel never run), attention (the Triton grid's batch and head axes, the tile table chosen
+# from the arguments' alignment), the chunked LM-head loss (its GPU tests never ran; half weights
+# now take a vocabulary-blocked backward), norm.
 first_tests=(tests/test_offload.py tests/test_wrap.py tests/test_wrap_swap.py tests/test_block.py
-  tests/test_attention.py tests/test_cross_entropy.py tests/test_norm.py tests/test_activation.py)
+  tests/test_activation.py tests/test_block_inference.py tests/test_attention.py tests/test_cross_entropy.py
+  tests/test_norm.py)
 gpu_test_files=("${first_tests[@]}")
 for f in tests/test_*.py; do
   case " ${first_tests[*]} " in *" $f "*) ;; *) gpu_test_files+=("$f") ;; esac

@@ -12,6 +12,7 @@ import torch.autograd.forward_ad as fwAD
 import memopt
 import memopt.block
 from bench.memory import LiveTensorTracker
+from helpers import gpu
 
 POLICIES = ["none", "selective", "full"]
 D_MODEL, N_HEADS = 32, 2
@@ -51,6 +52,29 @@ def test_output_is_the_training_paths_bits(policy, config, training, mode):
     with _no_graph(mode, block):
         got = block(x)
     assert got.grad_fn is None
+    assert torch.equal(got, expected.detach())
+
+
+# Without grouped-query heads, which run memopt's Triton kernels on CUDA (compiling them would
+# take most of a device check's test budget; test_block checks them).
+_GPU_CONFIGS = {name: config for name, config in CONFIGS.items() if "n_kv_heads" not in config}
+
+
+@gpu
+@pytest.mark.parametrize("training", [False, True], ids=["eval", "train-dropout"])
+@pytest.mark.parametrize("config", _GPU_CONFIGS.values(), ids=_GPU_CONFIGS.keys())
+@pytest.mark.parametrize("policy", POLICIES)
+def test_gpu_output_is_the_training_paths_bits(policy, config, training, dtype=torch.bfloat16):
+    """On CUDA the forward without a graph runs the CUDA kernels, bias_act_fwd_inplace's among
+    them, and the attention backend "auto" picks: the training path's bits all the same."""
+    block = memopt.FusedCheckpointBlock(D_MODEL, N_HEADS, policy=policy, dropout=0.1, **config)
+    block = block.to(device="cuda", dtype=dtype).train(training)
+    x = torch.randn(2, 9, D_MODEL, device="cuda", dtype=dtype)
+    torch.manual_seed(1)
+    expected = block(x.clone().requires_grad_())
+    torch.manual_seed(1)
+    with torch.no_grad():
+        got = block(x)
     assert torch.equal(got, expected.detach())
 
 

@@ -110,9 +110,9 @@ def test_python_snippets_compile_and_name_real_functions(steps):
 def test_gpu_tests_run_the_recently_changed_files_first(steps):
     argv = steps["gpu_tests"]
     files = [a for a in argv if a.startswith("tests/")]
-    assert files[:8] == ["tests/test_offload.py", "tests/test_wrap.py", "tests/test_wrap_swap.py", "tests/test_block.py",
-                         "tests/test_attention.py", "tests/test_cross_entropy.py", "tests/test_norm.py",
-                         "tests/test_activation.py"]
+    assert files[:9] == ["tests/test_offload.py", "tests/test_wrap.py", "tests/test_wrap_swap.py", "tests/test_block.py",
+                         "tests/test_activation.py", "tests/test_block_inference.py", "tests/test_attention.py",
+                         "tests/test_cross_entropy.py", "tests/test_norm.py"]
     assert len(files) == len(set(files))
     assert "--maxfail=50" in argv and argv[argv.index("-o") + 1] == "faulthandler_timeout=120"
 

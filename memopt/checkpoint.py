@@ -1313,9 +1313,12 @@ def checkpoint(
     buffers = _BufferGuard(modules) if guarded else None
     buffers = buffers if buffers else None
     global_debug = torch.utils.checkpoint._checkpoint_debug_enabled
-    wants_debug = debug or (global_debug is True and policy == "full")
-    if wants_debug and (policy != "full" or context_fn is not None or buffers):
+    takes_debug = policy == "full" and context_fn is None and not buffers  # torch's debug mode runs
+    if debug and not takes_debug:
         _refuse_debug()
+    # The global switch (set_checkpoint_debug_enabled(True)) applies where debug can run; the
+    # other calls run without it (no_global_debug below), as the docstring says.
+    wants_debug = debug or (global_debug is True and takes_debug)
     options: dict[str, Any] = {
         "use_reentrant": False,
         "preserve_rng_state": preserve_rng_state,

@@ -1,6 +1,7 @@
 """memopt.checkpoint: equal outputs and gradients, RNG replay, what each policy saves, errors."""
 
 import contextlib
+import copy
 import importlib
 import warnings
 
@@ -367,6 +368,67 @@ def test_torch_checkpoint_keywords_are_taken_not_passed_to_fn():
     y = x.detach().requires_grad_()
     memopt.checkpoint(torch.sin, y, policy="full", debug=True).sum().backward()
     torch.testing.assert_close(y.grad, torch.cos(x.detach()))
+
+
+def _bn_mlp():
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 4)
+    ).double()
+
+
+def _torch_debug_options(monkeypatch):
+    """The debug option of each call memopt.checkpoint makes to torch's checkpoint."""
+    seen = []
+    torch_checkpoint = torch.utils.checkpoint.checkpoint
+
+    def record(*args, **kwargs):
+        seen.append(kwargs["debug"])
+        return torch_checkpoint(*args, **kwargs)
+
+    monkeypatch.setattr(torch.utils.checkpoint, "checkpoint", record)
+    return seen
+
+
+@pytest.mark.parametrize("case", ["buffers", "context_fn", "wrap"])
+def test_global_checkpoint_debug_runs_full_calls_it_cannot_trace_without_it(case):
+    """torch.utils.checkpoint.set_checkpoint_debug_enabled(True) is not debug=True: a 'full' call
+    on modules with buffers (BatchNorm) or with a context_fn runs without debug, as
+    torch.utils.checkpoint runs; it raised "debug=True needs policy='full'" before."""
+    torch.manual_seed(0)
+    plain = torch.nn.Sequential(_bn_mlp(), _bn_mlp())
+    model = copy.deepcopy(plain)
+    x = torch.randn(5, 4, dtype=torch.float64)
+    context_fn = (lambda: (contextlib.nullcontext(), contextlib.nullcontext())) if case == "context_fn" else None
+    if case == "wrap":
+        blocks = list(model)
+        memopt.wrap(model, layers=lambda m: any(m is b for b in blocks), policy="full")
+    with torch.utils.checkpoint.set_checkpoint_debug_enabled(True):  # torch's checkpoint runs
+        torch.utils.checkpoint.checkpoint(copy.deepcopy(plain), x.clone().requires_grad_(), use_reentrant=False)
+    results = []
+    for run in ("memopt", "plain"):
+        m = model if run == "memopt" else plain
+        leaf = x.clone().requires_grad_()
+        with torch.utils.checkpoint.set_checkpoint_debug_enabled(True):
+            if run == "plain":
+                out = m(leaf)  # the reference: BatchNorm's running statistics updated once
+            elif case == "wrap":
+                out = m(leaf)
+            else:
+                out = memopt.checkpoint(m, leaf, policy="full", context_fn=context_fn)
+            grads = torch.autograd.grad(out.square().sum(), [leaf, *m.parameters()])
+        results.append((out.detach(), grads, [b.clone() for b in m.buffers()]))
+    torch.testing.assert_close(results[0], results[1], rtol=1e-12, atol=1e-12)
+
+
+def test_global_checkpoint_debug_applies_where_debug_runs_and_debug_true_still_refuses(monkeypatch):
+    seen = _torch_debug_options(monkeypatch)
+    x = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    with torch.utils.checkpoint.set_checkpoint_debug_enabled(True):
+        memopt.checkpoint(torch.sin, x, policy="full").sum().backward()
+        memopt.checkpoint(_bn_mlp(), x, policy="full").sum().backward()
+    assert seen == [True, False]
+    with pytest.raises(ValueError, match="debug=True needs policy='full'"):
+        memopt.checkpoint(_bn_mlp(), x, policy="full", debug=True)
 
 
 def test_fn_must_be_callable():

@@ -433,6 +433,13 @@ class FusedCheckpointBlock(_TransformerBlockBase):
         batch, seq, _ = x_bf.shape
         causal = self._resolve_causal(attn_mask, is_causal, seq)
         _extension.require_cuda_kernels("FusedCheckpointBlock", x)
+        if x.dtype in _HALF_DTYPES and x.device.type == "cpu":
+            # The residual stream is x's dtype, and the CPU norm and dropout kernels take float32 /
+            # float64 only: say so here rather than from an op the caller never called.
+            raise ValueError(
+                f"{type(self).__name__}: x is {x.dtype} on CPU, where the block's kernels take float32 or float64 "
+                "activations (float16 / bfloat16 run on CUDA). Pass float32 x, or use the eager block (to_eager())"
+            )
         drop = self.dropout if self.training else 0.0
         spec = BlockSpec(
             policy=self.policy,
@@ -500,6 +507,9 @@ def compute_dtype(x: torch.Tensor) -> torch.dtype:
     if x.dtype in _AUTOCAST_CASTABLE and torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
+
+
+_HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 # PARAM_NAMES as (submodule, attribute) pairs: the block's forward fetches its parameters by them.

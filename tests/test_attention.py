@@ -276,6 +276,9 @@ def test_inputs_whose_last_dim_is_not_unit_stride(backend):
     assert q.stride(-1) != 1
     grad = torch.randn(batch, heads, seq, head_dim).transpose(2, 3).contiguous().transpose(2, 3)  # strided too
     out = memopt.attention(q, k, v, causal=True, backend=backend)
+    # q is not contiguous: every backend gives the documented (B, H, S, D) view of a (B, S, H, D)
+    # buffer (aten_flash decided the layout from its contiguous copy of q).
+    assert out.transpose(1, 2).is_contiguous() and not out.is_contiguous()
     grads = torch.autograd.grad(out, (q, k, v), grad)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = attention_ref(q64, k64, v64, causal=True)

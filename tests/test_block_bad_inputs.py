@@ -52,3 +52,17 @@ def test_empty_batch_gives_an_empty_result_and_zero_gradients(batch_first):
     for (name, p), q in zip(block.named_parameters(), eager.parameters()):
         torch.testing.assert_close(p.grad, q.grad, msg=name)
         assert not p.grad.any()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_half_precision_activations_on_cpu_raise_naming_the_block(dtype, norm_first):
+    """The CPU kernels take float32 / float64: a half-precision x (a block cast to bf16, a bf16
+    input under CPU autocast) raised from memopt.layer_norm or memopt.dropout_add, ops the caller
+    never called."""
+    block = memopt.FusedCheckpointBlock(16, 2, 32, norm_first=norm_first)
+    for x, model in ((torch.randn(1, 3, 16, dtype=dtype), block), (torch.randn(1, 3, 16, dtype=dtype), block.to(dtype))):
+        with pytest.raises(ValueError, match=f"FusedCheckpointBlock: x is {dtype} on CPU.*float32 or float64"):
+            model(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # float32 activations under autocast still run
+        assert block.float()(torch.randn(1, 3, 16)).dtype == torch.float32

@@ -536,11 +536,10 @@ def _check_aten_cpu_scale(causal: bool, scale: float) -> None:
 def _attention_fwd_aten_cpu(q, k, v, causal, scale):
     # Grouped-query heads run natively; out comes in q's dim order, lse as a (B, Sq, H) buffer.
     _check_aten_cpu_scale(causal, scale)
-    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, dropout_p=0.0, is_causal=causal, scale=scale
+        _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v), dropout_p=0.0, is_causal=causal, scale=scale
     )
-    return _as_out_layout(out, q), lse.contiguous()
+    return _as_out_layout(out, q), lse.contiguous()  # the layout of the caller's q, not of its copy
 
 
 def _attention_bwd_aten_cpu(grad_out, q, k, v, out, lse, causal, scale):

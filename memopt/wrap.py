@@ -347,6 +347,16 @@ class _RunCheck:
             )
 
 
+# memopt.checkpoint's own parameter names (fn, policy, offload, preserve_rng_state, debug,
+# context_fn, ...): a layer keyword argument of one of these names is the layer's, not the
+# checkpoint's, so it is bound into the function the checkpoint runs rather than passed to it.
+_CHECKPOINT_NAMES = frozenset(
+    name
+    for name, p in inspect.signature(checkpoint).parameters.items()
+    if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+)
+
+
 class _CheckpointedForward:
     """The forward ``wrap`` installs on a layer: an object holding the layer rather than a bound
     method, so that a wrapped model pickles (``torch.save(model)``) and ``copy.deepcopy`` points
@@ -388,6 +398,11 @@ class _CheckpointedForward:
                     stacklevel=2,
                 )
             return out
+        if kwargs and not _CHECKPOINT_NAMES.isdisjoint(kwargs):
+            # Only the colliding ones: the checkpoint must still see the others (it copies a cache
+            # passed as past_key_values for the recompute). kwargs is this call's own dict.
+            bound = {name: kwargs.pop(name) for name in _CHECKPOINT_NAMES.intersection(kwargs)}
+            original = functools.partial(original, **bound)
         return checkpoint(original, *args, policy=info.policy, offload=info.offload, **kwargs)
 
 

@@ -802,3 +802,54 @@ def test_layers_run_inside_the_models_own_function_are_refused_under_compile_too
     for run in (model, torch.compile(model, backend="eager")):
         with pytest.raises(RuntimeError, match="ran with gradients off on inputs that require grad"):
             run(x)
+
+
+class _LayerWithCheckpointNames(nn.Module):
+    """A layer whose own keyword arguments are named like memopt.checkpoint's parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(D_MODEL, D_MODEL, dtype=torch.float64)
+
+    def forward(self, x, scale=1.0, preserve_rng_state=None, policy=None, debug=None, fn=None, offload=None):
+        for i, value in enumerate((preserve_rng_state, policy, debug, fn, offload)):
+            if value is not None:
+                x = x * (i + 2)  # the layer's own meaning
+        return torch.tanh(self.fc(x)) * scale
+
+
+class _ModelWithCheckpointNames(nn.Module):
+    def __init__(self, **kwargs):
+        super().__init__()
+        self.layers = nn.ModuleList(_LayerWithCheckpointNames() for _ in range(2))
+        self.kwargs = kwargs
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x, scale=0.5, **self.kwargs)
+        return x
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"preserve_rng_state": False}, {"policy": "greedy"}, {"debug": True}, {"fn": "layer's"}, {"offload": True},
+     {"policy": "greedy", "preserve_rng_state": False}],
+    ids=str,
+)  # fmt: skip
+def test_layer_keyword_arguments_named_like_checkpoint_parameters_reach_the_layer(kwargs, monkeypatch):
+    """They went to memopt.checkpoint: preserve_rng_state=False was taken by it (the output
+    differed from the unwrapped model's), policy= raised TypeError (multiple values), debug=True
+    turned on torch's debug mode. The layer's other keyword arguments still pass through the
+    checkpoint (it must see a cache passed as past_key_values)."""
+    torch.manual_seed(0)
+    plain = _ModelWithCheckpointNames(**kwargs)
+    model = memopt.wrap(copy.deepcopy(plain), layers=_LayerWithCheckpointNames, policy="full")
+    passed = []
+    checkpoint = wrap_module.checkpoint
+    monkeypatch.setattr(
+        wrap_module, "checkpoint", lambda *args, **kw: passed.append(sorted(kw)) or checkpoint(*args, **kw)
+    )
+    x = torch.randn(BATCH, SEQ, D_MODEL, dtype=torch.float64)
+    got, want = _step(model, x), _step(plain, x)
+    assert passed == [["offload", "policy", "scale"]] * 2
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

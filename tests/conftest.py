@@ -4,6 +4,7 @@ TRITON_INTERPRET must be set before any @triton.jit decorator runs, so before me
 imported: the Triton kernels then run on CPU tensors. A GPU run sets TRITON_INTERPRET=0.
 """
 
+import logging
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -30,6 +31,22 @@ def seed():
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(0)
     yield 0
+
+
+@pytest.fixture(autouse=True)
+def torch_checkpoint_debug_logger():
+    """Torch's checkpoint debug mode (``debug=True``, ``set_checkpoint_debug_enabled(True)``)
+    leaves its ``LoggingTensor`` logger changed: torch 2.11's ``capture_logs`` adds a filter per
+    call and never removes it, and from the second call in a process pytest's log capture fails
+    on the records ("not all arguments converted during string formatting"), in that test and
+    in later ones. Each test gets the logger back as it found it."""
+    logger = logging.getLogger("LoggingTensor")
+    propagate, level, filters, handlers = logger.propagate, logger.level, list(logger.filters), list(logger.handlers)
+    yield
+    logger.propagate = propagate
+    logger.setLevel(level)
+    logger.filters[:] = filters
+    logger.handlers[:] = handlers
 
 
 @pytest.fixture

@@ -183,8 +183,10 @@ __global__ void bias_act_bwd_bias_cuda_kernel(const scalar_t* grad_y, const scal
           value.v[j] = static_cast<scalar_t>(act.value);
           sum[j] += grad_h;
         }
-        store_pack<W>(grad_x + r * cols + col, grad);
-        if (y != nullptr) store_pack<W>(y + r * cols + col, value);
+        // Indexed from the row's start: written as `grad_x + r * cols + col`, nvcc 13.0 split each
+        // pack's store into 32-bit ones for sm_90 (no STG.E.128 in the SASS; loads were 128-bit).
+        store_pack<W>(grad_x + r * cols, col / W, grad);
+        if (y != nullptr) store_pack<W>(y + r * cols, col / W, value);
       }
     }
   }
@@ -257,9 +259,10 @@ __device__ __forceinline__ void swiglu_bwd_pack(const scalar_t* __restrict__ gra
     grad_gate_sum[j] += dgate;
     grad_up_sum[j] += dup;
   }
-  store_pack<W>(grad_x + gate_index, grad_gate);
-  store_pack<W>(grad_x + gate_index + d, grad_up);
-  if (y != nullptr) store_pack<W>(y + r * d + c, value);
+  // Indexed from the row's start, as in bias_act_bwd_bias_cuda_kernel (one STG.E.128 per pack).
+  store_pack<W>(grad_x + r * 2 * d, c / W, grad_gate);
+  store_pack<W>(grad_x + r * 2 * d + d, c / W, grad_up);
+  if (y != nullptr) store_pack<W>(y + r * d, c / W, value);
 }
 
 template <typename scalar_t, int W>

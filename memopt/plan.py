@@ -20,6 +20,7 @@ import contextlib
 import functools
 import math
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -341,7 +342,8 @@ def _fresh_inputs(args: tuple, kwargs: dict) -> tuple[tuple, dict, list[torch.Te
 
 
 def _call(model: nn.Module, example_inputs: Any):
-    if isinstance(example_inputs, dict):
+    # Mapping, not dict: a tokenizer returns a BatchEncoding, a UserDict.
+    if isinstance(example_inputs, Mapping):
         return model(**example_inputs)
     if isinstance(example_inputs, (tuple, list)):
         return model(*example_inputs)
@@ -671,8 +673,9 @@ def plan(
 
     Args:
         model: the (unwrapped) model, on the device and in the dtype it will train in.
-        example_inputs: a tuple of positional arguments, a dict of keyword arguments, or one
-            tensor for ``model``; use the batch shape you will train with (bytes scale with it).
+        example_inputs: a tuple of positional arguments, a mapping of keyword arguments (a
+            dict, a tokenizer's ``BatchEncoding``), or one tensor for ``model``; use the batch
+            shape you will train with (bytes scale with it).
         budget_bytes: bytes the whole model may save for backward on its device.
         layers: which submodules are layers (see :func:`memopt.wrap.find_layers`).
         choices: the ``(policy, offload)`` pairs to choose among, ``("none", False)`` included.

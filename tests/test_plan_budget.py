@@ -368,3 +368,36 @@ def test_plan_records_its_loss_and_wrap_runs_it():
     memopt.wrap(model, plan=loaded, loss="plain")
     assert model(**inputs).logits is not None
     memopt.unwrap(model)
+
+
+def _plan_bytes(plan):
+    return (
+        plan.layer_names, plan.other_bytes, plan.shared_bytes, plan.loss,
+        [(cost.device_bytes, cost.host_bytes) for cost in plan.layer_costs],
+    )  # fmt: skip
+
+
+def test_example_inputs_may_be_any_mapping_of_keyword_arguments():
+    """A tokenizer's BatchEncoding (a UserDict, not a dict) is keyword arguments, as a dict is:
+    plan and wrap(budget_bytes=...) measure the same as with the dict. Before, it was passed as
+    the model's first positional argument (TypeError from the embedding, naming BatchEncoding)."""
+    from collections import UserDict
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=VOCAB,
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "labels": ids}
+    budget = _counted(model, inputs) // 2
+    reference = memopt.plan(model, inputs, budget, choices=[N, F], repeats=1)
+    for mapping in (UserDict(inputs), transformers.BatchEncoding(inputs)):
+        made = memopt.plan(model, mapping, budget, choices=[N, F], repeats=1)
+        assert _plan_bytes(made) == _plan_bytes(reference)
+        memopt.wrap(model, budget_bytes=budget, example_inputs=mapping)
+        try:
+            assert _counted(model, inputs) <= budget
+        finally:
+            memopt.unwrap(model)

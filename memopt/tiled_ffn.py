@@ -535,8 +535,20 @@ def install(layer: nn.Module, chunk_tokens: int, layer_name: str = "layer") -> l
 
 def install_norms(norms: list[tuple[str, nn.Module]], chunk_tokens: int) -> list[TiledLayer]:
     """Tile each ``(name, norm)`` of ``norms`` (token-wise: :func:`norm_width`) ``chunk_tokens``
-    tokens at a time; undo each with :func:`remove`."""
-    tiled = [_tile(m, "forward", chunk_tokens, f"the norm {name!r}", norm_width(m)) for name, m in norms]
+    tokens at a time; undo each with :func:`remove`.
+
+    A norm narrower than the widest of ``norms`` (the hidden size) normalises several rows per
+    token: Qwen3's and Gemma 3's ``q_norm`` / ``k_norm`` run over head_dim on ``(batch, seq,
+    heads, head_dim)``. Its chunks take ``widest // width`` times the rows, the elements of
+    ``chunk_tokens`` hidden-size rows, so that it runs in as many chunks as the wide norms, not
+    ``heads`` times as many (a 2-layer Qwen3, 16 heads, 2,048 tokens, ``ffn_chunk_tokens=256``:
+    160 chunks a step, 880 before)."""
+    widths = [norm_width(m) for _, m in norms]
+    widest = max(widths, default=1)
+    tiled = [
+        _tile(m, "forward", chunk_tokens * max(1, widest // width), f"the norm {name!r}", width)
+        for (name, m), width in zip(norms, widths)
+    ]
     return [t for t in tiled if t is not None]
 
 

@@ -318,3 +318,45 @@ def test_half_norm_weight_gradient_over_many_chunks_within_twice_eager_error(dty
     error = ((ours.double() - reference).norm() / reference.norm()).item()
     eager_error = ((eager.double() - reference).norm() / reference.norm()).item()
     assert error <= 2 * eager_error, f"relative error {error:.3g} > twice eager's {eager_error:.3g}"
+
+
+def _qwen3(dtype=torch.float64):
+    torch.manual_seed(0)
+    config = transformers.Qwen3Config(
+        hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, vocab_size=VOCAB, max_position_embeddings=64, attn_implementation="sdpa",
+    )  # fmt: skip
+    return transformers.Qwen3ForCausalLM(config).to(dtype).train()
+
+
+def test_head_wise_norms_run_in_as_many_chunks_as_the_hidden_norms(monkeypatch):
+    """Qwen3's q_norm / k_norm normalise head_dim on (batch, seq, heads, head_dim): 4 (2) rows a
+    token. Their chunks hold hidden // head_dim times the rows, the elements of ffn_chunk_tokens
+    tokens of the hidden norms, so that no tiled norm runs in more than ceil(38 / 5) = 8 chunks
+    (q_norm ran in 19 before); the model's loss and gradients stay the unwrapped model's."""
+    model = _qwen3()
+    ids = _ids()
+    # Qwen3RMSNorm computes in float32 in a float64 model: its input gradients are float32
+    # values, the same per row tiled or not; only the weights' sums over rows are reordered.
+    want = _run(model, ids)
+    memopt.wrap(model, policy="selective", ffn_chunk_tokens=5, loss="plain")
+    head_norms = {n for n in _tiled_norm_names(model) if n.endswith(("q_norm", "k_norm"))}
+    assert head_norms == {f"model.layers.{i}.self_attn.{n}" for i in range(2) for n in ("q_norm", "k_norm")}
+    assert {model.get_submodule(n).forward.chunk_tokens for n in head_norms} == {5 * 64 // 16}
+    import memopt.tiled_ffn as tiled_ffn_module
+
+    chunk_counts = []
+    original = tiled_ffn_module.token_chunks
+
+    def counting(n_tokens, chunk_tokens, width=4):
+        chunks = list(original(n_tokens, chunk_tokens, width))
+        chunk_counts.append((n_tokens, len(chunks)))
+        return iter(chunks)
+
+    monkeypatch.setattr(tiled_ffn_module, "token_chunks", counting)
+    got = _run(model, ids)
+    # Rows: the hidden norms' and the MLP's 38, q_norm's 38 * 4, k_norm's 38 * 2. Chunks: at most
+    # ceil(38 / 5) (chunks are whole multiples of 4 rows, so the hidden ones take 5 of 8 rows).
+    assert {n for n, _ in chunk_counts} == {38, 38 * 4, 38 * 2}
+    assert max(count for _, count in chunk_counts) <= 8, sorted(set(chunk_counts))
+    _assert_exact(got, want, "qwen3")

@@ -142,7 +142,7 @@ struct Transfer {
   int64_t group = 0;
   c10::Device device = c10::Device(c10::kCPU);
   int64_t nbytes = 0;      // bytes used in the block
-  int64_t reserved = 0;    // budget bytes held for it (size class, or the staging reservation)
+  int64_t reserved = 0;    // budget bytes held for it: size_class(nbytes), the block it is lent
   bool copied = false;     // D2H issued (false while staging, or when the flush failed)
   std::vector<StagedPiece> staged;  // until copied
   HostBlock block;
@@ -426,15 +426,21 @@ class OffloadEngine : public torch::CustomClassHolder {
     entry.source = storage.getWeakStorageImpl();
     entry.version_at_copy = version;
     if (nbytes < coalesce_bytes_) {
+      // A staging transfer holds the budget its flush will take, the size class of the bytes
+      // packed into it so far, and grows it piece by piece: a budget smaller than staging_bytes
+      // still takes every small tensor that fits it.
       Transfer* staging = staging_transfer_ >= 0 ? &transfers_.at(staging_transfer_) : nullptr;
-      if (staging && (staging->device != storage.device() ||
-                      align_up(staging->nbytes, kSegmentAlign) + nbytes > staging_bytes_)) {
-        flush_staging();
+      const int64_t offset = staging ? align_up(staging->nbytes, kSegmentAlign) : 0;
+      if (staging && (staging->device != storage.device() || offset + nbytes > staging_bytes_ ||
+                      !reserve(size_class(offset + nbytes) - staging->reserved))) {
+        flush_staging();  // full, on another device, or grown past the budget: a new one
         staging = nullptr;
       }
-      if (!staging) {
-        const int64_t reservation = size_class(staging_bytes_);
-        if (!reserve(reservation)) return -1;
+      if (staging) {
+        staging->reserved = size_class(offset + nbytes);  // the growth was reserved in the test above
+      } else {
+        const int64_t reservation = size_class(nbytes);
+        if (!reserve(reservation)) return -1;  // the tensor alone does not fit
         staging_transfer_ = new_transfer(storage.device(), reservation);
         staging = &transfers_.at(staging_transfer_);
       }
@@ -554,8 +560,6 @@ class OffloadEngine : public torch::CustomClassHolder {
       return_block(std::move(block));
       throw;
     }
-    committed_bytes_ += cls - transfer.reserved;  // a flushed staging transfer needs less than it held
-    transfer.reserved = cls;
     transfer.block = std::move(block);
     transfer.copied = true;
     counters_.bytes_to_host += transfer.nbytes;

@@ -30,8 +30,10 @@ Guarantees:
   tensor saved by two ops, or two views of it) is copied once.
 * Parameters (and views of them), tensors below ``min_bytes``, non-strided tensors and tensor
   subclasses stay where they are. CPU tensors stay where they are: on CPU, offload is a no-op.
-* Host memory stays under ``max_host_bytes``: past it a tensor stays on the device and is counted
-  in ``stats()["refused_tensors"]``.
+* Host memory stays under ``max_host_bytes``, counted in the pool's size classes: a copy holds the
+  size class of its bytes, and a staging buffer that of the bytes packed into it so far (not
+  ``staging_bytes``). A tensor that fits what is left is taken, coalesced or not; past the budget
+  it stays on the device and is counted in ``stats()["refused_tensors"]``.
 * Host buffers are pooled by size class and reused across steps: once warm, a step allocates no
   host memory.
 * Under ``policy="full", offload=...`` (``FusedCheckpointBlock``, ``memopt.checkpoint``,

@@ -261,6 +261,34 @@ def test_host_budget_evicts_idle_blocks_of_other_classes():
     assert engine.stats()["pool_bytes_held"] <= 16384
 
 
+def test_host_budget_below_staging_bytes_takes_the_small_tensors_that_fit():
+    """A staging buffer holds the budget of the bytes packed into it so far (their size class),
+    not of staging_bytes (64 MiB by default): under a smaller budget small tensors go to the host
+    until it is full, and a large tensor still fits beside them."""
+    piece, big_bytes = 2**18, 4 * 2**20  # 256 KiB: coalesced under the default coalesce_bytes (4 MiB)
+    budget = 3 * piece + big_bytes
+    engine = cpu_engine(max_host_bytes=budget, coalesce_bytes=offload_module.DEFAULT_COALESCE_BYTES,
+                        staging_bytes=offload_module.DEFAULT_STAGING_BYTES)
+    small = [torch.randn(piece // 4) for _ in range(4)]
+    big = torch.randn(big_bytes // 4)  # not under coalesce_bytes: a copy of its own
+    handles = [engine.pack(small[0])]
+    assert engine.stats()["host_bytes_committed"] == piece
+    handles.append(engine.pack(big))
+    handles += [engine.pack(t) for t in small[1:]]
+    assert min(handles[:4]) >= 0 and handles[4] == -1  # the fourth small tensor is past the budget
+    engine.end_group()
+    stats = engine.stats()
+    assert (stats["tensors_coalesced"], stats["copies_to_host"], stats["bytes_to_host"]) == (3, 2, budget)
+    assert (stats["refused_tensors"], stats["refused_bytes"]) == (1, piece)
+    assert stats["host_bytes_committed"] == stats["pool_bytes_in_use"] == budget
+    for h, t in zip(handles, [small[0], big, small[1], small[2]]):
+        assert_same_tensor(engine.unpack(h), t, exact_offset=t is big)
+    for h in handles[:4]:
+        engine.release(h)
+    stats = engine.stats()
+    assert (stats["live_transfers"], stats["host_bytes_committed"], stats["pool_bytes_in_use"]) == (0, 0, 0)
+
+
 def test_storage_grown_after_pack_keeps_its_packed_bytes():
     """A coalesced storage is copied at flush time into the segment laid out at pack time: only
     the bytes it had when packed fit there (copying its current size ran past the staging buffer)."""
@@ -418,6 +446,31 @@ def test_budget_through_autograd_keeps_gradients_identical():
     assert_bit_identical(got, want)
     stats = off.stats()
     assert stats["refused_tensors"] > 0 and stats["tensors_offloaded"] > 0
+
+
+@pytest.mark.parametrize("group_per_layer", [True, False], ids=["group-per-layer", "one-group"])
+def test_budget_below_staging_bytes_through_autograd(group_per_layer):
+    """Default coalescing (tensors under 4 MiB share a 64 MiB staging buffer) under a budget of
+    3.5 saved tensors: the first three go to the host, the fourth stays, gradients are unchanged."""
+    piece = 2**18  # each tanh saves its 256 KiB output
+    layers = nn.ModuleList(nn.Tanh() for _ in range(4))
+    x = torch.randn(piece // 8, dtype=torch.float64)
+
+    def forward(m, t):
+        for layer in m:
+            t = layer(t)
+        return t
+
+    want = grads_of(layers, x, forward)
+    off = cpu_offload(max_host_bytes=3 * piece + piece // 2)
+    if group_per_layer:
+        memopt.offload_module_groups(off, layers)
+    got = grads_of(layers, x, forward, off)
+    assert_bit_identical(got, want)
+    stats = off.stats()
+    assert (stats["tensors_offloaded"], stats["tensors_coalesced"], stats["bytes_to_host"]) == (3, 3, 3 * piece)
+    assert (stats["refused_tensors"], stats["refused_bytes"]) == (1, piece)
+    assert (stats["live_handles"], stats["host_bytes_committed"]) == (0, 0)
 
 
 def test_min_bytes_and_parameters_are_never_offloaded():

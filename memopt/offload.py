@@ -480,11 +480,12 @@ def offload_module_groups(off: Offload, modules: Iterable[nn.Module]) -> _Module
         raise TypeError(
             f"memopt.offload_module_groups: modules must be an iterable of nn.Modules, got {type(modules).__name__}"
         )
-    handles = []
-    for module in modules:
+    modules = list(modules)
+    # Every item is checked before any hook is registered: a bad one leaves no hooks behind.
+    for index, module in enumerate(modules):
         if not isinstance(module, nn.Module):
             raise TypeError(
-                f"memopt.offload_module_groups: modules must be nn.Modules, got {type(module).__name__}"
+                "memopt.offload_module_groups: modules must be nn.Modules, "
+                f"got {type(module).__name__} at index {index}"
             )
-        handles.append(module.register_forward_pre_hook(pre_hook))
-    return _ModuleGroupHooks(handles)
+    return _ModuleGroupHooks([module.register_forward_pre_hook(pre_hook) for module in modules])

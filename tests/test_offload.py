@@ -569,6 +569,28 @@ def test_bad_arguments_name_the_argument():
             off.__enter__()
 
 
+def test_offload_module_groups_registers_no_hook_when_an_item_is_not_a_module():
+    off = cpu_offload()
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    with pytest.raises(TypeError, match="modules must be nn.Modules") as info:
+        memopt.offload_module_groups(off, [a, b, "not a module"])
+    assert len(a._forward_pre_hooks) == len(b._forward_pre_hooks) == 0
+    assert "got str at index 2" in str(info.value)
+    with off:
+        group = off.engine.current_group()
+        b(a(torch.randn(2, 4)))
+        assert off.engine.current_group() == group
+    # A one-shot iterable is read once: every module of a generator gets its hook.
+    hooks = memopt.offload_module_groups(off, (m for m in (a, b)))
+    assert len(a._forward_pre_hooks) == len(b._forward_pre_hooks) == 1
+    with off:
+        group = off.engine.current_group()
+        b(a(torch.randn(2, 4)))
+        assert off.engine.current_group() == group + 2
+    hooks.remove()
+    assert len(a._forward_pre_hooks) == len(b._forward_pre_hooks) == 0
+
+
 # --- the version check on tensors kept where they are ----------------------------------------
 #
 # While saved-tensors hooks are active autograd checks no version counter itself: the hooks must.

@@ -22,10 +22,12 @@ What the snippets people copy get wrong, and what this does instead:
   ``torch.cuda.empty_cache()`` run, and then the retry starts.
 
 A batch is a tensor, or a tuple/list (a namedtuple too) or mapping (a dict, a ``BatchEncoding``)
-whose other values go to every micro-batch as they are; a micro-batch has the batch's type (a
-mapping that cannot be built from a dict becomes a dict). Micro-batches are cut along dimension
-0 of the batch's tensors, or along ``batch_dim=`` (one dimension for all, or one per item: None
-passes a tensor every sample shares, such as a ``(seq, seq)`` attention bias, whole to each). A
+of them; a micro-batch has the batch's type (a mapping that cannot be built from a dict becomes a
+dict). Micro-batches are cut along dimension 0 of every tensor of the batch, at any depth of its
+tuples/lists/mappings (``{"x": x, "extra": {"weight": w}}`` cuts ``w`` too, and all must agree
+on the batch size), or along ``batch_dim=`` (one dimension for all, or one per item, for every
+tensor in it: None passes the item whole to each micro-batch, for a tensor every sample shares,
+such as a ``(seq, seq)`` attention bias); other values go to every micro-batch as they are. A
 model with a layer that declares ``batch_first=False`` (``nn.TransformerEncoderLayer`` and the
 like: ``(seq, batch, d)`` inputs) is refused until ``batch_dim=`` says where the samples are:
 cutting dimension 0 there would split the sequence and accumulate a wrong gradient without an
@@ -111,29 +113,46 @@ class StepResult:
     skipped: bool
 
 
-def _tensor_dims(batch, batch_dim) -> list[tuple[Any, torch.Tensor, int]]:
-    """``(key, tensor, dim)`` for each tensor of ``batch`` that micro-batches cut (a tensor, or a
-    tuple/list/mapping whose other values are passed to every micro-batch as they are): the
-    dimension ``batch_dim`` says holds its samples. ``batch_dim`` is an int for every tensor, or a
-    tuple/list (for a tuple/list batch) or dict (for a mapping batch) with an int for each tensor
-    to cut and None for each value passed whole (anything not a tensor; a tensor every sample
-    shares)."""
+def _is_container(value) -> bool:
+    """A tuple/list (a namedtuple too) or mapping: what micro-batches look inside for tensors."""
+    return isinstance(value, (Mapping, tuple, list))
+
+
+def _pairs(container) -> list:
+    return list(container.items()) if isinstance(container, Mapping) else list(enumerate(container))
+
+
+def _leaves(value, name: str) -> list[tuple[str, torch.Tensor]]:
+    """``(name, tensor)`` for every tensor in ``value``, at any depth of tuples/lists/mappings, each
+    named by its path from ``name`` (``'extra'['weight']``)."""
+    if isinstance(value, torch.Tensor):
+        return [(name, value)]
+    if _is_container(value):
+        return [leaf for key, item in _pairs(value) for leaf in _leaves(item, f"{name}[{key!r}]")]
+    return []
+
+
+def _tensor_dims(batch, batch_dim) -> list[tuple[str | None, torch.Tensor, int]]:
+    """``(name, tensor, dim)`` for each tensor of ``batch`` that micro-batches cut, and the
+    dimension ``batch_dim`` says holds its samples: ``batch`` itself (name None), or every tensor
+    of a tuple/list/mapping batch, at any depth of its tuples/lists/mappings, named by its path
+    (``'x'``, ``'extra'['weight']``). Other values are passed to every micro-batch as they are, and
+    so is an item a per-item ``batch_dim`` gives None (see :func:`_item_dims`)."""
     if isinstance(batch, torch.Tensor):
         if not _is_int(batch_dim):
             raise ValueError(f"batch is a tensor: batch_dim must be an int, got {batch_dim!r}")
         items = [(None, batch, batch_dim)]
-    elif isinstance(batch, (Mapping, tuple, list)):
-        # Mapping, not dict: transformers' collators return a BatchEncoding, a UserDict.
-        pairs = batch.items() if isinstance(batch, Mapping) else enumerate(batch)
-        if _is_int(batch_dim):
-            items = [(k, v, batch_dim) for k, v in pairs if isinstance(v, torch.Tensor)]
-        else:
-            items = _tensor_dims_per_item(batch, list(pairs), batch_dim)
+    elif _is_container(batch):
+        items = [
+            (name, tensor, dim)
+            for key, dim in _item_dims(batch, batch_dim).items() if dim is not None
+            for name, tensor in _leaves(batch[key], repr(key))
+        ]  # fmt: skip
     else:
         raise TypeError(f"batch must be a tensor or a tuple/list/mapping of tensors, got {type(batch).__name__}")
-    for key, tensor, dim in items:
+    for name, tensor, dim in items:
         if tensor.dim() <= dim:
-            what = "batch" if key is None else f"batch tensor {key!r}"
+            what = "batch" if name is None else f"batch tensor {name}"
             if dim == 0:
                 raise ValueError(f"{what} must have a leading batch dimension, got a 0-d tensor")
             raise ValueError(f"{what} has {tensor.dim()} dimensions, no dimension {dim} to split "
@@ -141,8 +160,16 @@ def _tensor_dims(batch, batch_dim) -> list[tuple[Any, torch.Tensor, int]]:
     return items
 
 
-def _tensor_dims_per_item(batch, pairs: list, batch_dim) -> list[tuple[Any, torch.Tensor, int]]:
-    """:func:`_tensor_dims` of a tuple/list/mapping batch with one ``batch_dim`` entry per item."""
+def _item_dims(batch, batch_dim) -> dict[Any, int | None]:
+    """The dimension each item (key or index) of a tuple/list/mapping batch is cut along, every
+    tensor in it alike, or None for an item passed whole: ``batch_dim`` for every item when it is
+    an int (an item holding no tensor has nothing to cut), else its entry in a tuple/list (a
+    tuple/list batch) or dict (a mapping batch): an int for each item holding a tensor to cut, None
+    for anything else (anything holding no tensor, a tensor every sample shares)."""
+    # Mapping, not dict: transformers' collators return a BatchEncoding, a UserDict.
+    pairs = _pairs(batch)
+    if _is_int(batch_dim):
+        return {key: batch_dim for key, _ in pairs}
     is_mapping = isinstance(batch, Mapping)
     if is_mapping and isinstance(batch_dim, dict):
         extra = [k for k in batch_dim if k not in batch]
@@ -158,49 +185,42 @@ def _tensor_dims_per_item(batch, pairs: list, batch_dim) -> list[tuple[Any, torc
         kind = "mapping" if is_mapping else type(batch).__name__
         want = "an int or a dict" if is_mapping else "an int or a tuple/list"
         raise ValueError(f"batch is a {kind}: batch_dim must be {want} (one entry per item), got {batch_dim!r}")
-    items = []
     for key, value in pairs:
-        dim = dims.get(key)
-        if isinstance(value, torch.Tensor):
-            if key not in dims:
-                raise ValueError(f"batch_dim has no entry for the batch's tensor {key!r}: give the dimension that "
-                                 f"holds its samples, or None to pass it whole to every micro-batch")
-            if dim is not None:  # None: a tensor every sample shares, passed whole
-                items.append((key, value, dim))
-        elif dim is not None:
-            raise ValueError(f"batch_dim[{key!r}] is {dim!r}, but the batch's item {key!r} is not a tensor (it is "
-                             "passed to every micro-batch as it is): give None")
-    return items
+        holds = "tensor" if isinstance(value, torch.Tensor) else "item" if _leaves(value, "") else None
+        if holds and key not in dims:
+            how = "every tensor in it" if holds == "item" else "it"
+            raise ValueError(f"batch_dim has no entry for the batch's {holds} {key!r}: give the dimension that "
+                             f"holds the samples of {how}, or None to pass it whole to every micro-batch")
+        if not holds and dims.get(key) is not None:
+            raise ValueError(f"batch_dim[{key!r}] is {dims[key]!r}, but the batch's item {key!r} is not a tensor and "
+                             "holds none (it is passed to every micro-batch as it is): give None")
+    return {key: dims.get(key) for key, _ in pairs}
 
 
 def _leading_size(batch, batch_dim=0) -> int:
-    """The number of samples in ``batch``: the size of every tensor's batch dimension (see
+    """The number of samples in ``batch``: the size of every cut tensor's batch dimension (see
     :func:`_tensor_dims`; dimension 0 by default), which must agree."""
     items = _tensor_dims(batch, batch_dim)
     if not items:
-        if not _has_tensor(batch):  # a tensor batch always has its one item
+        if not _leaves(batch, ""):  # a tensor batch always has its one item
             raise ValueError("batch holds no tensor")
         raise ValueError(f"batch_dim={batch_dim!r} passes every tensor of the batch whole: give at least one the "
                          "dimension that holds its samples")
-    sizes = {key: tensor.shape[dim] for key, tensor, dim in items}
+    sizes = {name: tensor.shape[dim] for name, tensor, dim in items}
     if len(set(sizes.values())) != 1:
         # A tensor every sample shares (an attention bias) is the usual culprit; say how to pass it.
-        whole = ("; a tensor shared by every sample is passed whole to each micro-batch with None for it in a "
-                 "per-item batch_dim")
+        whole = ("; a tensor shared by every sample is passed whole to each micro-batch with None for its item in "
+                 "a per-item batch_dim")
+        shown = "{" + ", ".join(f"{name}: {size}" for name, size in sizes.items()) + "}"
         if all(dim == 0 for _, _, dim in items):
-            raise ValueError(f"batch tensors must share their leading (batch) dimension, got sizes {sizes}{whole}")
+            raise ValueError(f"batch tensors must share their leading (batch) dimension, got sizes {shown}{whole}")
         raise ValueError(f"batch tensors must agree on their batch size (the dimension batch_dim={batch_dim!r} "
-                         f"gives each), got sizes {sizes}{whole}")
+                         f"gives each), got sizes {shown}{whole}")
     return next(iter(sizes.values()))
 
 
-def _has_tensor(batch) -> bool:
-    values = batch.values() if isinstance(batch, Mapping) else batch
-    return any(isinstance(v, torch.Tensor) for v in values)
-
-
 def _rebuild(batch, values: list):
-    """A batch of ``batch``'s type holding ``values`` (in its order)."""
+    """A container of ``batch``'s type holding ``values`` (in its order)."""
     if isinstance(batch, Mapping):
         pairs = dict(zip(batch.keys(), values))
         if type(batch) is dict:
@@ -218,17 +238,19 @@ def _rebuild(batch, values: list):
 
 
 def _slice(batch, start: int, stop: int, batch_dim=0):
-    """Samples ``start:stop`` of ``batch``: a view of each tensor along its batch dimension."""
-    def cut(tensor, dim):
-        return tensor[start:stop] if dim == 0 else tensor.narrow(dim, start, stop - start)
+    """Samples ``start:stop`` of ``batch`` (checked by :func:`_leading_size`): a view of each cut
+    tensor along its batch dimension, in containers of the batch's types."""
+    def cut(value, dim):
+        if isinstance(value, torch.Tensor):
+            return value[start:stop] if dim == 0 else value.narrow(dim, start, stop - start)
+        if _is_container(value) and _leaves(value, ""):
+            return _rebuild(value, [cut(item, dim) for _, item in _pairs(value)])
+        return value  # holds no tensor: passed as it is
 
     if isinstance(batch, torch.Tensor):
         return cut(batch, batch_dim)
-    pairs = list(batch.items()) if isinstance(batch, Mapping) else list(enumerate(batch))
-    if _is_int(batch_dim):  # the batch was checked by _leading_size
-        return _rebuild(batch, [cut(v, batch_dim) if isinstance(v, torch.Tensor) else v for _, v in pairs])
-    dims = {key: dim for key, _, dim in _tensor_dims(batch, batch_dim)}
-    return _rebuild(batch, [cut(v, dims[k]) if k in dims else v for k, v in pairs])
+    dims = _item_dims(batch, batch_dim)
+    return _rebuild(batch, [value if dims[key] is None else cut(value, dims[key]) for key, value in _pairs(batch)])
 
 
 def _check_batch_dim(batch_dim) -> None:
@@ -414,9 +436,10 @@ class AdaptiveBatch:
             models do with ``num_items_in_batch``): the micro-step losses are added as they are,
             unweighted.
         batch_dim: where each tensor of a batch holds its samples, the dimension micro-batches are
-            cut along: an int for every tensor, or a tuple/list (a tuple/list batch) or dict (a
-            mapping batch) with one int per tensor to cut and None for each item passed to every
-            micro-batch as it is: anything that is not a tensor, and a tensor every sample shares
+            cut along: an int for every tensor (at any depth of the batch's tuples/lists/mappings),
+            or a tuple/list (a tuple/list batch) or dict (a mapping batch) with one int per item
+            holding tensors to cut (every tensor in it) and None for each item passed to every
+            micro-batch as it is: anything that holds no tensor, and a tensor every sample shares
             (a ``(seq, seq)`` attention bias). The cut tensors' sizes there must agree.
             ``None`` (the default) is 0, a ``(batch, ...)`` layout, unless a layer of the model
             declares a sequence-first layout (a bool ``batch_first`` attribute that is False:

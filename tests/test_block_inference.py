@@ -38,21 +38,27 @@ def _no_graph(mode: str, block):
     return contextlib.nullcontext()
 
 
+def _assert_training_paths_bits(block, x, no_graph=torch.no_grad):
+    """``block(x)`` inside ``no_graph()`` (a context in which it records no graph) is the training
+    path's output bit for bit: the same seed before each call, so in train mode the same dropout
+    masks."""
+    torch.manual_seed(1)
+    expected = block(x.clone().requires_grad_())
+    assert expected.grad_fn is not None  # the training path: the autograd Functions
+    torch.manual_seed(1)
+    with no_graph():
+        got = block(x)
+    assert got.grad_fn is None
+    assert torch.equal(got, expected.detach())
+
+
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode", "frozen"])
 @pytest.mark.parametrize("training", [False, True], ids=["eval", "train-dropout"])
 @pytest.mark.parametrize("config", CONFIGS.values(), ids=CONFIGS.keys())
 @pytest.mark.parametrize("policy", POLICIES)
 def test_output_is_the_training_paths_bits(policy, config, training, mode):
     block = memopt.FusedCheckpointBlock(D_MODEL, N_HEADS, policy=policy, dropout=0.1, **config).train(training)
-    x = torch.randn(2, 9, D_MODEL)
-    torch.manual_seed(1)
-    expected = block(x.clone().requires_grad_())
-    assert expected.grad_fn is not None  # the training path: the autograd Functions
-    torch.manual_seed(1)  # the same seed: in train mode, the same dropout masks
-    with _no_graph(mode, block):
-        got = block(x)
-    assert got.grad_fn is None
-    assert torch.equal(got, expected.detach())
+    _assert_training_paths_bits(block, torch.randn(2, 9, D_MODEL), no_graph=lambda: _no_graph(mode, block))
 
 
 # Without grouped-query heads, which run memopt's Triton kernels on CUDA (compiling them would
@@ -69,13 +75,7 @@ def test_gpu_output_is_the_training_paths_bits(policy, config, training, dtype=t
     them, and the attention backend "auto" picks: the training path's bits all the same."""
     block = memopt.FusedCheckpointBlock(D_MODEL, N_HEADS, policy=policy, dropout=0.1, **config)
     block = block.to(device="cuda", dtype=dtype).train(training)
-    x = torch.randn(2, 9, D_MODEL, device="cuda", dtype=dtype)
-    torch.manual_seed(1)
-    expected = block(x.clone().requires_grad_())
-    torch.manual_seed(1)
-    with torch.no_grad():
-        got = block(x)
-    assert torch.equal(got, expected.detach())
+    _assert_training_paths_bits(block, torch.randn(2, 9, D_MODEL, device="cuda", dtype=dtype))
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -147,12 +147,7 @@ def test_cpu_autocast_output_is_the_training_paths_bits(config):
     block = memopt.FusedCheckpointBlock(D_MODEL, N_HEADS, dropout=0.1, **config).train()
     x = torch.randn(2, 9, D_MODEL)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        torch.manual_seed(1)
-        expected = block(x.clone().requires_grad_())
-        torch.manual_seed(1)
-        with torch.no_grad():
-            got = block(x)
-    assert torch.equal(got, expected.detach())
+        _assert_training_paths_bits(block, x)
 
 
 @pytest.mark.parametrize("config", ["pre-ln-gelu-causal", "post-ln-relu"])

@@ -114,6 +114,12 @@ def _compiled_stack(ctx: BuildContext) -> nn.Module:
     return torch.compile(eager_stack(ctx, "sdpa"))
 
 
+def _compiled_fused_stack(ctx: BuildContext) -> nn.Module:
+    # memopt's ops are opaque to inductor (registered ops with fake impls): it fuses what lies
+    # between them (the residual stream, the layers' glue), as a user compiling the model gets.
+    return torch.compile(fused_stack(ctx, "none", False))
+
+
 def _wrapped_stack(ctx: BuildContext) -> nn.Module:
     return memopt.wrap(eager_stack(ctx, "sdpa"))
 
@@ -165,6 +171,14 @@ def default_configs() -> list[BenchConfig]:
             tracks_memory=False,
         ),
         *[_fused_config(policy, offload) for policy, offload in FUSED_CHOICES],
+        BenchConfig(
+            "memopt-compile",
+            "memopt",
+            "memopt-none's stack under torch.compile (inductor), the counterpart of torch-compile",
+            _compiled_fused_stack,
+            unavailable=_needs_compile,
+            tracks_memory=False,
+        ),
         BenchConfig(
             "memopt-wrap",
             "memopt",

@@ -92,7 +92,10 @@ step build_info 60 python -c "import memopt; print(memopt.build_info())"
 # The harness's GPU preset (bf16, d_model 2048, 16 heads, seq 2048, 4 layers, torch.compile
 # included): FusedCheckpointBlock's policies against eager, checkpoint and selective checkpointing,
 # each configuration's gradients checked against eager's. Issue 14's targets are judged on it.
-step bench_h200 "${STEP_TIMEOUT_BENCH_H200:-300}" python -m bench --preset h200 --out "$OUT" --no-progress
+# Every configuration but memopt-compile (a second inductor compile would risk the step's limit;
+# run it with --configs memopt-compile when a session has time to spare).
+step bench_h200 "${STEP_TIMEOUT_BENCH_H200:-300}" python -m bench --preset h200 --out "$OUT" --no-progress \
+  --configs eager-math,eager-sdpa,torch-checkpoint,torch-selective,torch-compile,memopt-none,memopt-selective,memopt-full,memopt-offload,memopt-wrap
 # Where each configuration's step time goes, by kernel category (why "none" is slower than eager).
 step profile_h200 "${STEP_TIMEOUT_PROFILE:-90}" python -m bench.profile --preset h200 --out "$OUT/profile_h200.json"
 # Files whose GPU tests have never run (or cover code changed since the last run) come first, so a

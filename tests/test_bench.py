@@ -131,12 +131,13 @@ def test_tiny_run_writes_a_plot_and_plot_module_redraws_it(tiny_run, tmp_path):
 
 
 def test_unavailable_configurations_are_listed_with_their_reason():
-    wanted = ["eager-math", "torch-compile", "memopt-offload"]
+    wanted = ["eager-math", "torch-compile", "memopt-compile", "memopt-offload"]
     rows = compare.run_comparison(TINY, [registry_config(n) for n in wanted], progress=False)
     status = {r["config"]: r["status"] for r in rows}
     assert [r["config"] for r in rows] == wanted
     assert status["eager-math"] == "ok"
     assert status["torch-compile"].startswith("not available (torch.compile not requested")
+    assert status["memopt-compile"].startswith("not available (torch.compile not requested")
     assert status["memopt-offload"].startswith("not available (offload moves activations from GPU to host memory")
     table = compare.markdown_table(rows)
     for name in wanted:

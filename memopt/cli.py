@@ -17,6 +17,7 @@ import importlib.machinery
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 
@@ -58,8 +59,8 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--optimizer", choices=sorted(OPTIMIZER_STATES), default="adam")
     est.add_argument("--policy", default="eager", help=f"activation policy: {', '.join(registered_policies())}")
     est.add_argument("--offload", action="store_true", help="what a memopt policy (none, selective, full) saves lives in host memory")
-    est.add_argument("--attention", choices=ATTENTIONS, help="default math, or the preset's")
-    est.add_argument("--dropout", type=float, help="default 0.1, or the preset's")
+    est.add_argument("--attention", choices=ATTENTIONS, help="default the arch's (gpt2 math, llama flash), or the preset's")
+    est.add_argument("--dropout", type=float, help="default the arch's (gpt2 0.1, llama 0), or the preset's")
     est.add_argument("--loss", choices=LOSSES, help="plain (materialised logits, the default) or chunked")
     est.add_argument("--loss-chunk-tokens", type=int, help="tokens per chunk of the chunked loss")
     est.add_argument("--ffn-chunk-tokens", type=int, help="sequence-tiled FFN and norms: tokens per chunk (arch llama)")
@@ -116,12 +117,13 @@ def _config_from(args) -> ModelConfig:
 
 
 def _flag_names(message: str) -> str:
-    """A ModelConfig message with its field names as the command line's flags."""
+    """A ModelConfig message with its field names as the command line's flags (whole words:
+    ``attention_dropout`` is neither ``attention`` nor ``dropout``)."""
     renames = {"lora_rank": "--lora-rank", "lora_targets": "--lora-targets", "n_kv_heads": "--kv-heads",
                "ffn_chunk_tokens": "--ffn-chunk-tokens", "loss_chunk_tokens": "--loss-chunk-tokens",
-               "host_memory_bytes": "--host-memory-gib"}
+               "host_memory_bytes": "--host-memory-gib", "attention": "--attention", "dropout": "--dropout"}
     for field, flag in renames.items():
-        message = message.replace(field, f"{flag} ({field})", 1) if field in message else message
+        message = re.sub(rf"\b{field}\b", f"{flag} ({field})", message, count=1)
     return message
 
 

@@ -140,6 +140,8 @@ CUBLAS_WORKSPACE_BYTES = 32 * 2**20
 
 _LOW_DTYPES = (torch.bfloat16, torch.float16)
 ARCHS = ("gpt2", "llama")
+ARCH_DEFAULTS = {"gpt2": {"attention": "math", "dropout": 0.1}, "llama": {"attention": "flash", "dropout": 0.0}}
+"""Per arch, the ``attention`` and ``dropout`` a :class:`ModelConfig` gets when they are left None."""
 LOSSES = ("plain", "chunked")
 LLAMA_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 """The linears of a Hugging Face Llama layer, the names LoRA targets use."""
@@ -187,13 +189,16 @@ class ModelConfig:
         offload: whether what a memopt policy (``"none"``, ``"selective"``, ``"full"``) saves
             lives in host memory (the block's ``offload=True``); False for other policies.
         attention: ``"math"`` (matmul + softmax, O(seq^2) saved) or ``"flash"`` (a recompute
-            kernel such as SDPA flash: O(seq) saved).
-        dropout: dropout probability of the attention, residual and embedding dropouts.
+            kernel such as SDPA flash: O(seq) saved). None (the default): the arch's,
+            ``"math"`` for ``"gpt2"``, ``"flash"`` for ``"llama"`` (:data:`ARCH_DEFAULTS`).
+        dropout: dropout probability of the attention, residual and embedding dropouts. None (the
+            default): the arch's, 0.1 for ``"gpt2"``, 0.0 for ``"llama"``.
         device: ``"cuda"`` or ``"cpu"``: decides the size of a saved dropout mask.
         arch: ``"gpt2"`` (the layout above) or ``"llama"`` (Hugging Face ``LlamaForCausalLM``:
             RMSNorm, rotary positions, grouped-query attention through SDPA, SwiGLU MLP, untied
             LM head, no biases; see :func:`llama_layer_saved`). ``"llama"`` takes ``precision``
-            ``"fp32"``, ``"pure"`` or ``"master"`` and ``attention="flash"``.
+            ``"fp32"``, ``"pure"`` or ``"master"``, ``attention="flash"`` and ``dropout=0.0``
+            (its defaults).
         n_kv_heads: key/value heads (grouped-query attention; default ``n_heads``; ``"llama"`` only).
         loss: ``"plain"``: the LM head makes ``(tokens, vocab)`` logits and the loss upcasts them
             to float32 (Hugging Face's ``ForCausalLMLoss``); ``"chunked"``:
@@ -229,8 +234,8 @@ class ModelConfig:
     optimizer: str = "adam"
     policy: str = "eager"
     offload: bool = False
-    attention: str = "math"
-    dropout: float = 0.1
+    attention: str | None = None
+    dropout: float | None = None
     device: str = "cuda"
     arch: str = "gpt2"
     n_kv_heads: int | None = None
@@ -252,6 +257,7 @@ class ModelConfig:
             raise ValueError(f"d_ff must be a positive int, got {self.d_ff!r}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads})")
+        self._resolve_arch_defaults()
         object.__setattr__(self, "low_dtype", _as_dtype(self.low_dtype, "low_dtype", _LOW_DTYPES))
         object.__setattr__(self, "dtype", _as_dtype(self.dtype, "dtype"))
         if not isinstance(self.policy, str):
@@ -277,9 +283,15 @@ class ModelConfig:
             raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
         self._check_long_context_fields()
 
-    def _check_long_context_fields(self) -> None:
-        if self.arch not in ARCHS:
+    def _resolve_arch_defaults(self) -> None:
+        """``attention`` and ``dropout`` left None become the arch's (:data:`ARCH_DEFAULTS`)."""
+        if not isinstance(self.arch, str) or self.arch not in ARCHS:
             raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
+        for name, default in ARCH_DEFAULTS[self.arch].items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, default)
+
+    def _check_long_context_fields(self) -> None:
         llama = self.arch == "llama"
         if self.n_kv_heads is None:
             object.__setattr__(self, "n_kv_heads", self.n_heads)
@@ -307,10 +319,11 @@ class ModelConfig:
             raise ValueError("precision='autocast' is modelled for arch='gpt2' only; arch='llama' takes "
                              "'fp32', 'pure' or 'master'")
         if self.attention != "flash":
-            raise ValueError("arch='llama' runs attention through SDPA: attention must be 'flash', "
-                             f"got {self.attention!r}")
+            raise ValueError("attention must be 'flash' with arch='llama' (it runs attention through SDPA; 'flash' is "
+                             f"its default), got {self.attention!r}")
         if self.dropout != 0.0:
-            raise ValueError(f"arch='llama' has no dropout (attention_dropout 0): dropout must be 0.0, got {self.dropout!r}")
+            raise ValueError("dropout must be 0.0 with arch='llama' (it has no dropout, attention_dropout 0; 0.0 is "
+                             f"its default), got {self.dropout!r}")
 
     def replace(self, **changes) -> "ModelConfig":
         return dataclasses.replace(self, **changes)

@@ -61,9 +61,37 @@ def test_estimate_table_output(capsys):
     (["estimate", "--preset", "llama-3-8b", "--ffn-chunk-tokens", "-4"], "--ffn-chunk-tokens (ffn_chunk_tokens) must be"),
     (["estimate", "--preset", "llama-3-8b", "--kv-heads", "5"], "--kv-heads (n_kv_heads) must be a positive int dividing"),
     (["estimate", "--preset", "gpt2", "--lora"], "--lora-rank (lora_rank) is modelled for arch='llama' only"),
+    (["estimate", "--preset", "gpt2", "--dropout", "1.5"], "--dropout (dropout) must be a number in [0, 1)"),
 ])
 def test_estimate_bad_input(capsys, argv, match):
     assert main(argv) == 2
+    assert match in capsys.readouterr().err
+
+
+LLAMA_SHAPE = ["--arch", "llama", "--layers", "2", "--d-model", "64", "--heads", "4", "--kv-heads", "2", "--vocab", "100",
+               "--seq", "16", "--memory-gib", "1"]
+
+
+def test_estimate_llama_without_a_preset_takes_the_archs_defaults(capsys):
+    """--attention and --dropout default to the arch's: flash and 0 for llama (math and 0.1 for
+    gpt2). Before, their defaults were gpt2's, the only values llama refuses: without a preset,
+    --arch llama failed until both were given by hand."""
+    out = run_json(capsys, "estimate", *LLAMA_SHAPE)
+    explicit = run_json(capsys, "estimate", *LLAMA_SHAPE, "--attention", "flash", "--dropout", "0")
+    assert out == explicit
+    assert (out["config"]["attention"], out["config"]["dropout"]) == ("flash", 0.0)
+    gpt2 = ["--layers", "2", "--d-model", "64", "--heads", "4", "--vocab", "100", "--seq", "16"]
+    out = run_json(capsys, "estimate", *gpt2)
+    assert out == run_json(capsys, "estimate", *gpt2, "--attention", "math", "--dropout", "0.1")
+    assert (out["config"]["attention"], out["config"]["dropout"]) == ("math", 0.1)
+
+
+@pytest.mark.parametrize("flag,value,match", [
+    ("--attention", "math", "--attention (attention) must be 'flash' with arch='llama'"),
+    ("--dropout", "0.1", "--dropout (dropout) must be 0.0 with arch='llama'"),
+])
+def test_estimate_llama_refuses_an_explicit_value_naming_the_flag(capsys, flag, value, match):
+    assert main(["estimate", *LLAMA_SHAPE, flag, value]) == 2
     assert match in capsys.readouterr().err
 
 

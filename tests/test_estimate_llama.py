@@ -259,6 +259,19 @@ def test_bad_long_context_fields_name_the_argument(changes, match):
         ModelConfig(**{**SHAPE, **changes})
 
 
+def test_attention_and_dropout_default_to_the_archs():
+    """Left out (None), attention and dropout are the arch's: llama's flash and 0.0, gpt2's math
+    and 0.1. Before, llama got gpt2's defaults and refused them."""
+    shape = {k: v for k, v in SHAPE.items() if k not in ("attention", "dropout")}
+    assert ModelConfig(**shape) == ModelConfig(**SHAPE)
+    assert ModelConfig(**shape, attention=None, dropout=None) == ModelConfig(**SHAPE)
+    assert memopt.estimate(ModelConfig(**shape)).total_bytes == memopt.estimate(ModelConfig(**SHAPE)).total_bytes
+    gpt2 = dict(shape, arch="gpt2", n_kv_heads=None)
+    made = ModelConfig(**gpt2)
+    assert (made.attention, made.dropout) == ("math", 0.1)
+    assert made == ModelConfig(**gpt2, attention="math", dropout=0.1)
+
+
 def test_llama_refuses_other_policies():
     with pytest.raises(ValueError, match="policy must be one of .* for arch='llama'"):
         memopt.estimate(ModelConfig(**SHAPE, policy="test-unknown"))

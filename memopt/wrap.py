@@ -442,8 +442,8 @@ def wrap(
         budget_bytes: choose per-layer ``(policy, offload)`` with :func:`memopt.plan` so that the
             activations saved for backward fit in this many bytes, measured with the ``loss``
             chosen; needs ``example_inputs``.
-        example_inputs: a tuple of positional arguments (or a dict of keyword arguments) for
-            ``model`` that :func:`memopt.plan` measures with.
+        example_inputs: a tuple of positional arguments (or a mapping of keyword arguments: a
+            dict, a tokenizer's ``BatchEncoding``) for ``model`` that :func:`memopt.plan` measures with.
         plan: a :class:`memopt.Plan` (from :func:`memopt.plan`, possibly edited) to apply.
         loss: a Hugging Face causal LM's loss with ``labels=``: ``"chunked"`` computes it with
             :func:`memopt.linear_cross_entropy`, without the logits (the output's ``logits`` is

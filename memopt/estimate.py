@@ -895,9 +895,10 @@ def _batched_tensor(example, dim: int, inferred: str | None) -> torch.Tensor:
 
 def _first_batched(example, dim: int = 0) -> torch.Tensor | None:
     """The first tensor of more than ``dim`` dimensions in ``example``, depth first, or None. Other
-    values are skipped, as AdaptiveBatch's ``_leading_size`` skips them: keyword arguments such
-    as ``use_cache=False`` or a 0-d ``num_items_in_batch`` are not batched. Any mapping counts as
-    keyword arguments: a tokenizer's ``BatchEncoding`` is a ``UserDict``, not a ``dict``."""
+    values are skipped: keyword arguments such as ``use_cache=False`` or a 0-d
+    ``num_items_in_batch`` are not batched (AdaptiveBatch, which cuts every tensor, refuses a 0-d
+    one instead). Any mapping counts as keyword arguments: a tokenizer's ``BatchEncoding`` is a
+    ``UserDict``, not a ``dict``."""
     if isinstance(example, torch.Tensor):
         return example if example.dim() > dim else None
     if isinstance(example, (tuple, list, Mapping)):

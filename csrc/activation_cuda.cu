@@ -47,6 +47,13 @@ bool packable(int64_t width, std::initializer_list<const void*> pointers) {
   return width % kPack16<scalar_t> == 0 && all_aligned(16, pointers);
 }
 
+// The forward kernels load a pack's bias columns as one Pack<bias_t, W> (16 or 32 bytes): it
+// needs that alignment of the bias too (a parameter's storage has it; a view may not).
+template <typename scalar_t, typename bias_t>
+bool bias_packable(const bias_t* bias) {
+  return all_aligned(sizeof(Pack<bias_t, kPack16<scalar_t>>), {bias});
+}
+
 int elementwise_blocks(int64_t numel) {
   const int64_t max_blocks = static_cast<int64_t>(multiprocessors()) * 16;
   return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>((numel + kThreads - 1) / kThreads, max_blocks)));
@@ -74,23 +81,61 @@ BiasGradGrid bias_grad_grid(Kernel kernel, int64_t rows, int64_t cols, int64_t c
   return {dim3(static_cast<unsigned>(col_tiles), static_cast<unsigned>(chunks)), rows_per_chunk, chunks};
 }
 
+// An elementwise launch over packs seen as a [rows, row_packs] grid of packs (a row, or swiglu's
+// half row, of row_packs packs). The grid stride, blocks * kThreads packs, is split into whole rows
+// and a column remainder on the host, so that a thread steps its row and column with additions of
+// kernel arguments: dividing every pack index by row_packs in the loop costs a 64-bit division per
+// pack (a call of about 70 instructions, or 20 with a MUFU.RCP where both operands fit in 32 bits,
+// nvcc 13.0 for sm_90), and steps computed in the kernel would hold registers.
+struct PackGrid {
+  int64_t packs;      // all of them, rows * row_packs
+  int64_t row_packs;
+  int64_t row_step;   // stride / row_packs
+  int64_t col_step;   // stride % row_packs
+};
+
+PackGrid pack_grid(int64_t packs, int64_t row_packs, int blocks) {
+  const int64_t stride = static_cast<int64_t>(blocks) * kThreads;
+  return {packs, row_packs, stride / row_packs, stride % row_packs};
+}
+
+// A thread's place in the grid of packs: row and column pack of its current pack index.
+struct PackCursor {
+  int64_t row, col;
+
+  __device__ PackCursor(int64_t p, const PackGrid& grid) : row(p / grid.row_packs), col(p % grid.row_packs) {}
+
+  __device__ __forceinline__ void advance(const PackGrid& grid) {
+    row += grid.row_step;
+    col += grid.col_step;
+    if (col >= grid.row_packs) {  // both were below row_packs: one carry at most
+      col -= grid.row_packs;
+      ++row;
+    }
+  }
+};
+
 // Pack index p covers elements [p * W, p * W + W); a pack never straddles two rows (W divides
-// the row), so its bias columns are consecutive. y may be x (bias_act_fwd_inplace): a thread loads
-// its x pack before it stores its y pack there, and no thread reads another's pack.
+// the row), so its bias columns are consecutive, one Pack<bias_t, W> (the launcher checks its
+// alignment). y may be x (bias_act_fwd_inplace): a thread loads its x pack before it stores its y
+// pack there, and no thread reads another's pack.
 template <Activation A, typename scalar_t, typename bias_t, int W>
 __device__ __forceinline__ void bias_act_fwd_packs(const scalar_t* x,
                                                    const bias_t* __restrict__ bias,  // [cols], or null
-                                                   scalar_t* y, int64_t packs, int64_t row_packs) {
+                                                   scalar_t* y, const PackGrid& grid) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < packs; p += stride) {
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  PackCursor at(first, grid);
+  for (int64_t p = first; p < grid.packs; p += stride, at.advance(grid)) {
     const Pack<scalar_t, W> in = load_pack<W>(x + p * W);
-    const int64_t col = (p % row_packs) * W;
+    Pack<bias_t, W> b;
+    if (bias != nullptr) b = load_pack<W>(bias, at.col);
     Pack<scalar_t, W> out;
 #pragma unroll
     for (int j = 0; j < W; ++j) {
       acc_t h = static_cast<acc_t>(in.v[j]);
-      if (bias != nullptr) h += static_cast<acc_t>(bias[col + j]);
+      if (bias != nullptr) h += static_cast<acc_t>(b.v[j]);
       out.v[j] = static_cast<scalar_t>(activation_value<A>(h));
     }
     store_pack<W>(y + p * W, out);
@@ -100,16 +145,16 @@ __device__ __forceinline__ void bias_act_fwd_packs(const scalar_t* x,
 template <Activation A, typename scalar_t, typename bias_t, int W>
 __global__ void bias_act_fwd_cuda_kernel(const scalar_t* __restrict__ x,
                                          const bias_t* __restrict__ bias,  // [cols], or null
-                                         scalar_t* __restrict__ y, int64_t packs, int64_t row_packs) {
-  bias_act_fwd_packs<A, scalar_t, bias_t, W>(x, bias, y, packs, row_packs);
+                                         scalar_t* __restrict__ y, const PackGrid grid) {
+  bias_act_fwd_packs<A, scalar_t, bias_t, W>(x, bias, y, grid);
 }
 
 // bias_act_fwd_inplace: y written over x, which therefore carries no __restrict__.
 template <Activation A, typename scalar_t, typename bias_t, int W>
 __global__ void bias_act_fwd_inplace_cuda_kernel(scalar_t* x,
                                                  const bias_t* __restrict__ bias,  // [cols], or null
-                                                 int64_t packs, int64_t row_packs) {
-  bias_act_fwd_packs<A, scalar_t, bias_t, W>(x, bias, x, packs, row_packs);
+                                                 const PackGrid grid) {
+  bias_act_fwd_packs<A, scalar_t, bias_t, W>(x, bias, x, grid);
 }
 
 // grad_x may be grad_y (bias_act_bwd_inplace): a thread loads its grad_y pack before it stores its
@@ -209,23 +254,28 @@ template <typename scalar_t, typename bias_t, int W>
 __global__ void swiglu_fwd_cuda_kernel(const scalar_t* __restrict__ x,
                                        const bias_t* __restrict__ bias,  // [2 * d], or null
                                        scalar_t* __restrict__ y,         // [rows, d]
-                                       int64_t packs_out, int64_t d) {
+                                       const PackGrid grid, int64_t d) {  // grid: of y's packs
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t row_packs = d / W;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < packs_out; p += stride) {
-    const int64_t r = p / row_packs;
-    const int64_t c = (p - r * row_packs) * W;
-    const Pack<scalar_t, W> gate = load_pack<W>(x + r * 2 * d + c);
-    const Pack<scalar_t, W> up = load_pack<W>(x + r * 2 * d + d + c);
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  PackCursor at(first, grid);
+  for (int64_t p = first; p < grid.packs; p += stride, at.advance(grid)) {
+    const scalar_t* gate_row = x + at.row * 2 * d;
+    const Pack<scalar_t, W> gate = load_pack<W>(gate_row, at.col);
+    const Pack<scalar_t, W> up = load_pack<W>(gate_row + d, at.col);
+    Pack<bias_t, W> bias_gate, bias_up;
+    if (bias != nullptr) {
+      bias_gate = load_pack<W>(bias, at.col);
+      bias_up = load_pack<W>(bias + d, at.col);
+    }
     Pack<scalar_t, W> out;
 #pragma unroll
     for (int j = 0; j < W; ++j) {
       acc_t g = static_cast<acc_t>(gate.v[j]);
       acc_t u = static_cast<acc_t>(up.v[j]);
       if (bias != nullptr) {
-        g += static_cast<acc_t>(bias[c + j]);
-        u += static_cast<acc_t>(bias[d + c + j]);
+        g += static_cast<acc_t>(bias_gate.v[j]);
+        u += static_cast<acc_t>(bias_up.v[j]);
       }
       out.v[j] = static_cast<scalar_t>(activation_value<Activation::kSilu>(g) * u);
     }
@@ -269,16 +319,16 @@ template <typename scalar_t, int W>
 __global__ void swiglu_bwd_cuda_kernel(const scalar_t* __restrict__ grad_y, const scalar_t* __restrict__ x,
                                        scalar_t* __restrict__ grad_x,
                                        scalar_t* __restrict__ y,  // rebuilt output, or null
-                                       int64_t packs_out, int64_t d) {
+                                       const PackGrid grid, int64_t d) {  // grid: of y's packs
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t row_packs = d / W;
   acc_t zeros[W], unused_gate[W], unused_up[W];
 #pragma unroll
   for (int j = 0; j < W; ++j) zeros[j] = unused_gate[j] = unused_up[j] = 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t p = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; p < packs_out; p += stride) {
-    const int64_t r = p / row_packs;
-    swiglu_bwd_pack<W>(grad_y, x, grad_x, y, r, (p - r * row_packs) * W, d, zeros, zeros, unused_gate, unused_up);
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  PackCursor at(first, grid);
+  for (int64_t p = first; p < grid.packs; p += stride, at.advance(grid)) {
+    swiglu_bwd_pack<W>(grad_y, x, grad_x, y, at.row, at.col * W, d, zeros, zeros, unused_gate, unused_up);
   }
 }
 
@@ -348,22 +398,24 @@ void run_bias_act_fwd_cuda(const ActForward& call, const at::Tensor& x, const st
   MEMOPT_DISPATCH_CUDA_FLOATS(x.scalar_type(), "bias_act_fwd_cuda", [&] {
     const scalar_t* x_data = x.const_data_ptr<scalar_t>();
     scalar_t* y_data = y.mutable_data_ptr<scalar_t>();
-    const bool packed = packable<scalar_t>(call.cols, {x_data, y_data});
-    const int64_t w = packed ? kPack16<scalar_t> : 1;
-    const int blocks = elementwise_blocks(numel / w);
     dispatch_param_type<scalar_t>(param_dtype(bias, x), [&](auto* bias_tag) {
       using bias_t = std::remove_pointer_t<decltype(bias_tag)>;
+      const bias_t* bias_data = optional_data<bias_t>(bias);
+      const bool packed =
+          packable<scalar_t>(call.cols, {x_data, y_data}) && bias_packable<scalar_t, bias_t>(bias_data);
+      const int64_t w = packed ? kPack16<scalar_t> : 1;
+      const int blocks = elementwise_blocks(numel / w);
       dispatch_activation(call.activation, [&](auto a) {
         constexpr Activation A = decltype(a)::value;
         if (in_place) {
           const auto kernel = packed ? bias_act_fwd_inplace_cuda_kernel<A, scalar_t, bias_t, kPack16<scalar_t>>
                                      : bias_act_fwd_inplace_cuda_kernel<A, scalar_t, bias_t, 1>;
-          kernel<<<blocks, kThreads, 0, stream>>>(y_data, optional_data<bias_t>(bias), numel / w, call.cols / w);
+          kernel<<<blocks, kThreads, 0, stream>>>(y_data, bias_data, pack_grid(numel / w, call.cols / w, blocks));
         } else {
           const auto kernel = packed ? bias_act_fwd_cuda_kernel<A, scalar_t, bias_t, kPack16<scalar_t>>
                                      : bias_act_fwd_cuda_kernel<A, scalar_t, bias_t, 1>;
-          kernel<<<blocks, kThreads, 0, stream>>>(x_data, optional_data<bias_t>(bias), y_data, numel / w,
-                                                  call.cols / w);
+          kernel<<<blocks, kThreads, 0, stream>>>(x_data, bias_data, y_data,
+                                                  pack_grid(numel / w, call.cols / w, blocks));
         }
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
@@ -460,14 +512,16 @@ at::Tensor swiglu_fwd_cuda(const at::Tensor& x, const std::optional<at::Tensor>&
   MEMOPT_DISPATCH_CUDA_FLOATS(x.scalar_type(), "swiglu_fwd_cuda", [&] {
     const scalar_t* x_data = x.const_data_ptr<scalar_t>();
     scalar_t* y_data = y.mutable_data_ptr<scalar_t>();
-    const bool packed = packable<scalar_t>(d, {x_data, y_data});
-    const int64_t w = packed ? kPack16<scalar_t> : 1;
     dispatch_param_type<scalar_t>(param_dtype(bias, x), [&](auto* bias_tag) {
       using bias_t = std::remove_pointer_t<decltype(bias_tag)>;
+      const bias_t* bias_data = optional_data<bias_t>(bias);
+      const bool packed = packable<scalar_t>(d, {x_data, y_data}) && bias_packable<scalar_t, bias_t>(bias_data);
+      const int64_t w = packed ? kPack16<scalar_t> : 1;
       const auto kernel = packed ? swiglu_fwd_cuda_kernel<scalar_t, bias_t, kPack16<scalar_t>>
                                  : swiglu_fwd_cuda_kernel<scalar_t, bias_t, 1>;
-      kernel<<<elementwise_blocks(numel_out / w), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-          x_data, optional_data<bias_t>(bias), y_data, numel_out / w, d);
+      const int blocks = elementwise_blocks(numel_out / w);
+      kernel<<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+          x_data, bias_data, y_data, pack_grid(numel_out / w, d / w, blocks), d);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
     });
   });
@@ -497,8 +551,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_bwd_cuda(const at::Tensor&
     const int64_t w = packed ? kPack16<scalar_t> : 1;
     if (!bias.has_value()) {
       const auto kernel = packed ? swiglu_bwd_cuda_kernel<scalar_t, kPack16<scalar_t>> : swiglu_bwd_cuda_kernel<scalar_t, 1>;
-      kernel<<<elementwise_blocks(numel_out / w), kThreads, 0, stream>>>(grad_y_data, x_data, grad_x_data, y_ptr,
-                                                                          numel_out / w, d);
+      const int blocks = elementwise_blocks(numel_out / w);
+      kernel<<<blocks, kThreads, 0, stream>>>(grad_y_data, x_data, grad_x_data, y_ptr,
+                                              pack_grid(numel_out / w, d / w, blocks), d);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       return;
     }

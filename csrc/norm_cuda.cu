@@ -202,6 +202,16 @@ __global__ void __launch_bounds__(kMaxVecThreads) norm_fwd_vec_cuda_kernel(const
   const int64_t chunks = n / kVec;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x) {
     const int64_t offset = row * n;
+    // Every load of the row is issued before any of it is used, so a row costs one memory round
+    // trip, not one per chunk (as words: see Words16).
+    Words16 x_words[kChunks], residual_words[kChunks];
+#pragma unroll
+    for (int c = 0; c < kChunks; ++c) {
+      const int64_t chunk = threadIdx.x + static_cast<int64_t>(c) * blockDim.x;
+      if (chunk >= chunks) continue;
+      x_words[c] = load_words(x + offset, chunk);
+      if (residual != nullptr) residual_words[c] = load_words(residual + offset, chunk);
+    }
     float v[kChunks][kVec];
     float sum = 0.f;
 #pragma unroll
@@ -210,21 +220,22 @@ __global__ void __launch_bounds__(kMaxVecThreads) norm_fwd_vec_cuda_kernel(const
 #pragma unroll
       for (int k = 0; k < kVec; ++k) v[c][k] = 0.f;
       if (chunk >= chunks) continue;
-      Pack<scalar_t, kVec> src = load_pack<kVec>(x + offset, chunk);
       if (residual != nullptr) {
-        const Pack<scalar_t, kVec> res = load_pack<kVec>(residual + offset, chunk);
+        Pack<scalar_t, kVec> src;
 #pragma unroll
         for (int k = 0; k < kVec; ++k) {
           // rounded to scalar_t: the stored sum is what gets normalised (and what the backward reads)
-          src.v[k] = static_cast<scalar_t>(static_cast<float>(src.v[k]) + static_cast<float>(res.v[k]));
+          src.v[k] = static_cast<scalar_t>(word_element<scalar_t>(x_words[c], k) +
+                                           word_element<scalar_t>(residual_words[c], k));
+          v[c][k] = static_cast<float>(src.v[k]);
         }
         store_pack<kVec>(residual_out + offset, chunk, src);
+      } else {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) v[c][k] = word_element<scalar_t>(x_words[c], k);
       }
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        v[c][k] = static_cast<float>(src.v[k]);
-        sum += mean != nullptr ? v[c][k] : v[c][k] * v[c][k];
-      }
+      for (int k = 0; k < kVec; ++k) sum += mean != nullptr ? v[c][k] : v[c][k] * v[c][k];
     }
     float row_mean = 0.f;
     float square_sum;
@@ -302,16 +313,16 @@ __global__ void __launch_bounds__(kMaxVecThreads) norm_bwd_vec_cuda_kernel(const
     const float row_rstd = rstd[row];
     // Every load of the row is issued before any of it is used (grad_x_extra too, which is only
     // needed after the reduction), so a row costs one memory round trip, not two. The row stays
-    // in its input dtype (half the registers of float copies at 16 bits); x_hat and g are
+    // in its input dtype, as words (Words16: two 16-bit elements to a register); x_hat and g are
     // recomputed from it after the reduction, and the weight packs come again from L1.
-    Pack<scalar_t, kVec> x_packs[kChunks], dy_packs[kChunks], extra_packs[kChunks];
+    Words16 x_words[kChunks], dy_words[kChunks], extra_words[kChunks];
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       const int64_t chunk = threadIdx.x + static_cast<int64_t>(c) * blockDim.x;
       if (chunk >= chunks) continue;
-      x_packs[c] = load_pack<kVec>(x + offset, chunk);
-      dy_packs[c] = load_pack<kVec>(grad_y + offset, chunk);
-      if (grad_x_extra != nullptr) extra_packs[c] = load_pack<kVec>(grad_x_extra + offset, chunk);
+      x_words[c] = load_words(x + offset, chunk);
+      dy_words[c] = load_words(grad_y + offset, chunk);
+      if (grad_x_extra != nullptr) extra_words[c] = load_words(grad_x_extra + offset, chunk);
     }
     float g_partial = 0.f;  // g = grad_y * weight
     float g_xhat_partial = 0.f;
@@ -325,8 +336,8 @@ __global__ void __launch_bounds__(kMaxVecThreads) norm_bwd_vec_cuda_kernel(const
       Pack<scalar_t, kVec> y_pack;
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        const float xh = (static_cast<float>(x_packs[c].v[k]) - row_mean) * row_rstd;
-        const float dy = static_cast<float>(dy_packs[c].v[k]);
+        const float xh = (word_element<scalar_t>(x_words[c], k) - row_mean) * row_rstd;
+        const float dy = word_element<scalar_t>(dy_words[c], k);
         const float wk = weight != nullptr ? static_cast<float>(w.v[k]) : 1.f;
         const float g = weight != nullptr ? dy * wk : dy;
         g_partial += g;
@@ -354,11 +365,11 @@ __global__ void __launch_bounds__(kMaxVecThreads) norm_bwd_vec_cuda_kernel(const
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
         // x_hat and g by the first pass's expressions (rebuilt rather than held in float registers)
-        const float xh = (static_cast<float>(x_packs[c].v[k]) - row_mean) * row_rstd;
-        const float dy = static_cast<float>(dy_packs[c].v[k]);
+        const float xh = (word_element<scalar_t>(x_words[c], k) - row_mean) * row_rstd;
+        const float dy = word_element<scalar_t>(dy_words[c], k);
         const float g = weight != nullptr ? dy * static_cast<float>(w.v[k]) : dy;
         float dx = row_rstd * (g - g_mean - xh * g_xhat_mean);
-        if (grad_x_extra != nullptr) dx += static_cast<float>(extra_packs[c].v[k]);
+        if (grad_x_extra != nullptr) dx += word_element<scalar_t>(extra_words[c], k);
         dx_pack.v[k] = static_cast<scalar_t>(dx);
       }
       store_pack<kVec>(grad_x + offset, chunk, dx_pack);

@@ -566,6 +566,35 @@ def test_cuda_packed_and_elementwise_kernels_agree(activation, with_bias, dtype)
 
 
 @gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ACTIVATIONS + ("swiglu",))
+def test_cuda_forward_with_a_misaligned_bias_equals_the_aligned_one(activation, dtype):
+    # The packed forward kernels read a pack's bias columns as one pack (59de34d): a bias view one
+    # element into its buffer is not aligned to it and takes the element-wise kernels, with the
+    # same bits (x aligned either way).
+    rows, width = 300, 2048 if activation == "swiglu" else 1024
+    x = torch.randn(rows, width, device="cuda", dtype=dtype)
+    bias = torch.randn(width, device="cuda", dtype=dtype)
+    bias_shifted = torch.empty(width + 1, device="cuda", dtype=dtype)[1:].copy_(bias)
+    assert bias.data_ptr() % 16 == 0 and bias_shifted.data_ptr() % 16 != 0
+
+    def forward(b):
+        if activation == "swiglu":
+            return torch.ops.memopt.swiglu_fwd(x, b)
+        y = torch.ops.memopt.bias_act_fwd(x, b, activation)
+        in_place = x.clone()
+        torch.ops.memopt.bias_act_fwd_inplace(in_place, b, activation)
+        assert torch.equal(in_place, y)
+        return y
+
+    y = forward(bias)
+    assert torch.equal(forward(bias_shifted), y)
+    ref_fn = swiglu_ref if activation == "swiglu" else (lambda a, b: bias_act_ref(a, b, activation))
+    ref = ref_fn(x.double(), bias.double())
+    torch.testing.assert_close(y.double(), ref, **tolerances(dtype))
+
+
+@gpu
 def test_cuda_matches_cpu_float32():
     x = torch.randn(97, 66)
     bias = torch.randn(66)

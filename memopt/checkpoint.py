@@ -226,8 +226,9 @@ class _CacheEntriesToHost:
 #    are seen by neither (nor by autograd).
 #    Each recompute starts from those values, and the buffers get the values they had before it
 #    back after it. A buffer the forward reassigns (``self.scale = ...``) is swapped back for the
-#    recompute. BatchNorm-style running statistics get no copy: in training only their own update
-#    reads them. The copies live as long as the graph (on the device, not offloaded).
+#    recompute, as is one ``torch.func.functional_call`` passed (it puts the model's own back once
+#    the forward has returned, before the backward). BatchNorm-style running statistics get no
+#    copy: in training only their own update reads them. The copies live as long as the graph (on the device, not offloaded).
 #    A selective-cache entry that is the storage of such a buffer (``torch.mm(w, v, out=u)``
 #    under ``"selective"``) is copied when the forward ends, before the recompute writes the buffer.
 # 3. Selective checkpointing hands the recompute a saved op's output without running the op.
@@ -817,8 +818,9 @@ class _BufferGuard:
     their version stays. Those of ``nn.BatchNorm*``-style modules (``_NormBase`` with running
     statistics) get no copy: in training nothing reads them but their own update, which the
     recompute makes from whatever they hold and which is undone after it. A buffer the forward
-    reassigns (``self.scale = ...``) is swapped: the recompute runs with the tensor the forward
-    started with, the module holds the forward's new one again after it.
+    reassigns (``self.scale = ...``), or that ``torch.func.functional_call`` passed and has since
+    taken out, is swapped: the recompute runs with the tensor the forward started with, the module
+    holds what it holds now again after it.
     """
 
 
@@ -845,7 +847,6 @@ class _BufferGuard:
         self._start: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # id -> (buffer, value at forward start)
         self._by_storage: dict | None = None  # storage key -> [buffers], built at the first write
         self._changed: list[torch.Tensor] = []
-        self._replaced: list[tuple[nn.Module, str, torch.Tensor]] = []
 
     def __bool__(self) -> bool:
         return bool(self._buffers)
@@ -894,9 +895,11 @@ class _BufferGuard:
             # Only the buffers the forward changed need their values at its start.
             self._start = {key: value for key, value in self._start.items() if key in changed}
             self._by_storage = None
-            self._replaced = self._replaced_now()
 
     def _replaced_now(self) -> list[tuple[nn.Module, str, torch.Tensor]]:
+        """The buffers the modules no longer hold, as ``(module, name, tensor at forward start)``.
+        Asked when a recompute starts, not when the forward ends: ``torch.func.functional_call``
+        puts the model's own buffers back only once the forward has returned."""
         return [(sub, name, b) for sub, name, b in self._entries if sub._buffers.get(name, _MISSING) is not b]
 
     @contextlib.contextmanager
@@ -905,9 +908,10 @@ class _BufferGuard:
         # forward]), before the forward has said which buffers it changed.
         if every_buffer:
             targets = list({id(b): b for b in self._buffers + self._running_stats}.values())
-            start, replaced = dict(self._start), self._replaced_now()
+            start = dict(self._start)
         else:
-            targets, start, replaced = self._changed, self._start, self._replaced
+            targets, start = self._changed, self._start
+        replaced = self._replaced_now()
         with torch.no_grad():
             saved = [(b, b.clone()) for b in targets]
             for buffer, value in start.values():

@@ -225,10 +225,11 @@ class _CacheEntriesToHost:
 #    the forward left alone (version counters) dropped when it ends. Writes through ``.data``
 #    are seen by neither (nor by autograd).
 #    Each recompute starts from those values, and the buffers get the values they had before it
-#    back after it. A buffer the forward reassigns (``self.scale = ...``) is swapped back for the
-#    recompute, as is one ``torch.func.functional_call`` passed (it puts the model's own back once
-#    the forward has returned, before the backward). BatchNorm-style running statistics get no
-#    copy: in training only their own update reads them. The copies live as long as the graph (on the device, not offloaded).
+#    back after it, and their version counters too. A buffer the forward reassigns
+#    (``self.scale = ...``) is swapped back for the recompute, as is one
+#    ``torch.func.functional_call`` passed (it puts the model's own back once the forward has
+#    returned, before the backward). BatchNorm-style running statistics get no copy: in training
+#    only their own update reads them. The copies live as long as the graph (on the device, not offloaded).
 #    A selective-cache entry that is the storage of such a buffer (``torch.mm(w, v, out=u)``
 #    under ``"selective"``) is copied when the forward ends, before the recompute writes the buffer.
 # 3. Selective checkpointing hands the recompute a saved op's output without running the op.
@@ -912,6 +913,7 @@ class _BufferGuard:
         else:
             targets, start = self._changed, self._start
         replaced = self._replaced_now()
+        versions = tuple(b._version for b in targets)  # the buffers in start are among targets
         with torch.no_grad():
             saved = [(b, b.clone()) for b in targets]
             for buffer, value in start.values():
@@ -930,6 +932,14 @@ class _BufferGuard:
             with torch.no_grad():
                 for buffer, value in saved:
                     buffer.copy_(value)
+            # Note: every buffer written above holds the value it had before the recompute again,
+            # bit for bit, but the copies moved its version counter (BatchNorm's own update of its
+            # statistics does not): a tensor saved for backward elsewhere that is such a buffer (a
+            # constant also read outside the checkpoint, statistics a BatchNorm in eval mode saved)
+            # would fail autograd's version check where plain PyTorch runs. The counters go back
+            # to where the recompute found them (torch.autograd.grad_mode's
+            # _unsafe_preserve_version_counter does the same).
+            torch._C._autograd._unsafe_set_version_counter(tuple(targets), versions)
 
 
 @functools.lru_cache(maxsize=1)

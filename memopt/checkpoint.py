@@ -27,6 +27,7 @@ import copy
 import functools
 import inspect
 import sys
+import types
 import weakref
 from collections import defaultdict
 from typing import Any, Callable
@@ -789,16 +790,33 @@ def _guard_modes(forward_mode: TorchDispatchMode, recompute_mode: TorchDispatchM
     recompute_mode._memopt_restore = _CachedOutputRestore(state)
 
 
-def _checkpointed_modules(fn) -> list[nn.Module]:
-    """The modules ``fn`` runs as far as a checkpoint can tell: ``fn`` itself, the object of a
-    bound method, the function and module arguments of a ``functools.partial``."""
-    if isinstance(fn, nn.Module):
-        return [fn]
-    if isinstance(fn, functools.partial):
-        found = _checkpointed_modules(fn.func)
-        return found + [a for a in fn.args if isinstance(a, nn.Module)]
-    owner = getattr(fn, "__self__", None)
-    return [owner] if isinstance(owner, nn.Module) else []
+def _checkpointed_modules(fn, args: tuple, kwargs: dict) -> list[nn.Module]:
+    """The modules ``fn(*args, **kwargs)`` runs as far as a checkpoint can tell: the module
+    arguments of the call, and those ``fn`` holds: ``fn`` itself, the object of a bound method,
+    a ``functools.partial``'s function and arguments, the cells of a function's closure
+    (``create_custom_forward(layer)``, ``lambda x: self.layer(x)``), each looked into the same way.
+    A module reached otherwise (a global, a list of modules, an attribute of a plain object) is
+    not seen."""
+    found = [a for a in (*args, *kwargs.values()) if isinstance(a, nn.Module)]
+    pending, seen = [fn], set()
+    while pending:
+        value = pending.pop()
+        if isinstance(value, nn.Module):
+            found.append(value)
+        elif id(value) in seen:
+            continue
+        elif isinstance(value, functools.partial):
+            pending += (value.func, *value.args, *value.keywords.values())
+        elif isinstance(value, types.MethodType):
+            pending += (value.__self__, value.__func__)
+        elif isinstance(value, types.FunctionType) and value.__closure__:
+            for cell in value.__closure__:
+                try:
+                    pending.append(cell.cell_contents)
+                except ValueError:  # an empty cell: a name not assigned yet
+                    pass
+        seen.add(id(value))
+    return found
 
 
 _MISSING = object()
@@ -1322,7 +1340,7 @@ def checkpoint(
     # decides what is saved, and functionalization replays in-place updates): no guards there.
     guarded = not compiling
     # One walk over the checkpointed modules (every call makes one) serves both guards below.
-    modules = submodules(_checkpointed_modules(fn)) if guarded else []
+    modules = submodules(_checkpointed_modules(fn, args, kwargs)) if guarded else []
     # None under compile: the context_fn's arguments must be constants dynamo can guard on.
     buffers = _BufferGuard(modules) if guarded else None
     buffers = buffers if buffers else None

@@ -1207,6 +1207,7 @@ def _refuse_debug():
 
 def checkpoint(
     fn: Callable,
+    /,
     *args,
     policy: str | Callable = "selective",
     offload: bool | Offload = False,
@@ -1226,7 +1227,8 @@ def checkpoint(
     the recompute so dropout draws the same mask twice.
 
     Args:
-        fn: the function (or module) to run; its outputs are returned unchanged.
+        fn: the function (or module) to run; its outputs are returned unchanged. Positional
+            only: a keyword argument named ``fn`` is passed to it.
         *args, **kwargs: passed to ``fn``.
         policy: ``"selective"`` (default) saves the outputs of matmuls and attention kernels
             (:data:`memopt.policy.SELECTIVE_SAVED_OPS`) and recomputes everything else; ``"full"`` saves only

@@ -12,6 +12,7 @@ buffers come from elsewhere than the module's own attributes, or the module from
 * Modules reached through ``fn``'s closure (``create_custom_forward(layer)``, a lambda) or passed
   as arguments are guarded as ``fn`` itself is (before: spectral norm's gradients off by 4.7,
   BatchNorm statistics updated twice).
+* ``fn`` is positional only: a keyword argument named ``fn`` goes to the function.
 
 Every case is float64 against the same model run without checkpointing.
 """
@@ -255,3 +256,18 @@ def test_modules_in_the_closure_are_recomputed_on_their_forward_parameters(polic
         return {"x": x.grad, **{name: p.grad for name, p in fast.items()}}
 
     _assert_same(step(policy), step(None))
+
+
+# -- the checkpoint's own fn parameter ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_a_keyword_argument_named_fn_is_passed_to_the_function(policy):
+    """``fn`` is positional only. Before: TypeError, multiple values for argument 'fn'."""
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+
+    def apply(t, fn):
+        return fn(t)
+
+    memopt.checkpoint(apply, x, fn=torch.sin, policy=policy).sum().backward()
+    torch.testing.assert_close(x.grad, torch.cos(x), **EXACT)

@@ -150,6 +150,41 @@ def test_bad_input_raises_clear_error(call, match):
         call()
 
 
+# Keys that are not an int64 CPU tensor of shape [2] (memopt.attention's rule). A meta key beside CPU
+# data sent the ops to their fake impls, which returned uninitialised memory as the result.
+BAD_KEYS = {
+    "meta": torch.tensor([1, 2], device="meta"),
+    "int32": torch.tensor([1, 2], dtype=torch.int32),
+    "float": torch.tensor([1.0, 2.0]),
+    "3 elements": torch.tensor([1, 2, 3]),
+    "shape [1, 2]": torch.tensor([[1, 2]]),
+}
+
+
+@pytest.mark.parametrize("key", BAD_KEYS.values(), ids=BAD_KEYS.keys())
+@pytest.mark.parametrize("training", [True, False])
+def test_bad_rng_key_is_refused_by_name(key, training):
+    with pytest.raises(ValueError, match=r"memopt\.dropout_add: rng_key must be an int64 CPU tensor \(seed, offset\) of shape \[2\]"):
+        memopt.dropout_add(torch.ones(4096), None, 0.5, training=training, rng_key=key)
+
+
+@pytest.mark.parametrize("op", ["fwd", "bwd"])
+def test_registered_ops_refuse_a_meta_key_beside_cpu_data(op):
+    # The fake impls are also the ops' Meta kernels, where a meta key dispatches them.
+    x, key = torch.ones(64), torch.tensor([1, 2], device="meta")
+    call = (lambda: torch.ops.memopt.dropout_add_fwd(x, None, 0.5, key)) if op == "fwd" else (
+        lambda: torch.ops.memopt.dropout_add_bwd(x, 0.5, key))
+    with pytest.raises(ValueError, match=r"memopt\.dropout_add: rng_key must be an int64 CPU tensor"):
+        call()
+
+
+def test_key_is_drawn_on_the_host_under_a_meta_device_context():
+    # new_rng_key inside `with torch.device("meta")` made a meta key, which the check refuses.
+    with torch.device("meta"):
+        out = memopt.dropout_add(torch.ones(8, 4), torch.ones(8, 4), 0.5)
+    assert out.device.type == "meta" and out.shape == (8, 4)
+
+
 @pytest.mark.parametrize("device,dtype", device_dtype_params())
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_nan_and_inf_give_nan_at_dropped_positions_like_torch(device, dtype, with_residual):

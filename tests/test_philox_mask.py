@@ -95,14 +95,48 @@ def test_compile_fullgraph(compile_cache):
         (torch.arange(4.0), 0.1, rng_key(1), "index must be int64"),
         (torch.arange(4), 1.0, rng_key(1), "p must be in"),
         (torch.arange(4), -0.1, rng_key(1), "p must be in"),
-        (torch.arange(4), 0.1, torch.tensor([1, 2], dtype=torch.int32), "rng_key must be an int64 CPU tensor"),
-        (torch.arange(4), 0.1, torch.tensor([1, 2, 3]), "rng_key must be an int64 CPU tensor"),
         (torch.tensor([3, -1]), 0.1, rng_key(1), "index must hold element indices >= 0"),
     ],
 )
 def test_bad_input_names_the_argument(index, p, key, match):
     with pytest.raises(RuntimeError, match=match):
         philox_keep_mask(index, p, key)
+
+
+# Keys that are not an int64 CPU tensor of shape [2] (memopt.attention's rule). A meta key sent the
+# ops to their fake impls: philox_dropout_scale, which has no other tensor argument, returned
+# uninitialised memory as a CPU tensor.
+BAD_KEYS = {
+    "meta": torch.tensor([1, 2], device="meta"),
+    "int32": torch.tensor([1, 2], dtype=torch.int32),
+    "3 elements": torch.tensor([1, 2, 3]),
+    "shape [1, 2]": torch.tensor([[1, 2]]),
+}
+KEY_RULE = r"rng_key must be an int64 CPU tensor \(seed, offset\) of shape \[2\]"
+
+
+@pytest.mark.parametrize("key", BAD_KEYS.values(), ids=BAD_KEYS.keys())
+def test_bad_rng_key_is_refused_by_name(key):
+    with pytest.raises(ValueError, match=r"memopt\.philox_keep_mask: " + KEY_RULE):
+        philox_keep_mask(torch.arange(8), 0.5, key)
+    with pytest.raises(ValueError, match=r"memopt\.philox_dropout_scale: " + KEY_RULE):
+        philox_dropout_scale([8], [1], 0, 0.5, key)
+
+
+def test_rng_key_not_a_tensor_is_a_type_error():
+    with pytest.raises(TypeError, match=r"memopt\.philox_keep_mask: rng_key must be a tensor"):
+        philox_keep_mask(torch.arange(8), 0.5, [1, 2])
+    with pytest.raises(TypeError, match=r"memopt\.philox_dropout_scale: rng_key must be a tensor"):
+        philox_dropout_scale([8], [1], 0, 0.5, (1, 2))
+
+
+def test_registered_ops_refuse_a_meta_key():
+    # The fake impls are also the ops' Meta kernels, where a meta key dispatches them.
+    key = torch.tensor([1, 2], device="meta")
+    with pytest.raises(ValueError, match=r"memopt\.philox_keep_mask: rng_key must be an int64 CPU tensor"):
+        torch.ops.memopt.philox_keep_mask(torch.arange(8), 0.5, key)
+    with pytest.raises(ValueError, match=r"memopt\.philox_dropout_scale: rng_key must be an int64 CPU tensor"):
+        torch.ops.memopt.philox_dropout_scale([8], [1], 0, 0.5, key, torch.float32)
 
 
 @gpu

@@ -15,16 +15,18 @@ import torch
 from memopt import _extension
 from memopt.ops._common import check_tensor
 from memopt.ops._philox import dropout_keep_mask
-from memopt.ops._rng import new_rng_key
+from memopt.ops._rng import check_fake_rng_key, check_rng_key, new_rng_key
 
 
 @torch.library.register_fake("memopt::dropout_add_fwd")
 def _dropout_add_fwd_fake(x, residual, p, rng_key):
+    check_fake_rng_key("dropout_add", rng_key)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("memopt::dropout_add_bwd")
 def _dropout_add_bwd_fake(grad_out, p, rng_key):
+    check_fake_rng_key("dropout_add", rng_key)
     return torch.empty_like(grad_out, memory_format=torch.contiguous_format)
 
 
@@ -81,15 +83,17 @@ def dropout_add(
         residual: tensor of ``x``'s shape added after dropout, or None.
         p: drop probability in ``[0, 1)``.
         training: when False (or ``p == 0``) dropout is the identity.
-        rng_key: int64 CPU tensor ``(seed, offset)``; drawn from torch's default generator
-            when None, so ``torch.manual_seed`` fixes the mask. Pass the same key to replay it.
+        rng_key: int64 CPU tensor ``(seed, offset)`` of shape ``[2]``, also for CUDA data; drawn
+            from torch's default generator when None, so ``torch.manual_seed`` fixes the mask.
+            Pass the same key to replay it.
 
     Returns:
         ``(*, n)`` tensor with the dtype that ``x + residual`` would have.
     """
     check_tensor("dropout_add", "x", x)
     check_tensor("dropout_add", "residual", residual, optional=True)
-    check_tensor("dropout_add", "rng_key", rng_key, optional=True)
+    if rng_key is not None:
+        check_rng_key("dropout_add", rng_key)
     if isinstance(p, bool) or not isinstance(p, numbers.Real):
         raise TypeError(f"memopt.dropout_add: p must be a float in [0, 1), got {type(p).__name__} {p!r}")
     if not 0.0 <= p < 1.0:

@@ -16,10 +16,12 @@ import torch
 
 from memopt import _extension
 from memopt.ops._philox import dropout_threshold, philox4x32_10
+from memopt.ops._rng import check_fake_rng_key, check_rng_key
 
 
 @torch.library.register_fake("memopt::philox_keep_mask")
 def _philox_keep_mask_fake(index, p, rng_key):
+    check_fake_rng_key("philox_keep_mask", rng_key)
     return torch.empty(index.shape, dtype=torch.bool, device=index.device)
 
 
@@ -32,11 +34,12 @@ def philox_keep_mask(index: torch.Tensor, p: float, rng_key: torch.Tensor) -> to
     Args:
         index: int64 tensor of any shape holding flat element indices ``>= 0``, on CPU or CUDA.
         p: drop probability in ``[0, 1)``.
-        rng_key: int64 CPU tensor ``(seed, offset)``.
+        rng_key: int64 CPU tensor ``(seed, offset)`` of shape ``[2]``, also for CUDA ``index``.
 
     Returns:
         bool tensor of ``index``'s shape (contiguous, on ``index``'s device): True where kept.
     """
+    check_rng_key("philox_keep_mask", rng_key)
     _extension.require_cuda_kernels("philox_keep_mask", index)
     return torch.ops.memopt.philox_keep_mask(index, float(p), rng_key)
 
@@ -51,6 +54,7 @@ def philox_keep_mask_ref(index: torch.Tensor, p: float, rng_key: torch.Tensor) -
 
 @torch.library.register_fake("memopt::philox_dropout_scale")
 def _philox_dropout_scale_fake(size, index_strides, index_offset, p, rng_key, dtype):
+    check_fake_rng_key("philox_dropout_scale", rng_key)
     return torch.empty(size, dtype=dtype)
 
 
@@ -65,7 +69,10 @@ def philox_dropout_scale(
     E.g. rows ``r0:`` and columns ``c0:c1`` of a ``(B, H, Sq, Sk)`` tensor: ``size=(B, H, Sq - r0,
     c1 - c0)``, ``index_strides=(H * Sq * Sk, Sq * Sk, Sk, 1)``, ``index_offset=r0 * Sk + c0``.
 
+    ``rng_key``: int64 CPU tensor ``(seed, offset)`` of shape ``[2]``.
+
     Returns:
         float32 or float64 (``dtype``) contiguous CPU tensor of ``size``.
     """
+    check_rng_key("philox_dropout_scale", rng_key)
     return torch.ops.memopt.philox_dropout_scale(list(size), list(index_strides), int(index_offset), float(p), rng_key, dtype)

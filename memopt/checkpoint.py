@@ -54,6 +54,15 @@ from memopt.policy import (
 _CHECKPOINT_RESPECTS_HOOKS = (
     "respect_saved_tensors_hooks" in inspect.signature(torch.utils.checkpoint.checkpoint).parameters
 )
+# Keyword arguments meant for fn that torch.utils.checkpoint would take as its own: its parameters
+# (``function``, ``early_stop``) and its generator's, whose first one is ``fn`` (torch 2.11 passes
+# fn's keyword arguments to it). memopt.checkpoint binds them to fn instead.
+_TORCH_CHECKPOINT_NAMES = frozenset(
+    name
+    for f in (torch.utils.checkpoint.checkpoint, torch.utils.checkpoint._checkpoint_without_reentrant_generator)
+    for name, p in inspect.signature(f).parameters.items()
+    if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+)
 # torch 2.14: the saved-tensors hooks a tensor saved now would use, skipping the internal hooks of
 # an enclosing torch checkpoint (absent in torch 2.11..2.13, whose internal hooks carry no mark).
 _current_user_saved_tensors_hooks = getattr(torch.utils.checkpoint, "_current_user_saved_tensors_hooks", None)
@@ -1228,7 +1237,8 @@ def checkpoint(
 
     Args:
         fn: the function (or module) to run; its outputs are returned unchanged. Positional
-            only: a keyword argument named ``fn`` is passed to it.
+            only: keyword arguments named ``fn``, ``function`` or ``early_stop`` are passed to it
+            (``torch.utils.checkpoint`` would take the last two as its own).
         *args, **kwargs: passed to ``fn``.
         policy: ``"selective"`` (default) saves the outputs of matmuls and attention kernels
             (:data:`memopt.policy.SELECTIVE_SAVED_OPS`) and recomputes everything else; ``"full"`` saves only
@@ -1381,5 +1391,7 @@ def checkpoint(
         fn = _CacheAsCalled(fn, args, kwargs)
     if modules and torch.is_grad_enabled():
         fn = ParametersAsCalled(fn, modules)  # note [what a recompute may rely on], 4
+    if not _TORCH_CHECKPOINT_NAMES.isdisjoint(kwargs):  # kwargs is this call's own dict
+        fn = functools.partial(fn, **{name: kwargs.pop(name) for name in _TORCH_CHECKPOINT_NAMES.intersection(kwargs)})
     with no_global_debug:
         return torch.utils.checkpoint.checkpoint(fn, *args, **options, **kwargs)

@@ -12,7 +12,8 @@ buffers come from elsewhere than the module's own attributes, or the module from
 * Modules reached through ``fn``'s closure (``create_custom_forward(layer)``, a lambda) or passed
   as arguments are guarded as ``fn`` itself is (before: spectral norm's gradients off by 4.7,
   BatchNorm statistics updated twice).
-* ``fn`` is positional only: a keyword argument named ``fn`` goes to the function.
+* Keyword arguments named like the checkpoint's own parameters (``fn``) or torch's (``function``,
+  ``early_stop``) go to the function.
 
 Every case is float64 against the same model run without checkpointing.
 """
@@ -261,13 +262,15 @@ def test_modules_in_the_closure_are_recomputed_on_their_forward_parameters(polic
 # -- the checkpoint's own fn parameter ---------------------------------------------------------
 
 
+@pytest.mark.parametrize("name", ["fn", "function", "early_stop"])
 @pytest.mark.parametrize("policy", POLICIES)
-def test_a_keyword_argument_named_fn_is_passed_to_the_function(policy):
-    """``fn`` is positional only. Before: TypeError, multiple values for argument 'fn'."""
+def test_keyword_arguments_named_like_the_checkpoints_own_reach_the_function(policy, name):
+    """Before: TypeError (multiple values for argument 'fn' or 'function'; torch 2.11's checkpoint
+    generator takes an 'fn' too), or torch.utils.checkpoint took early_stop for itself."""
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
 
-    def apply(t, fn):
-        return fn(t)
+    def apply(t, **kwargs):
+        return kwargs[name](t)
 
-    memopt.checkpoint(apply, x, fn=torch.sin, policy=policy).sum().backward()
+    memopt.checkpoint(apply, x, **{name: torch.sin}, policy=policy).sum().backward()
     torch.testing.assert_close(x.grad, torch.cos(x), **EXACT)

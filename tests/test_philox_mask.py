@@ -89,18 +89,28 @@ def test_compile_fullgraph(compile_cache):
 
 
 @pytest.mark.parametrize(
-    "index,p,key,match",
+    "index,p,error,match",
     [
-        (torch.arange(4, dtype=torch.int32), 0.1, rng_key(1), "index must be int64"),
-        (torch.arange(4.0), 0.1, rng_key(1), "index must be int64"),
-        (torch.arange(4), 1.0, rng_key(1), "p must be in"),
-        (torch.arange(4), -0.1, rng_key(1), "p must be in"),
-        (torch.tensor([3, -1]), 0.1, rng_key(1), "index must hold element indices >= 0"),
+        (None, 0.1, TypeError, "index must be a tensor"),
+        ([0, 1, 2], 0.1, TypeError, "index must be a tensor"),
+        (torch.arange(4, dtype=torch.int32), 0.1, ValueError, "index must be int64"),
+        (torch.arange(4.0), 0.1, ValueError, "index must be int64"),
+        (torch.arange(4), 1.0, ValueError, r"p must be a float in \[0, 1\)"),
+        (torch.arange(4), -0.1, ValueError, r"p must be a float in \[0, 1\)"),
+        (torch.arange(4), float("nan"), ValueError, r"p must be a float in \[0, 1\)"),
+        (torch.arange(4), "0.1", TypeError, r"p must be a float in \[0, 1\)"),
+        (torch.arange(4), True, TypeError, r"p must be a float in \[0, 1\)"),
     ],
 )
-def test_bad_input_names_the_argument(index, p, key, match):
-    with pytest.raises(RuntimeError, match=match):
-        philox_keep_mask(index, p, key)
+def test_bad_input_names_the_argument(index, p, error, match):
+    with pytest.raises(error, match=r"memopt\.philox_keep_mask: " + match):
+        philox_keep_mask(index, p, rng_key(1))
+
+
+def test_negative_index_is_refused_by_the_kernel():
+    # Data, not an argument's type: only the kernel sees it (a RuntimeError naming index).
+    with pytest.raises(RuntimeError, match="index must hold element indices >= 0"):
+        philox_keep_mask(torch.tensor([3, -1]), 0.1, rng_key(1))
 
 
 # Keys that are not an int64 CPU tensor of shape [2] (memopt.attention's rule). A meta key sent the

@@ -41,14 +41,27 @@ def check_eps(op: str, eps) -> float:
     return eps
 
 
+def check_dropout_p(op: str, p) -> None:
+    """TypeError unless ``p`` is a real number (not a bool), ValueError unless it is in [0, 1)."""
+    if isinstance(p, bool) or not isinstance(p, numbers.Real):
+        raise TypeError(f"memopt.{op}: p must be a float in [0, 1), got {type(p).__name__} {p!r}")
+    if not 0.0 <= p < 1.0:  # NaN fails too
+        raise ValueError(f"memopt.{op}: p must be a float in [0, 1), got {p!r}")
+
+
 def check_float_x(op: str, x: torch.Tensor) -> None:
     """x's dtype is one the kernels of its device take (the rule of csrc/common.h's
-    check_float_dtype, with the public op's name)."""
-    if x.dtype not in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
-        raise ValueError(f"memopt.{op}: x must be float32, float64, float16 or bfloat16, got {x.dtype}")
-    if x.device.type == "cpu" and x.dtype in (torch.float16, torch.bfloat16):
-        raise ValueError(f"memopt.{op}: x is {x.dtype} on CPU; the CPU kernels take float32 or float64")
-    if x.device.type == "cuda" and x.dtype == torch.float64:
+    check_float_dtype, with the public op's name). float32 costs one comparison: the public
+    element-wise ops run this on every call."""
+    dtype = x.dtype
+    if dtype == torch.float32:
+        return
+    if dtype not in (torch.float64, torch.float16, torch.bfloat16):
+        raise ValueError(f"memopt.{op}: x must be float32, float64, float16 or bfloat16, got {dtype}")
+    device_type = x.device.type
+    if device_type == "cpu" and dtype != torch.float64:
+        raise ValueError(f"memopt.{op}: x is {dtype} on CPU; the CPU kernels take float32 or float64")
+    if device_type == "cuda" and dtype == torch.float64:
         raise ValueError(f"memopt.{op}: x is float64 on CUDA; the CUDA kernels take float32, float16 or bfloat16")
 
 

@@ -36,7 +36,7 @@ def check_rng_key(op: str, rng_key) -> None:
     memory. Under ``torch.compile`` the key is a FakeTensor of the real key's device, and passes."""
     if not isinstance(rng_key, torch.Tensor):
         raise TypeError(f"memopt.{op}: rng_key must be a tensor, {KEY_RULE}, got {type(rng_key).__name__}")
-    if rng_key.dtype != torch.int64 or rng_key.shape != (2,) or rng_key.device.type != "cpu":
+    if rng_key.dtype != torch.int64 or rng_key.shape != (2,) or not rng_key.is_cpu:  # (is_cpu: 0.1 us, device: 0.5)
         raise ValueError(
             f"memopt.{op}: rng_key must be {KEY_RULE}, got {rng_key.dtype} {tuple(rng_key.shape)} on {rng_key.device}"
         )

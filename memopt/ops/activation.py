@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from memopt import _extension
 from memopt.ops import cpu_linear
 from memopt.ops._common import (
-    autocast_as, autocast_state, building_graph, check_linear, check_tensor, grads_with_graph,
+    autocast_as, autocast_state, building_graph, check_float_x, check_linear, check_tensor, grads_with_graph,
 )
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
@@ -78,6 +78,14 @@ def _check_activation(op: str, activation: str, allowed: tuple[str, ...]) -> Non
         raise ValueError(f"memopt.{op}: activation must be one of {names}, got {activation!r}")
 
 
+def _check_x(op: str, x) -> None:
+    """x a tensor of at least 1 dimension, of a dtype the kernels of its device take."""
+    check_tensor(op, "x", x)
+    if x.dim() == 0:
+        raise ValueError(f"memopt.{op}: x must have at least 1 dimension, got a 0-d tensor")
+    check_float_x(op, x)
+
+
 def _check_bias(op: str, x: torch.Tensor, bias: torch.Tensor | None, width: int, name: str = "bias") -> None:
     check_tensor(op, name, bias, optional=True)
     if bias is None:
@@ -86,6 +94,8 @@ def _check_bias(op: str, x: torch.Tensor, bias: torch.Tensor | None, width: int,
         raise ValueError(f"memopt.{op}: {name} must be on x's device ({x.device}), got {bias.device}")
     if bias.shape != (width,):
         raise ValueError(f"memopt.{op}: {name} must have shape [{width}], got {list(bias.shape)}")
+    if bias.dtype != x.dtype and bias.dtype != torch.float32:
+        raise ValueError(f"memopt.{op}: {name} must have x's dtype ({x.dtype}) or float32, got {bias.dtype}")
 
 
 # The activations as PyTorch functions: the reference, and the graph of the double backward.
@@ -284,9 +294,9 @@ def bias_act(x: torch.Tensor, bias: torch.Tensor | None = None, activation: str 
     Returns:
         ``(*, n)`` tensor of x's dtype.
     """
-    check_tensor("bias_act", "x", x)
+    _check_x("bias_act", x)
     _check_activation("bias_act", activation, ACTIVATIONS)
-    _check_bias("bias_act", x, bias, x.shape[-1] if x.dim() else 0)
+    _check_bias("bias_act", x, bias, x.shape[-1])
     _extension.require_cuda_kernels("bias_act", x)
     return BiasActFunction.apply(x.contiguous(), None if bias is None else bias.contiguous(), activation)
 
@@ -301,8 +311,8 @@ def swiglu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     Returns:
         ``(*, d)`` tensor of x's dtype.
     """
-    check_tensor("swiglu", "x", x)
-    if x.dim() == 0 or x.shape[-1] % 2:
+    _check_x("swiglu", x)
+    if x.shape[-1] % 2:
         raise ValueError(f"memopt.swiglu: x's last dimension must be even ([gate | up]), got shape {list(x.shape)}")
     _check_bias("swiglu", x, bias, x.shape[-1])
     _extension.require_cuda_kernels("swiglu", x)
@@ -332,10 +342,8 @@ def act_linear(
     Returns:
         ``(*, out_features)``; under ``torch.autocast`` in the autocast dtype, as ``F.linear``.
     """
-    check_tensor("act_linear", "x", x)
+    _check_x("act_linear", x)
     _check_activation("act_linear", activation, ACT_LINEAR_ACTIVATIONS)
-    if x.dim() == 0:
-        raise ValueError("memopt.act_linear: x must have at least 1 dimension, got a 0-d tensor")
     width = x.shape[-1]
     if activation == "swiglu" and width % 2:
         raise ValueError(f"memopt.act_linear: x's last dimension must be even for swiglu ([gate | up]), got {width}")

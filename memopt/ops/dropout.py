@@ -8,12 +8,10 @@ backward regenerates the mask. ``dropout_add_ref`` is the plain PyTorch referenc
 
 from __future__ import annotations
 
-import numbers
-
 import torch
 
 from memopt import _extension
-from memopt.ops._common import check_tensor
+from memopt.ops._common import check_dropout_p, check_float_x, check_tensor
 from memopt.ops._philox import dropout_keep_mask
 from memopt.ops._rng import check_fake_rng_key, check_rng_key, new_rng_key
 
@@ -94,10 +92,7 @@ def dropout_add(
     check_tensor("dropout_add", "residual", residual, optional=True)
     if rng_key is not None:
         check_rng_key("dropout_add", rng_key)
-    if isinstance(p, bool) or not isinstance(p, numbers.Real):
-        raise TypeError(f"memopt.dropout_add: p must be a float in [0, 1), got {type(p).__name__} {p!r}")
-    if not 0.0 <= p < 1.0:
-        raise ValueError(f"memopt.dropout_add: p must be a float in [0, 1), got {p!r}")
+    check_dropout_p("dropout_add", p)
     if not isinstance(training, bool):
         raise TypeError(f"memopt.dropout_add: training must be a bool, got {type(training).__name__} {training!r}")
     if residual is not None:
@@ -113,6 +108,7 @@ def dropout_add(
     if residual is not None and residual.dtype != x.dtype:
         dtype = torch.promote_types(x.dtype, residual.dtype)
         x, residual = x.to(dtype), residual.to(dtype)
+    check_float_x("dropout_add", x)  # (the dtype of x + residual)
     if rng_key is None:
         rng_key = new_rng_key()
     x = x.contiguous()

@@ -177,7 +177,11 @@ def _check_public(op: str, x, residual, weight, bias, weight_name: str = "weight
     check_tensor(op, weight_name, weight, optional=True)
     check_tensor(op, bias_name, bias, optional=True)
     check_float_x(op, x)
-    n = x.shape[-1] if x.dim() > 0 else None
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(
+            f"memopt.{op}: x must have at least one dimension and a non-empty last dimension, got shape {list(x.shape)}"
+        )
+    n = x.shape[-1]
     if residual is not None:
         if residual.shape != x.shape:
             raise ValueError(
@@ -326,7 +330,7 @@ def norm_linear(
     if is_rms and norm_bias is not None:
         raise ValueError("memopt.norm_linear: norm_bias must be None for norm='rmsnorm' (RMSNorm has no bias)")
     _check_public("norm_linear", x, residual, norm_weight, norm_bias, "norm_weight", "norm_bias")
-    check_linear("norm_linear", x, x.shape[-1] if x.dim() else 0, linear_weight, linear_bias)
+    check_linear("norm_linear", x, x.shape[-1], linear_weight, linear_bias)
     eps = check_eps("norm_linear", eps)
     out, residual_out = _NORM_LINEAR(x, residual, norm_weight, norm_bias, linear_weight, linear_bias, is_rms, eps)
     return out if residual is None else (out, residual_out)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from memopt import _extension
+from memopt.ops._common import check_dropout_p, check_tensor
 from memopt.ops._philox import dropout_threshold, philox4x32_10
 from memopt.ops._rng import check_fake_rng_key, check_rng_key
 
@@ -39,6 +40,10 @@ def philox_keep_mask(index: torch.Tensor, p: float, rng_key: torch.Tensor) -> to
     Returns:
         bool tensor of ``index``'s shape (contiguous, on ``index``'s device): True where kept.
     """
+    check_tensor("philox_keep_mask", "index", index)
+    if index.dtype != torch.int64:
+        raise ValueError(f"memopt.philox_keep_mask: index must be int64, got {index.dtype}")
+    check_dropout_p("philox_keep_mask", p)
     check_rng_key("philox_keep_mask", rng_key)
     _extension.require_cuda_kernels("philox_keep_mask", index)
     return torch.ops.memopt.philox_keep_mask(index, float(p), rng_key)

@@ -57,9 +57,12 @@ _CHECKPOINT_RESPECTS_HOOKS = (
 # Keyword arguments meant for fn that torch.utils.checkpoint would take as its own: its parameters
 # (``function``, ``early_stop``) and its generator's, whose first one is ``fn`` (torch 2.11 passes
 # fn's keyword arguments to it). memopt.checkpoint binds them to fn instead.
+# (The generator is private: a torch without it contributes none of its names.)
 _TORCH_CHECKPOINT_NAMES = frozenset(
     name
-    for f in (torch.utils.checkpoint.checkpoint, torch.utils.checkpoint._checkpoint_without_reentrant_generator)
+    for f in (torch.utils.checkpoint.checkpoint,
+              getattr(torch.utils.checkpoint, "_checkpoint_without_reentrant_generator", None))
+    if f is not None
     for name, p in inspect.signature(f).parameters.items()
     if p.kind not in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
 )

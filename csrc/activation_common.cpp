@@ -99,6 +99,9 @@ ActBackward prepare_bias_act_bwd(const at::Tensor& grad_y, const at::Tensor& x, 
   if (grad_x_in_grad_y) {
     MEMOPT_CHECK(at::get_overlap_status(grad_y, x) == at::MemOverlapStatus::No, kBiasAct,
                  "grad_y is overwritten with grad_x, so it must not share memory with x");
+    // A bias inside grad_y would be read after grad_x was written over it.
+    MEMOPT_CHECK(!bias.has_value() || at::get_overlap_status(grad_y, *bias) == at::MemOverlapStatus::No, kBiasAct,
+                 "grad_y is overwritten with grad_x, so it must not share memory with bias");
   }
   return allocate_backward(act, rows, x, bias, x.sizes(), return_y, grad_y, grad_x_in_grad_y);
 }

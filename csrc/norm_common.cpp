@@ -2,6 +2,7 @@
 // (norm.cpp) and the CUDA launchers (norm_cuda.cu) share.
 #include <ATen/MemoryOverlap.h>
 #include <cmath>
+#include <utility>
 #include <vector>
 
 #include "common.h"
@@ -123,6 +124,16 @@ NormBackward prepare_norm_bwd(const char* op, const at::Tensor& grad_y, const at
     MEMOPT_CHECK(!grad_x_extra.has_value() ||
                      at::get_overlap_status(grad_y, *grad_x_extra) == at::MemOverlapStatus::No,
                  op, "grad_y is overwritten with grad_x, so it must not share memory with grad_x_extra");
+    // Nor with a parameter or a statistic: read by every row, after earlier rows' grad_x was written.
+    const std::pair<const char*, const at::Tensor*> others[] = {
+        {"weight", weight.has_value() ? &*weight : nullptr},
+        {"bias", bias.has_value() ? &*bias : nullptr},
+        {"mean", mean},
+        {"rstd", &rstd}};
+    for (const auto& [name, t] : others) {
+      MEMOPT_CHECK(t == nullptr || !t->defined() || at::get_overlap_status(grad_y, *t) == at::MemOverlapStatus::No,
+                   op, "grad_y is overwritten with grad_x, so it must not share memory with ", name);
+    }
   }
   const auto param_options = x.options().dtype(shape.param_dtype);
   return {shape.rows,

@@ -1,6 +1,7 @@
 """The registered in-place ops (bias_act_fwd_inplace, bias_act_bwd_inplace, layer_norm_bwd_inplace,
 rms_norm_bwd_inplace) called directly through torch.ops.memopt: the overwritten tensor's version
-counter moves, and a tensor requiring grad under grad mode is refused naming the op."""
+counter moves, a tensor requiring grad under grad mode is refused naming the op, and an argument
+that shares memory with the overwritten grad_y is refused."""
 
 import pytest
 import torch
@@ -91,3 +92,34 @@ def test_bias_act_fwd_inplace_under_no_grad_matches_float64_gelu():
     with torch.no_grad():
         ops.bias_act_fwd_inplace(target, param, "gelu")
     torch.testing.assert_close(target, expected)
+
+
+def _head(t, n):
+    """The first n elements of t: a contiguous [n] view (a per-row statistic's shape) into t."""
+    return t.view(-1)[:n]
+
+
+# An argument inside grad_y would be read after grad_x was written over it.
+BWD_ALIAS_CASES = [
+    ("bias_act_bwd_inplace", "bias", lambda g, x: ops.bias_act_bwd_inplace(g, x, g[5], "gelu", False)),
+    ("layer_norm_bwd_inplace", "weight",
+     lambda g, x: ops.layer_norm_bwd_inplace(g, x, g[5], None, *_norm_stats(x), None, False)),
+    ("layer_norm_bwd_inplace", "bias",
+     lambda g, x: ops.layer_norm_bwd_inplace(g, x, None, g[5], *_norm_stats(x), None, False)),
+    ("layer_norm_bwd_inplace", "mean",
+     lambda g, x: ops.layer_norm_bwd_inplace(g, x, None, None, _head(g, 8), _norm_stats(x)[1], None, False)),
+    ("layer_norm_bwd_inplace", "rstd",
+     lambda g, x: ops.layer_norm_bwd_inplace(g, x, None, None, _norm_stats(x)[0], _head(g, 8), None, False)),
+    ("rms_norm_bwd_inplace", "weight", lambda g, x: ops.rms_norm_bwd_inplace(g, x, g[5], _rms_rstd(x), None, False)),
+    ("rms_norm_bwd_inplace", "rstd", lambda g, x: ops.rms_norm_bwd_inplace(g, x, None, _head(g, 8), None, False)),
+]
+
+
+@pytest.mark.parametrize("name,arg,call", BWD_ALIAS_CASES, ids=[f"{n}-{a}" for n, a, _ in BWD_ALIAS_CASES])
+def test_bwd_inplace_refuses_an_argument_inside_grad_y(name, arg, call):
+    _, x, _ = _inputs()
+    grad_y = torch.rand(8, 6) + 0.5  # positive: a plausible rstd where a statistic is a slice of it
+    before = grad_y.clone()
+    with pytest.raises(RuntimeError, match=f"must not share memory with {arg}"):
+        call(grad_y, x)
+    assert torch.equal(grad_y, before)

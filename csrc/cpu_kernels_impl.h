@@ -441,9 +441,20 @@ inline void with_constant(bool flag, const F& f) {
   }
 }
 
-// Asks for the cache lines of [p, p + n) to be brought into L2 (not L1, where they would evict the
-// row being worked on): a row's loop calls it for the next row, whose first pass then finds its
-// data in L2 instead of waiting for memory; the hardware prefetchers start over at every row.
+// Asks for the cache line holding p[j] to be brought into L2 (not L1, where it would evict the row
+// being worked on), once per line: a row's second pass calls it for the next row, whose first pass
+// then finds its data in L2 instead of waiting for memory. Only for rows of a 4 KiB page or more:
+// the hardware prefetchers stop at a page boundary, so each such row starts cold, while shorter
+// rows share pages and the prefetchers run on. Measured on float32, one thread: the forward at
+// 512 x 2048 from cold caches 0.78-0.82 -> 0.57-0.63 ms; at 512 x 512 (2 KiB rows) the prefetches
+// made the forward 0.75 -> 0.86x ATen's.
+constexpr int64_t kPageBytes = 4096;
+
+template <typename T>
+inline bool prefetch_rows(int64_t n) {
+  return n * static_cast<int64_t>(sizeof(T)) >= kPageBytes;
+}
+
 template <typename T>
 inline void prefetch_row_l2(const T* p, int64_t j) {
 #if defined(__GNUC__)
@@ -531,7 +542,7 @@ void norm_fwd_rows(const T* x, const T* residual, const T* weight, const T* bias
       rstd[row] = row_rstd;
       const Vec mean_vec(row_mean);
       const Vec rstd_vec(row_rstd);
-      const bool prefetch_next = row + 1 < end;
+      const bool prefetch_next = row + 1 < end && prefetch_rows<T>(n);
       for_each_vector<T>(n, [&](int64_t j, int64_t count) {
         if (prefetch_next) {
           prefetch_row_l2(x + offset + n, j);
@@ -583,7 +594,7 @@ struct NormBwdFlags {
 // grad_x = rstd * (g - mean(g) - x_hat * mean(g * x_hat)) + grad_x_extra, g = grad_y * weight;
 // RMSNorm drops the mean(g) term. Two passes over a row: the first sums and feeds the
 // parameter-gradient partials (and rebuilds y), the second, over the cached row, writes grad_x
-// and asks for the next row's inputs.
+// and asks for the next row's inputs (rows of a page or more, prefetch_rows).
 template <typename T, typename Flags>
 void norm_bwd_rows(const T* grad_y, const T* x, const T* weight, const T* bias, const T* mean, const T* rstd,
                    const T* grad_x_extra, T* grad_x, T* y, T* weight_partials, T* bias_partials, int64_t rows,
@@ -657,7 +668,7 @@ void norm_bwd_rows(const T* grad_y, const T* x, const T* weight, const T* bias, 
         });
         const Vec g_mean(Flags::kLayerNorm ? sum_accumulators(g_sum) * inv_n : T(0));
         const Vec g_xhat_mean(sum_accumulators(g_xhat_sum) * inv_n);
-        const bool prefetch_next = row + 1 < rows;
+        const bool prefetch_next = row + 1 < rows && prefetch_rows<T>(n);
         for_each_vector<T>(n, [&](int64_t j, int64_t count) {
           if (prefetch_next) {
             prefetch_row_l2(x + offset + n, j);

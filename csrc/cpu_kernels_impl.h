@@ -424,12 +424,13 @@ void swiglu_bwd(const T* grad_y, const T* x, const T* bias, T* grad_x,
 // ---------------------------------------------------------------------------------------------
 // layer_norm / rms_norm.
 //
-// Note: every test of an optional input (weight, bias, residual gradient, rebuilt output,
-// parameter gradients, LayerNorm's mean) is a compile-time flag of the row loops below, dispatched
-// once per call (with_constant). GCC unswitches two or three such tests out of a vector loop, not
-// the six of the backward: with them as runtime tests the backward ran 10-15% slower at 512 x 2048
-// and 2048 x 1024 float32 (one thread, this project's CPU machine), which put layer_norm's forward
-// + backward at parity with ATen's instead of below it.
+// Note: the optional inputs (weight, bias, residual gradient, rebuilt output, parameter gradients,
+// LayerNorm's mean) are compile-time flags of the row loops below, dispatched once per call
+// (with_constant); only the bias of the backward's rebuilt y (a recompute path) stays a runtime
+// test, which would otherwise double the backward's instantiations. GCC unswitches two or three
+// such tests out of a vector loop, not the six of the backward: with them as runtime tests the
+// backward ran 10-15% slower at 512 x 2048 and 2048 x 1024 float32 (one thread, this project's CPU
+// machine), which put layer_norm's forward + backward at parity with ATen's instead of below it.
 
 // f(std::true_type{}) or f(std::false_type{}): a runtime flag handed to f as a compile-time one.
 template <typename F>

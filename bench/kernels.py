@@ -65,6 +65,11 @@ class KernelSettings:
     round_budget_s: float = 0.5
     compile: bool = False
     threads: int | None = 1
+    # Only an op's first input (the activation) requires grad: its parameters (norm weight and
+    # bias, activation bias, the linear's weight and bias) are frozen, as under LoRA / PEFT
+    # fine-tuning, and no provider should spend time on their gradients. Attention's q, k and v
+    # are all activations and keep theirs.
+    frozen_params: bool = False
 
 
 KERNEL_PRESETS = {
@@ -243,7 +248,8 @@ def op_specs(settings: KernelSettings) -> list[OpSpec]:
 
 
 def _fwd_bwd_step(fn: Callable, tensors: list[torch.Tensor]) -> Callable[[], None]:
-    """One forward + backward of ``fn(*tensors)`` against a fixed random output gradient."""
+    """One forward + backward of ``fn(*tensors)`` against a fixed random output gradient (the
+    gradients of those tensors that require one)."""
     grad_out = None
 
     def step():
@@ -373,7 +379,9 @@ def bench_op(spec: OpSpec, shape: Shape, settings: KernelSettings, device: torch
                              "p20": None, "p80": None, "status": f"not available ({reason})"})
             continue
         torch.manual_seed(0)
-        tensors[provider] = [t.requires_grad_(True) for t in spec.make_inputs(settings, shape, device, dtype)]
+        inputs = spec.make_inputs(settings, shape, device, dtype)
+        frozen = settings.frozen_params and spec.per_shape
+        tensors[provider] = [t.requires_grad_(i == 0 or not frozen) for i, t in enumerate(inputs)]
         calls[provider] = fn
     steps, failed = {}, []
     for provider, fn in calls.items():
@@ -511,6 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shapes", help="comma-separated ROWSxWIDTH (default: the preset's), e.g. 512x512,4096x4096")
     parser.add_argument("--repeats", type=positive_int, help="timed repeats per case on CPU (default: the preset's)")
     parser.add_argument("--threads", type=nonnegative_int, help="torch intra-op threads on CPU (default: the preset's, 1; 0: torch's own count)")
+    parser.add_argument("--frozen-params", action="store_true",
+                        help="only each op's input requires grad, its parameters are frozen (LoRA / PEFT); attention unchanged")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help=OUT_HELP.format(kind="kernels"))
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--no-progress", action="store_true")
@@ -518,6 +528,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = KERNEL_PRESETS[args.preset]
     settings = replace(settings, **{k: getattr(args, k) for k in ("device", "dtype", "compile", "repeats", "threads")
                                     if getattr(args, k) is not None})
+    if args.frozen_params:
+        settings = replace(settings, frozen_params=True)
     if args.shapes:
         try:
             shapes = tuple(tuple(int(v) for v in s.lower().split("x")) for s in args.shapes.split(","))
@@ -539,7 +551,8 @@ def main(argv: list[str] | None = None) -> int:
     shapes = ", ".join(f"{r} x {w}" for r, w in settings.shapes)
     print(f"rows x width {shapes}; linear out_features {settings.linear_out}; attention "
           f"{settings.batch}x{settings.heads}x{settings.seq}x{settings.head_dim} causal (x = seq, width = head_dim); "
-          f"{settings.dtype}; {settings.threads or 'all'} torch threads\n")
+          f"{settings.dtype}; {settings.threads or 'all'} torch threads"
+          f"{'; parameters frozen (only the input requires grad)' if settings.frozen_params else ''}\n")
     print(markdown_table(result["rows"]))
     print(f"\nmemopt forward + backward time / eager's (median of at least {settings.repeats} interleaved repeats):\n")
     print(ratio_table(result["rows"]))

@@ -26,10 +26,11 @@ void bias_act_fwd_inplace_cpu(const at::Tensor& x, const std::optional<at::Tenso
 }
 
 // The kernel reads grad_y[i] and x[i] before it writes grad_x[i] and y[i], element by element, so
-// call.grad_x may be grad_y itself (bias_act_bwd_inplace).
+// call.grad_x may be grad_y itself (bias_act_bwd_inplace). A bias gradient not asked for is an
+// undefined kernel output: the kernel does not compute it.
 void run_bias_act_bwd_cpu(const ActBackward& call, const at::Tensor& grad_y, const at::Tensor& x,
                           const std::optional<at::Tensor>& bias, bool return_y) {
-  const CpuParamGrad grad_bias(call.grad_bias, bias, x);
+  const CpuParamGrad grad_bias(call.grad_bias, call.has_grad_bias ? bias : std::nullopt, x);
   MEMOPT_CPU_KERNEL(bias_act_bwd_kernel)(call.activation, grad_y, x, cpu_param(bias, x), call.grad_x,
                                          return_y ? call.y : at::Tensor(), grad_bias.kernel_output());
   grad_bias.finish();
@@ -37,16 +38,19 @@ void run_bias_act_bwd_cpu(const ActBackward& call, const at::Tensor& grad_y, con
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bias_act_bwd_cpu(const at::Tensor& grad_y, const at::Tensor& x,
                                                                 const std::optional<at::Tensor>& bias,
-                                                                const std::string& activation, bool return_y) {
-  const ActBackward call = prepare_bias_act_bwd(grad_y, x, bias, activation, return_y);
+                                                                const std::string& activation, bool return_y,
+                                                                bool return_grad_bias) {
+  const ActBackward call = prepare_bias_act_bwd(grad_y, x, bias, activation, return_y, return_grad_bias);
   run_bias_act_bwd_cpu(call, grad_y, x, bias, return_y);
   return {call.grad_x, call.grad_bias, call.y};
 }
 
 std::tuple<at::Tensor, at::Tensor> bias_act_bwd_inplace_cpu(const at::Tensor& grad_y, const at::Tensor& x,
                                                             const std::optional<at::Tensor>& bias,
-                                                            const std::string& activation, bool return_y) {
-  const ActBackward call = prepare_bias_act_bwd(grad_y, x, bias, activation, return_y, /*grad_x_in_grad_y=*/true);
+                                                            const std::string& activation, bool return_y,
+                                                            bool return_grad_bias) {
+  const ActBackward call =
+      prepare_bias_act_bwd(grad_y, x, bias, activation, return_y, return_grad_bias, /*grad_x_in_grad_y=*/true);
   run_bias_act_bwd_cpu(call, grad_y, x, bias, return_y);
   return {call.grad_bias, call.y};
 }
@@ -59,9 +63,9 @@ at::Tensor swiglu_fwd_cpu(const at::Tensor& x, const std::optional<at::Tensor>& 
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_bwd_cpu(const at::Tensor& grad_y, const at::Tensor& x,
                                                               const std::optional<at::Tensor>& bias,
-                                                              bool return_y) {
-  ActBackward call = prepare_swiglu_bwd(grad_y, x, bias, return_y);
-  const CpuParamGrad grad_bias(call.grad_bias, bias, x);
+                                                              bool return_y, bool return_grad_bias) {
+  ActBackward call = prepare_swiglu_bwd(grad_y, x, bias, return_y, return_grad_bias);
+  const CpuParamGrad grad_bias(call.grad_bias, call.has_grad_bias ? bias : std::nullopt, x);
   MEMOPT_CPU_KERNEL(swiglu_bwd_kernel)(grad_y, x, cpu_param(bias, x), call.grad_x, return_y ? call.y : at::Tensor(),
                                        grad_bias.kernel_output());
   grad_bias.finish();

@@ -149,8 +149,9 @@ struct ActBackward {
   Activation activation;
   int64_t rows;
   int64_t cols;
+  bool has_grad_bias;    // a bias was given and its gradient asked for (return_grad_bias)
   at::Tensor grad_x;     // like x
-  at::Tensor grad_bias;  // like bias (its dtype), or empty when there is no bias
+  at::Tensor grad_bias;  // like bias (its dtype), or empty when there is no bias or it was not asked for
   at::Tensor y;          // the rebuilt output with return_y, else empty
 };
 
@@ -160,9 +161,10 @@ ActForward prepare_bias_act_fwd(const at::Tensor& x, const std::optional<at::Ten
 // grad_x_in_grad_y (bias_act_bwd_inplace): grad_x is grad_y itself, nothing of x's size is
 // allocated but y with return_y.
 ActBackward prepare_bias_act_bwd(const at::Tensor& grad_y, const at::Tensor& x, const std::optional<at::Tensor>& bias,
-                                 const std::string& activation, bool return_y, bool grad_x_in_grad_y = false);
+                                 const std::string& activation, bool return_y, bool return_grad_bias,
+                                 bool grad_x_in_grad_y = false);
 ActForward prepare_swiglu_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias);
 ActBackward prepare_swiglu_bwd(const at::Tensor& grad_y, const at::Tensor& x, const std::optional<at::Tensor>& bias,
-                               bool return_y);
+                               bool return_y, bool return_grad_bias);
 
 }  // namespace memopt

@@ -69,12 +69,14 @@ std::vector<int64_t> swiglu_out_sizes(const at::Tensor& x) {
 // grad_x is grad_y itself when grad_x_in_grad_y (bias_act_bwd_inplace), else a new tensor like x.
 ActBackward allocate_backward(Activation activation, int64_t rows, const at::Tensor& x,
                               const std::optional<at::Tensor>& bias, at::IntArrayRef out_sizes, bool return_y,
-                              const at::Tensor& grad_y, bool grad_x_in_grad_y) {
+                              bool return_grad_bias, const at::Tensor& grad_y, bool grad_x_in_grad_y) {
+  const bool has_grad_bias = bias.has_value() && return_grad_bias;
   return {activation,
           rows,
           x.size(-1),
+          has_grad_bias,
           grad_x_in_grad_y ? grad_y : new_output_like(x),
-          bias.has_value() ? at::empty_like(*bias, at::MemoryFormat::Contiguous) : absent_like(x),
+          has_grad_bias ? at::empty_like(*bias, at::MemoryFormat::Contiguous) : absent_like(x),
           return_y ? new_output(out_sizes, x.options()) : absent_like(x)};
 }
 
@@ -92,7 +94,8 @@ ActForward prepare_bias_act_fwd(const at::Tensor& x, const std::optional<at::Ten
 }
 
 ActBackward prepare_bias_act_bwd(const at::Tensor& grad_y, const at::Tensor& x, const std::optional<at::Tensor>& bias,
-                                 const std::string& activation, bool return_y, bool grad_x_in_grad_y) {
+                                 const std::string& activation, bool return_y, bool return_grad_bias,
+                                 bool grad_x_in_grad_y) {
   const Activation act = parse_activation(activation, kBiasAct);
   const int64_t rows = check_act_inputs(x, bias, x.dim() >= 1 ? x.size(-1) : 0, kBiasAct);
   check_act_grad(grad_y, x, x.sizes(), kBiasAct);
@@ -103,7 +106,7 @@ ActBackward prepare_bias_act_bwd(const at::Tensor& grad_y, const at::Tensor& x, 
     MEMOPT_CHECK(!bias.has_value() || at::get_overlap_status(grad_y, *bias) == at::MemOverlapStatus::No, kBiasAct,
                  "grad_y is overwritten with grad_x, so it must not share memory with bias");
   }
-  return allocate_backward(act, rows, x, bias, x.sizes(), return_y, grad_y, grad_x_in_grad_y);
+  return allocate_backward(act, rows, x, bias, x.sizes(), return_y, return_grad_bias, grad_y, grad_x_in_grad_y);
 }
 
 ActForward prepare_swiglu_fwd(const at::Tensor& x, const std::optional<at::Tensor>& bias) {
@@ -113,12 +116,12 @@ ActForward prepare_swiglu_fwd(const at::Tensor& x, const std::optional<at::Tenso
 }
 
 ActBackward prepare_swiglu_bwd(const at::Tensor& grad_y, const at::Tensor& x, const std::optional<at::Tensor>& bias,
-                               bool return_y) {
+                               bool return_y, bool return_grad_bias) {
   const int64_t d = swiglu_half_width(x);
   const int64_t rows = check_act_inputs(x, bias, 2 * d, kSwiglu);
   const auto out_sizes = swiglu_out_sizes(x);
   check_act_grad(grad_y, x, out_sizes, kSwiglu);
-  return allocate_backward(Activation::kSilu, rows, x, bias, out_sizes, return_y, grad_y, false);
+  return allocate_backward(Activation::kSilu, rows, x, bias, out_sizes, return_y, return_grad_bias, grad_y, false);
 }
 
 }  // namespace memopt

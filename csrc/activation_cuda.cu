@@ -188,7 +188,7 @@ __global__ void bias_act_bwd_bias_cuda_kernel(const scalar_t* grad_y, const scal
                                               const bias_t* __restrict__ bias,  // [cols]
                                               scalar_t* grad_x,  // may be grad_y (bias_act_bwd_inplace)
                                               scalar_t* __restrict__ y,  // rebuilt act(x + bias), or null
-                                              at::opmath_type<scalar_t>* __restrict__ partials,  // [chunks, cols]
+                                              at::opmath_type<scalar_t>* __restrict__ partials,  // [chunks, cols], or null
                                               int64_t rows, int64_t cols, int64_t rows_per_chunk) {
   using acc_t = at::opmath_type<scalar_t>;
   __shared__ acc_t tile[kTileRows][kTileCols * W + 1];
@@ -235,6 +235,9 @@ __global__ void bias_act_bwd_bias_cuda_kernel(const scalar_t* grad_y, const scal
       }
     }
   }
+  // No bias gradient asked for (a frozen bias). partials is the same for every thread of the
+  // grid, so the whole CTA returns here, before the barrier.
+  if (partials == nullptr) return;
 #pragma unroll
   for (int j = 0; j < W; ++j) tile[threadIdx.y][threadIdx.x * W + j] = sum[j];
   __syncthreads();
@@ -338,7 +341,7 @@ __global__ void swiglu_bwd_bias_cuda_kernel(const scalar_t* __restrict__ grad_y,
                                             const bias_t* __restrict__ bias,  // [2 * d]
                                             scalar_t* __restrict__ grad_x,
                                             scalar_t* __restrict__ y,  // rebuilt output, or null
-                                            at::opmath_type<scalar_t>* __restrict__ partials,  // [chunks, 2 * d]
+                                            at::opmath_type<scalar_t>* __restrict__ partials,  // [chunks, 2 * d], or null
                                             int64_t rows, int64_t d, int64_t rows_per_chunk) {
   using acc_t = at::opmath_type<scalar_t>;
   __shared__ acc_t gate_tile[kTileRows][kTileCols * W + 1];
@@ -360,6 +363,7 @@ __global__ void swiglu_bwd_bias_cuda_kernel(const scalar_t* __restrict__ grad_y,
       swiglu_bwd_pack<W>(grad_y, x, grad_x, y, r, col, d, bias_gate, bias_up, gate_sum, up_sum);
     }
   }
+  if (partials == nullptr) return;  // as in bias_act_bwd_bias_cuda_kernel: a frozen bias
 #pragma unroll
   for (int j = 0; j < W; ++j) {
     gate_tile[threadIdx.y][threadIdx.x * W + j] = gate_sum[j];
@@ -443,7 +447,7 @@ void run_bias_act_bwd_cuda(const ActBackward& call, const at::Tensor& grad_y, co
   const at::Tensor &grad_x = call.grad_x, &grad_bias = call.grad_bias, &y = call.y;
   const int64_t numel = x.numel();
   if (numel == 0) {
-    if (bias.has_value()) grad_bias.zero_();
+    if (call.has_grad_bias) grad_bias.zero_();
     return;
   }
   const c10::cuda::CUDAGuard guard(x.device());
@@ -474,13 +478,17 @@ void run_bias_act_bwd_cuda(const ActBackward& call, const at::Tensor& grad_y, co
         const auto kernel = packed ? bias_act_bwd_bias_cuda_kernel<A, scalar_t, bias_t, kPack16<scalar_t>>
                                    : bias_act_bwd_bias_cuda_kernel<A, scalar_t, bias_t, 1>;
         const BiasGradGrid launch = bias_grad_grid(kernel, call.rows, call.cols, w);
-        auto partials =
-            at::empty({launch.chunks, call.cols}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+        // No partials and no column sum for a bias gradient not asked for (a frozen bias).
+        const at::Tensor partials =
+            call.has_grad_bias
+                ? at::empty({launch.chunks, call.cols}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value))
+                : at::Tensor();
         kernel<<<launch.grid, dim3(kTileCols, kTileRows), 0, stream>>>(
-            grad_y_data, x_data, optional_data<bias_t>(bias), grad_x_data, y_ptr, partials.mutable_data_ptr<acc_t>(),
-            call.rows, call.cols, launch.rows_per_chunk);
+            grad_y_data, x_data, optional_data<bias_t>(bias), grad_x_data, y_ptr,
+            call.has_grad_bias ? partials.mutable_data_ptr<acc_t>() : nullptr, call.rows, call.cols,
+            launch.rows_per_chunk);
         C10_CUDA_KERNEL_LAUNCH_CHECK();
-        launch_reduce_partials<acc_t, bias_t>(partials, launch.chunks, call.cols, grad_bias);
+        if (call.has_grad_bias) launch_reduce_partials<acc_t, bias_t>(partials, launch.chunks, call.cols, grad_bias);
       });
     });
   });
@@ -488,16 +496,19 @@ void run_bias_act_bwd_cuda(const ActBackward& call, const at::Tensor& grad_y, co
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bias_act_bwd_cuda(const at::Tensor& grad_y, const at::Tensor& x,
                                                                  const std::optional<at::Tensor>& bias,
-                                                                 const std::string& activation, bool return_y) {
-  const ActBackward call = prepare_bias_act_bwd(grad_y, x, bias, activation, return_y);
+                                                                 const std::string& activation, bool return_y,
+                                                                 bool return_grad_bias) {
+  const ActBackward call = prepare_bias_act_bwd(grad_y, x, bias, activation, return_y, return_grad_bias);
   run_bias_act_bwd_cuda(call, grad_y, x, bias, return_y);
   return {call.grad_x, call.grad_bias, call.y};
 }
 
 std::tuple<at::Tensor, at::Tensor> bias_act_bwd_inplace_cuda(const at::Tensor& grad_y, const at::Tensor& x,
                                                              const std::optional<at::Tensor>& bias,
-                                                             const std::string& activation, bool return_y) {
-  const ActBackward call = prepare_bias_act_bwd(grad_y, x, bias, activation, return_y, /*grad_x_in_grad_y=*/true);
+                                                             const std::string& activation, bool return_y,
+                                                             bool return_grad_bias) {
+  const ActBackward call =
+      prepare_bias_act_bwd(grad_y, x, bias, activation, return_y, return_grad_bias, /*grad_x_in_grad_y=*/true);
   run_bias_act_bwd_cuda(call, grad_y, x, bias, return_y);
   return {call.grad_bias, call.y};
 }
@@ -530,13 +541,13 @@ at::Tensor swiglu_fwd_cuda(const at::Tensor& x, const std::optional<at::Tensor>&
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_bwd_cuda(const at::Tensor& grad_y, const at::Tensor& x,
                                                                const std::optional<at::Tensor>& bias,
-                                                               bool return_y) {
-  const ActBackward call = prepare_swiglu_bwd(grad_y, x, bias, return_y);
+                                                               bool return_y, bool return_grad_bias) {
+  const ActBackward call = prepare_swiglu_bwd(grad_y, x, bias, return_y, return_grad_bias);
   const at::Tensor &grad_x = call.grad_x, &grad_bias = call.grad_bias, &y = call.y;
   const int64_t d = call.cols / 2;
   const int64_t numel_out = call.rows * d;
   if (numel_out == 0) {
-    if (bias.has_value()) grad_bias.zero_();
+    if (call.has_grad_bias) grad_bias.zero_();
     return {grad_x, grad_bias, y};
   }
   const c10::cuda::CUDAGuard guard(x.device());
@@ -562,12 +573,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> swiglu_bwd_cuda(const at::Tensor&
       const auto kernel = packed ? swiglu_bwd_bias_cuda_kernel<scalar_t, bias_t, kPack16<scalar_t>>
                                  : swiglu_bwd_bias_cuda_kernel<scalar_t, bias_t, 1>;
       const BiasGradGrid launch = bias_grad_grid(kernel, call.rows, d, w);
-      auto partials = at::empty({launch.chunks, 2 * d}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value));
+      const at::Tensor partials =
+          call.has_grad_bias
+              ? at::empty({launch.chunks, 2 * d}, x.options().dtype(c10::CppTypeToScalarType<acc_t>::value))
+              : at::Tensor();
       kernel<<<launch.grid, dim3(kTileCols, kTileRows), 0, stream>>>(
-          grad_y_data, x_data, optional_data<bias_t>(bias), grad_x_data, y_ptr, partials.mutable_data_ptr<acc_t>(),
-          call.rows, d, launch.rows_per_chunk);
+          grad_y_data, x_data, optional_data<bias_t>(bias), grad_x_data, y_ptr,
+          call.has_grad_bias ? partials.mutable_data_ptr<acc_t>() : nullptr, call.rows, d, launch.rows_per_chunk);
       C10_CUDA_KERNEL_LAUNCH_CHECK();
-      launch_reduce_partials<acc_t, bias_t>(partials, launch.chunks, 2 * d, grad_bias);
+      if (call.has_grad_bias) launch_reduce_partials<acc_t, bias_t>(partials, launch.chunks, 2 * d, grad_bias);
     });
   });
   return {grad_x, grad_bias, y};

@@ -324,10 +324,25 @@ void bias_act_fwd(const T* x, const T* bias, T* y, int64_t rows, int64_t cols) {
   });
 }
 
+// One row of bias_act's backward with a bias (the pointers at the row's start): grad_x, and y when
+// not null; with kBiasGrad the row's grad_h is added to partial.
+template <Activation A, bool kBiasGrad, typename T>
+inline void bias_act_bwd_row(const T* grad_y, const T* x, const T* bias, T* grad_x, T* y, T* partial, int64_t cols) {
+  using Vec = Vectorized<T>;
+  for_each_vector<T>(cols, [&](int64_t c, int64_t count) {
+    const Vec h = Vec::loadu(x + c, count) + Vec::loadu(bias + c, count);
+    const VecValueAndGrad<T> act = vec_activation_value_and_grad<A>(h);
+    const Vec grad_h = Vec::loadu(grad_y + c, count) * act.grad;
+    grad_h.store(grad_x + c, count);
+    if (y != nullptr) act.value.store(y + c, count);
+    if constexpr (kBiasGrad) (Vec::loadu(partial + c, count) + grad_h).store(partial + c, count);
+  });
+}
+
 template <Activation A, typename T>
 void bias_act_bwd(const T* grad_y, const T* x, const T* bias, T* grad_x,
                   T* y,         // rebuilt act(x + bias), or null
-                  T* partials,  // [chunks, cols] zeros, when bias
+                  T* partials,  // [chunks, cols] zeros for the bias gradient, or null (none asked for)
                   int64_t rows, int64_t cols) {
   using Vec = Vectorized<T>;
   if (bias == nullptr) {
@@ -341,22 +356,22 @@ void bias_act_bwd(const T* grad_y, const T* x, const T* bias, T* grad_x,
     });
     return;
   }
+  const auto row = [&](auto bias_grad, int64_t r, T* partial) {
+    const int64_t base = r * cols;
+    bias_act_bwd_row<A, decltype(bias_grad)::value>(grad_y + base, x + base, bias, grad_x + base,
+                                                    y != nullptr ? y + base : nullptr, partial, cols);
+  };
+  if (partials == nullptr) {  // a frozen bias: no reduction, rows in any grouping
+    at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) row(std::false_type{}, r, nullptr);
+    });
+    return;
+  }
   const int64_t chunks = (rows + kRowsPerChunk - 1) / kRowsPerChunk;
   at::parallel_for(0, chunks, std::max<int64_t>(1, grain_rows(cols) / kRowsPerChunk), [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) {
-      T* partial = partials + k * cols;
       const int64_t row_end = std::min(rows, (k + 1) * kRowsPerChunk);
-      for (int64_t r = k * kRowsPerChunk; r < row_end; ++r) {
-        const int64_t base = r * cols;
-        for_each_vector<T>(cols, [&](int64_t c, int64_t count) {
-          const Vec h = Vec::loadu(x + base + c, count) + Vec::loadu(bias + c, count);
-          const VecValueAndGrad<T> act = vec_activation_value_and_grad<A>(h);
-          const Vec grad_h = Vec::loadu(grad_y + base + c, count) * act.grad;
-          grad_h.store(grad_x + base + c, count);
-          if (y != nullptr) act.value.store(y + base + c, count);
-          (Vec::loadu(partial + c, count) + grad_h).store(partial + c, count);
-        });
-      }
+      for (int64_t r = k * kRowsPerChunk; r < row_end; ++r) row(std::true_type{}, r, partials + k * cols);
     }
   });
 }
@@ -386,7 +401,7 @@ void swiglu_fwd(const T* x, const T* bias, T* y, int64_t rows, int64_t d) {
 template <typename T>
 void swiglu_bwd(const T* grad_y, const T* x, const T* bias, T* grad_x,
                 T* y,         // rebuilt output, or null
-                T* partials,  // [chunks, 2 * d] zeros, or null (no bias)
+                T* partials,  // [chunks, 2 * d] zeros, or null (no bias, or its gradient not asked for)
                 int64_t rows, int64_t d) {
   using Vec = Vectorized<T>;
   const int64_t chunks = (rows + kRowsPerChunk - 1) / kRowsPerChunk;
@@ -1009,14 +1024,14 @@ void bias_act_bwd_kernel(Activation activation, const at::Tensor& grad_y, const 
   const int64_t chunks = (rows + kRowsPerChunk - 1) / kRowsPerChunk;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "bias_act_bwd_cpu", [&] {
     at::Tensor holder;
-    scalar_t* partials = bias.defined() ? zeroed_partials<scalar_t, 4>(chunks, cols, x, holder) : nullptr;
+    scalar_t* partials = grad_bias.defined() ? zeroed_partials<scalar_t, 4>(chunks, cols, x, holder) : nullptr;
     dispatch_activation(activation, [&](auto a) {
       bias_act_bwd<decltype(a)::value, scalar_t>(grad_y.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
                                                  data_or_null<scalar_t>(bias), grad_x.mutable_data_ptr<scalar_t>(),
                                                  mutable_data_or_null<scalar_t>(y),
                                                  partials, rows, cols);
     });
-    if (bias.defined()) {
+    if (grad_bias.defined()) {
       reduce_partials<scalar_t>(partials, chunks, cols, grad_bias.mutable_data_ptr<scalar_t>());
     }
   });
@@ -1038,11 +1053,11 @@ void swiglu_bwd_kernel(const at::Tensor& grad_y, const at::Tensor& x, const at::
   const int64_t chunks = (rows + kRowsPerChunk - 1) / kRowsPerChunk;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "swiglu_bwd_cpu", [&] {
     at::Tensor holder;
-    scalar_t* partials = bias.defined() ? zeroed_partials<scalar_t, 4>(chunks, 2 * d, x, holder) : nullptr;
+    scalar_t* partials = grad_bias.defined() ? zeroed_partials<scalar_t, 4>(chunks, 2 * d, x, holder) : nullptr;
     swiglu_bwd<scalar_t>(grad_y.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
                          data_or_null<scalar_t>(bias), grad_x.mutable_data_ptr<scalar_t>(),
                          mutable_data_or_null<scalar_t>(y), partials, rows, d);
-    if (bias.defined()) {
+    if (grad_bias.defined()) {
       reduce_partials<scalar_t>(partials, chunks, 2 * d, grad_bias.mutable_data_ptr<scalar_t>());
     }
   });

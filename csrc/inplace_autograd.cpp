@@ -51,12 +51,12 @@ c10::TypedOperatorHandle<Signature> op_handle(const char* name) {
 
 using BiasActFwdInplace = void(const at::Tensor&, const OptionalTensor&, const std::string&);
 using BiasActBwdInplace = Tensor2(const at::Tensor&, const at::Tensor&, const OptionalTensor&, const std::string&,
-                                  bool);
+                                  bool, bool);
 using LayerNormBwdInplace = Tensor3(const at::Tensor&, const at::Tensor&, const OptionalTensor&,
                                     const OptionalTensor&, const at::Tensor&, const at::Tensor&,
-                                    const OptionalTensor&, bool);
+                                    const OptionalTensor&, bool, bool, bool);
 using RmsNormBwdInplace = Tensor2(const at::Tensor&, const at::Tensor&, const OptionalTensor&, const at::Tensor&,
-                                  const OptionalTensor&, bool);
+                                  const OptionalTensor&, bool, bool);
 
 const auto& bias_act_fwd_inplace_op() {
   static const auto op = op_handle<BiasActFwdInplace>("memopt::bias_act_fwd_inplace");
@@ -83,16 +83,18 @@ void bias_act_fwd_inplace_autograd(c10::DispatchKeySet ks, const at::Tensor& x, 
 }
 
 Tensor2 bias_act_bwd_inplace_autograd(c10::DispatchKeySet ks, const at::Tensor& grad_y, const at::Tensor& x,
-                                      const OptionalTensor& bias, const std::string& activation, bool return_y) {
+                                      const OptionalTensor& bias, const std::string& activation, bool return_y,
+                                      bool return_grad_bias) {
   check_no_grad("bias_act_bwd_inplace", {{"grad_y", &grad_y}, {"x", &x}, {"bias", ptr(bias)}});
   return bias_act_bwd_inplace_op().redispatch(ks & c10::after_autograd_keyset, grad_y, x, bias, activation,
-                                              return_y);
+                                              return_y, return_grad_bias);
 }
 
 Tensor3 layer_norm_bwd_inplace_autograd(c10::DispatchKeySet ks, const at::Tensor& grad_y, const at::Tensor& x,
                                         const OptionalTensor& weight, const OptionalTensor& bias,
                                         const at::Tensor& mean, const at::Tensor& rstd,
-                                        const OptionalTensor& grad_x_extra, bool return_y) {
+                                        const OptionalTensor& grad_x_extra, bool return_y, bool return_grad_weight,
+                                        bool return_grad_bias) {
   check_no_grad("layer_norm_bwd_inplace", {{"grad_y", &grad_y},
                                            {"x", &x},
                                            {"weight", ptr(weight)},
@@ -101,19 +103,19 @@ Tensor3 layer_norm_bwd_inplace_autograd(c10::DispatchKeySet ks, const at::Tensor
                                            {"rstd", &rstd},
                                            {"grad_x_extra", ptr(grad_x_extra)}});
   return layer_norm_bwd_inplace_op().redispatch(ks & c10::after_autograd_keyset, grad_y, x, weight, bias, mean,
-                                                rstd, grad_x_extra, return_y);
+                                                rstd, grad_x_extra, return_y, return_grad_weight, return_grad_bias);
 }
 
 Tensor2 rms_norm_bwd_inplace_autograd(c10::DispatchKeySet ks, const at::Tensor& grad_y, const at::Tensor& x,
                                       const OptionalTensor& weight, const at::Tensor& rstd,
-                                      const OptionalTensor& grad_x_extra, bool return_y) {
+                                      const OptionalTensor& grad_x_extra, bool return_y, bool return_grad_weight) {
   check_no_grad("rms_norm_bwd_inplace", {{"grad_y", &grad_y},
                                          {"x", &x},
                                          {"weight", ptr(weight)},
                                          {"rstd", &rstd},
                                          {"grad_x_extra", ptr(grad_x_extra)}});
   return rms_norm_bwd_inplace_op().redispatch(ks & c10::after_autograd_keyset, grad_y, x, weight, rstd,
-                                              grad_x_extra, return_y);
+                                              grad_x_extra, return_y, return_grad_weight);
 }
 
 // ADInplaceOrView: run the kernel below, then bump the overwritten tensor's version counter.
@@ -127,12 +129,13 @@ void bias_act_fwd_inplace_view(c10::DispatchKeySet ks, const at::Tensor& x, cons
 }
 
 Tensor2 bias_act_bwd_inplace_view(c10::DispatchKeySet ks, const at::Tensor& grad_y, const at::Tensor& x,
-                                  const OptionalTensor& bias, const std::string& activation, bool return_y) {
+                                  const OptionalTensor& bias, const std::string& activation, bool return_y,
+                                  bool return_grad_bias) {
   Tensor2 out;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     out = bias_act_bwd_inplace_op().redispatch(ks & c10::after_ADInplaceOrView_keyset, grad_y, x, bias,
-                                               activation, return_y);
+                                               activation, return_y, return_grad_bias);
   }
   torch::autograd::increment_version(grad_y);
   return out;
@@ -140,12 +143,14 @@ Tensor2 bias_act_bwd_inplace_view(c10::DispatchKeySet ks, const at::Tensor& grad
 
 Tensor3 layer_norm_bwd_inplace_view(c10::DispatchKeySet ks, const at::Tensor& grad_y, const at::Tensor& x,
                                     const OptionalTensor& weight, const OptionalTensor& bias, const at::Tensor& mean,
-                                    const at::Tensor& rstd, const OptionalTensor& grad_x_extra, bool return_y) {
+                                    const at::Tensor& rstd, const OptionalTensor& grad_x_extra, bool return_y,
+                                    bool return_grad_weight, bool return_grad_bias) {
   Tensor3 out;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     out = layer_norm_bwd_inplace_op().redispatch(ks & c10::after_ADInplaceOrView_keyset, grad_y, x, weight, bias,
-                                                 mean, rstd, grad_x_extra, return_y);
+                                                 mean, rstd, grad_x_extra, return_y, return_grad_weight,
+                                                 return_grad_bias);
   }
   torch::autograd::increment_version(grad_y);
   return out;
@@ -153,12 +158,12 @@ Tensor3 layer_norm_bwd_inplace_view(c10::DispatchKeySet ks, const at::Tensor& gr
 
 Tensor2 rms_norm_bwd_inplace_view(c10::DispatchKeySet ks, const at::Tensor& grad_y, const at::Tensor& x,
                                   const OptionalTensor& weight, const at::Tensor& rstd,
-                                  const OptionalTensor& grad_x_extra, bool return_y) {
+                                  const OptionalTensor& grad_x_extra, bool return_y, bool return_grad_weight) {
   Tensor2 out;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     out = rms_norm_bwd_inplace_op().redispatch(ks & c10::after_ADInplaceOrView_keyset, grad_y, x, weight, rstd,
-                                               grad_x_extra, return_y);
+                                               grad_x_extra, return_y, return_grad_weight);
   }
   torch::autograd::increment_version(grad_y);
   return out;

@@ -25,19 +25,23 @@ TORCH_LIBRARY(memopt, m) {
         " -> (Tensor y, Tensor residual_out, Tensor mean, Tensor rstd)");
   // x is what was normalised (residual_out when a residual was added). grad_x_extra, when given, is
   // added to grad_x (the gradient reaching residual_out from its other use). return_y rebuilds y from
-  // the statistics so the next matmul's weight gradient need not keep it.
+  // the statistics so the next matmul's weight gradient need not keep it. return_grad_weight /
+  // return_grad_bias false: that gradient is not computed and comes back empty (a frozen parameter,
+  // as ATen's native_layer_norm_backward output_mask).
   m.def("layer_norm_bwd(Tensor grad_y, Tensor x, Tensor? weight, Tensor? bias, Tensor mean, Tensor rstd,"
-        " Tensor? grad_x_extra, bool return_y) -> (Tensor grad_x, Tensor grad_weight, Tensor grad_bias, Tensor y)");
+        " Tensor? grad_x_extra, bool return_y, bool return_grad_weight=True, bool return_grad_bias=True)"
+        " -> (Tensor grad_x, Tensor grad_weight, Tensor grad_bias, Tensor y)");
   // The backward writing grad_x over grad_y (same shape, dtype, contiguous): for a caller that made
   // grad_y (the next matmul's input gradient) and needs it no more; returns the rest.
   m.def("layer_norm_bwd_inplace(Tensor(a!) grad_y, Tensor x, Tensor? weight, Tensor? bias, Tensor mean,"
-        " Tensor rstd, Tensor? grad_x_extra, bool return_y) -> (Tensor grad_weight, Tensor grad_bias, Tensor y)");
+        " Tensor rstd, Tensor? grad_x_extra, bool return_y, bool return_grad_weight=True,"
+        " bool return_grad_bias=True) -> (Tensor grad_weight, Tensor grad_bias, Tensor y)");
   m.def("rms_norm_fwd(Tensor x, Tensor? residual, Tensor? weight, float eps)"
         " -> (Tensor y, Tensor residual_out, Tensor rstd)");
   m.def("rms_norm_bwd(Tensor grad_y, Tensor x, Tensor? weight, Tensor rstd, Tensor? grad_x_extra,"
-        " bool return_y) -> (Tensor grad_x, Tensor grad_weight, Tensor y)");
+        " bool return_y, bool return_grad_weight=True) -> (Tensor grad_x, Tensor grad_weight, Tensor y)");
   m.def("rms_norm_bwd_inplace(Tensor(a!) grad_y, Tensor x, Tensor? weight, Tensor rstd, Tensor? grad_x_extra,"
-        " bool return_y) -> (Tensor grad_weight, Tensor y)");
+        " bool return_y, bool return_grad_weight=True) -> (Tensor grad_weight, Tensor y)");
   // The differentiable norms (memopt.layer_norm / rms_norm): the forward op under a C++ autograd
   // node that saves x (residual_out with a residual), the statistics and the parameters
   // (norm_autograd.cpp). residual_out is empty without a residual.
@@ -51,22 +55,23 @@ TORCH_LIBRARY(memopt, m) {
   m.def("norm_linear(Tensor x, Tensor? residual, Tensor? norm_weight, Tensor? norm_bias, Tensor linear_weight,"
         " Tensor? linear_bias, bool rms, float eps) -> (Tensor out, Tensor residual_out)");
   // y = act(x + bias), activation in {"relu", "gelu", "gelu_tanh", "silu"}. Only x is saved for
-  // backward; the backward recomputes act and act' (and y when return_y).
+  // backward; the backward recomputes act and act' (and y when return_y). return_grad_bias false:
+  // the bias gradient is not computed and comes back empty (a frozen bias).
   m.def("bias_act_fwd(Tensor x, Tensor? bias, str activation) -> Tensor y");
   // bias_act_fwd writing y over x (bias must not share x's memory): for a caller that made x (the
   // matmul output) and needs it no more, as torch's encoder fast path does, so a forward without a
   // graph holds one d_ff-wide buffer instead of two. The same kernels: the same bits.
   m.def("bias_act_fwd_inplace(Tensor(a!) x, Tensor? bias, str activation) -> ()");
-  m.def("bias_act_bwd(Tensor grad_y, Tensor x, Tensor? bias, str activation, bool return_y)"
-        " -> (Tensor grad_x, Tensor grad_bias, Tensor y)");
+  m.def("bias_act_bwd(Tensor grad_y, Tensor x, Tensor? bias, str activation, bool return_y,"
+        " bool return_grad_bias=True) -> (Tensor grad_x, Tensor grad_bias, Tensor y)");
   // bias_act_bwd writing grad_x over grad_y (same shape, dtype and layout): the caller owns grad_y
   // (the matmul output it just made) and needs it no more, so the backward allocates no d_ff-wide
   // buffer for grad_x. Returns what bias_act_bwd returns besides grad_x.
-  m.def("bias_act_bwd_inplace(Tensor(a!) grad_y, Tensor x, Tensor? bias, str activation, bool return_y)"
-        " -> (Tensor grad_bias, Tensor y)");
+  m.def("bias_act_bwd_inplace(Tensor(a!) grad_y, Tensor x, Tensor? bias, str activation, bool return_y,"
+        " bool return_grad_bias=True) -> (Tensor grad_bias, Tensor y)");
   // x = [gate | up] on the last dim (2 * d); y = silu(gate + bias[:d]) * (up + bias[d:]).
   m.def("swiglu_fwd(Tensor x, Tensor? bias) -> Tensor y");
-  m.def("swiglu_bwd(Tensor grad_y, Tensor x, Tensor? bias, bool return_y)"
+  m.def("swiglu_bwd(Tensor grad_y, Tensor x, Tensor? bias, bool return_y, bool return_grad_bias=True)"
         " -> (Tensor grad_x, Tensor grad_bias, Tensor y)");
   // keep[...] = the dropout keep bit (philox.h) of element index[...] under rng_key, for any int64
   // index tensor (>= 0): the mask of a slice of a larger tensor without building the whole mask.

@@ -24,14 +24,16 @@ NormFwdResult norm_fwd_cpu(const char* op, bool rms, const at::Tensor& x, const 
 NormBwdResult norm_bwd_cpu(const char* op, const at::Tensor& grad_y, const at::Tensor& x,
                            const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                            const at::Tensor* mean, const at::Tensor& rstd,
-                           const std::optional<at::Tensor>& grad_x_extra, bool return_y, bool grad_x_in_grad_y) {
+                           const std::optional<at::Tensor>& grad_x_extra, NormBwdOutputs outputs,
+                           bool grad_x_in_grad_y) {
   NormBackward call =
-      prepare_norm_bwd(op, grad_y, x, weight, bias, mean, rstd, grad_x_extra, return_y, grad_x_in_grad_y);
-  const CpuParamGrad grad_weight(call.grad_weight, weight, x);
-  const CpuParamGrad grad_bias(call.grad_bias, bias, x);
+      prepare_norm_bwd(op, grad_y, x, weight, bias, mean, rstd, grad_x_extra, outputs, grad_x_in_grad_y);
+  // A gradient not asked for is an undefined kernel output: the kernel does not compute it.
+  const CpuParamGrad grad_weight(call.grad_weight, call.has_grad_weight ? weight : std::nullopt, x);
+  const CpuParamGrad grad_bias(call.grad_bias, call.has_grad_bias ? bias : std::nullopt, x);
   MEMOPT_CPU_KERNEL(norm_bwd_kernel)(grad_y, x, cpu_param(weight, x), cpu_param(bias, x),
                                      mean != nullptr ? *mean : at::Tensor(), rstd, grad_x_extra.value_or(at::Tensor()),
-                                     call.grad_x, return_y ? call.y : at::Tensor(), grad_weight.kernel_output(),
+                                     call.grad_x, outputs.y ? call.y : at::Tensor(), grad_weight.kernel_output(),
                                      grad_bias.kernel_output());
   grad_weight.finish();
   grad_bias.finish();

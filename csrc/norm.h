@@ -23,12 +23,23 @@ struct NormForward {
   at::Tensor rstd;          // as mean
 };
 
+// What a backward call returns besides grad_x: the schema's return_y, return_grad_weight and
+// return_grad_bias (false for a frozen parameter; ignored for an absent one, which has none).
+struct NormBwdOutputs {
+  bool y = false;
+  bool grad_weight = true;
+  bool grad_bias = true;
+};
+
 // A backward call, checked, with its outputs: grad_weight/grad_bias in param_dtype ([n], or empty
-// when the parameter is absent), y (the rebuilt output) empty unless return_y.
+// when the parameter is absent or its gradient was not asked for; has_grad_weight / has_grad_bias
+// say which), y (the rebuilt output) empty unless asked for.
 struct NormBackward {
   int64_t rows;
   int64_t n;
   at::ScalarType param_dtype;
+  bool has_grad_weight;
+  bool has_grad_bias;
   at::Tensor grad_x;
   at::Tensor grad_weight;
   at::Tensor grad_bias;
@@ -43,7 +54,7 @@ NormForward prepare_norm_fwd(const char* op, bool rms, const at::Tensor& x, cons
 NormBackward prepare_norm_bwd(const char* op, const at::Tensor& grad_y, const at::Tensor& x,
                               const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                               const at::Tensor* mean, const at::Tensor& rstd,
-                              const std::optional<at::Tensor>& grad_x_extra, bool return_y,
+                              const std::optional<at::Tensor>& grad_x_extra, NormBwdOutputs outputs,
                               bool grad_x_in_grad_y = false);
 
 using NormFwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;  // y, residual_out, mean, rstd
@@ -51,8 +62,8 @@ using NormBwdResult = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>
 
 // The schema's four ops over one backend's launchers
 //   NormFwdResult norm_fwd(op, rms, x, residual, weight, bias, eps)
-//   NormBwdResult norm_bwd(op, grad_y, x, weight, bias, mean (null for RMSNorm), rstd, grad_x_extra, return_y,
-//                          grad_x_in_grad_y)
+//   NormBwdResult norm_bwd(op, grad_y, x, weight, bias, mean (null for RMSNorm), rstd, grad_x_extra,
+//                          NormBwdOutputs, grad_x_in_grad_y)
 // grad_x_in_grad_y (the *_bwd_inplace ops): grad_x is written over grad_y. Safe in every kernel:
 // a row's grad_y is read (pass 1, or cached in registers) before its grad_x is written, and each
 // element of grad_x is written by the thread that reads that element of grad_y.
@@ -67,16 +78,20 @@ struct NormOps {
   static NormBwdResult layer_norm_bwd(const at::Tensor& grad_y, const at::Tensor& x,
                                       const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                                       const at::Tensor& mean, const at::Tensor& rstd,
-                                      const std::optional<at::Tensor>& grad_x_extra, bool return_y) {
-    return norm_bwd("layer_norm", grad_y, x, weight, bias, &mean, rstd, grad_x_extra, return_y, false);
+                                      const std::optional<at::Tensor>& grad_x_extra, bool return_y,
+                                      bool return_grad_weight, bool return_grad_bias) {
+    return norm_bwd("layer_norm", grad_y, x, weight, bias, &mean, rstd, grad_x_extra,
+                    NormBwdOutputs{return_y, return_grad_weight, return_grad_bias}, false);
   }
 
   static std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_inplace(
       const at::Tensor& grad_y, const at::Tensor& x, const std::optional<at::Tensor>& weight,
       const std::optional<at::Tensor>& bias, const at::Tensor& mean, const at::Tensor& rstd,
-      const std::optional<at::Tensor>& grad_x_extra, bool return_y) {
+      const std::optional<at::Tensor>& grad_x_extra, bool return_y, bool return_grad_weight,
+      bool return_grad_bias) {
     auto [grad_x, grad_weight, grad_bias, y] =
-        norm_bwd("layer_norm", grad_y, x, weight, bias, &mean, rstd, grad_x_extra, return_y, true);
+        norm_bwd("layer_norm", grad_y, x, weight, bias, &mean, rstd, grad_x_extra,
+                 NormBwdOutputs{return_y, return_grad_weight, return_grad_bias}, true);
     return {grad_weight, grad_bias, y};
   }
 
@@ -92,9 +107,10 @@ struct NormOps {
                                                                      const std::optional<at::Tensor>& weight,
                                                                      const at::Tensor& rstd,
                                                                      const std::optional<at::Tensor>& grad_x_extra,
-                                                                     bool return_y) {
-    auto [grad_x, grad_weight, grad_bias, y] =
-        norm_bwd("rms_norm", grad_y, x, weight, std::nullopt, nullptr, rstd, grad_x_extra, return_y, false);
+                                                                     bool return_y, bool return_grad_weight) {
+    auto [grad_x, grad_weight, grad_bias, y] = norm_bwd("rms_norm", grad_y, x, weight, std::nullopt, nullptr, rstd,
+                                                        grad_x_extra, NormBwdOutputs{return_y, return_grad_weight, false},
+                                                        false);
     return {grad_x, grad_weight, y};
   }
 
@@ -102,9 +118,10 @@ struct NormOps {
                                                                  const std::optional<at::Tensor>& weight,
                                                                  const at::Tensor& rstd,
                                                                  const std::optional<at::Tensor>& grad_x_extra,
-                                                                 bool return_y) {
-    auto [grad_x, grad_weight, grad_bias, y] =
-        norm_bwd("rms_norm", grad_y, x, weight, std::nullopt, nullptr, rstd, grad_x_extra, return_y, true);
+                                                                 bool return_y, bool return_grad_weight) {
+    auto [grad_x, grad_weight, grad_bias, y] = norm_bwd("rms_norm", grad_y, x, weight, std::nullopt, nullptr, rstd,
+                                                        grad_x_extra, NormBwdOutputs{return_y, return_grad_weight, false},
+                                                        true);
     return {grad_weight, y};
   }
 };

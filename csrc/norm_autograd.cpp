@@ -61,48 +61,72 @@ Tensor4 norm_forward(bool rms, const at::Tensor& x, const OptionalTensor& residu
   return op.call(x, residual, weight, bias, eps);
 }
 
+// Which parameter gradients a norm's backward computes: those whose parameter is present and
+// needs one (a frozen norm's take no time, as in ATen's output_mask).
+struct ParamGradMask {
+  bool weight;
+  bool bias;
+};
+
+// A gradient the backward op returned: undefined where it was not asked for (the op returns an
+// empty tensor there, which autograd would take for a gradient of the wrong shape).
+at::Tensor if_asked(const at::Tensor& grad, bool asked) { return asked ? grad : at::Tensor(); }
+
 // (grad_x, grad_weight, grad_bias) from the registered backward op; grad_x_extra is added to grad_x.
+// A parameter gradient outside `mask` comes back undefined.
 Tensor3 norm_backward(bool rms, const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight,
                       const at::Tensor& bias, const at::Tensor& mean, const at::Tensor& rstd,
-                      const at::Tensor& grad_x_extra) {
+                      const at::Tensor& grad_x_extra, ParamGradMask mask) {
   const OptionalTensor extra = grad_x_extra.defined() ? OptionalTensor(grad_x_extra.contiguous()) : std::nullopt;
   if (rms) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("memopt::rms_norm_bwd", "")
                          .typed<Tensor3(const at::Tensor&, const at::Tensor&, const OptionalTensor&, const at::Tensor&,
-                                        const OptionalTensor&, bool)>();
-    auto [grad_x, grad_weight, y] = op.call(grad_y, x, optional(weight), rstd, extra, false);
-    return {grad_x, grad_weight, at::Tensor()};
+                                        const OptionalTensor&, bool, bool)>();
+    auto [grad_x, grad_weight, y] = op.call(grad_y, x, optional(weight), rstd, extra, false, mask.weight);
+    return {grad_x, if_asked(grad_weight, mask.weight), at::Tensor()};
   }
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("memopt::layer_norm_bwd", "")
                        .typed<Tensor4(const at::Tensor&, const at::Tensor&, const OptionalTensor&,
                                       const OptionalTensor&, const at::Tensor&, const at::Tensor&,
-                                      const OptionalTensor&, bool)>();
+                                      const OptionalTensor&, bool, bool, bool)>();
   auto [grad_x, grad_weight, grad_bias, y] =
-      op.call(grad_y, x, optional(weight), optional(bias), mean, rstd, extra, false);
-  return {grad_x, grad_weight, grad_bias};
+      op.call(grad_y, x, optional(weight), optional(bias), mean, rstd, extra, false, mask.weight, mask.bias);
+  return {grad_x, if_asked(grad_weight, mask.weight), if_asked(grad_bias, mask.bias)};
 }
 
 // (grad_weight, grad_bias, y) from the registered in-place backward op, which writes grad_x over
-// grad_y (a buffer the caller made and needs no more); y (rebuilt) only when return_y.
+// grad_y (a buffer the caller made and needs no more); y (rebuilt) only when return_y. A parameter
+// gradient outside `mask` comes back undefined.
 Tensor3 norm_backward_inplace(bool rms, const at::Tensor& grad_y, const at::Tensor& x, const at::Tensor& weight,
                               const at::Tensor& bias, const at::Tensor& mean, const at::Tensor& rstd,
-                              const at::Tensor& grad_x_extra, bool return_y) {
+                              const at::Tensor& grad_x_extra, bool return_y, ParamGradMask mask) {
   const OptionalTensor extra = grad_x_extra.defined() ? OptionalTensor(grad_x_extra.contiguous()) : std::nullopt;
   if (rms) {
     static auto op = c10::Dispatcher::singleton()
                          .findSchemaOrThrow("memopt::rms_norm_bwd_inplace", "")
                          .typed<Tensor2(const at::Tensor&, const at::Tensor&, const OptionalTensor&, const at::Tensor&,
-                                        const OptionalTensor&, bool)>();
-    auto [grad_weight, y] = op.call(grad_y, x, optional(weight), rstd, extra, return_y);
-    return {grad_weight, at::Tensor(), y};
+                                        const OptionalTensor&, bool, bool)>();
+    auto [grad_weight, y] = op.call(grad_y, x, optional(weight), rstd, extra, return_y, mask.weight);
+    return {if_asked(grad_weight, mask.weight), at::Tensor(), y};
   }
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("memopt::layer_norm_bwd_inplace", "")
                        .typed<Tensor3(const at::Tensor&, const at::Tensor&, const OptionalTensor&, const OptionalTensor&,
-                                      const at::Tensor&, const at::Tensor&, const OptionalTensor&, bool)>();
-  return op.call(grad_y, x, optional(weight), optional(bias), mean, rstd, extra, return_y);
+                                      const at::Tensor&, const at::Tensor&, const OptionalTensor&, bool, bool, bool)>();
+  auto [grad_weight, grad_bias, y] =
+      op.call(grad_y, x, optional(weight), optional(bias), mean, rstd, extra, return_y, mask.weight, mask.bias);
+  return {if_asked(grad_weight, mask.weight), if_asked(grad_bias, mask.bias), y};
+}
+
+// The mask of a node whose inputs are x, then residual, weight and bias where present (an absent
+// optional has no edge, so needs_input_grad counts only those given).
+ParamGradMask param_grad_mask(AutogradContext* ctx, bool has_residual, const at::Tensor& weight,
+                              const at::Tensor& bias) {
+  const size_t weight_edge = 1 + size_t(has_residual);
+  const size_t bias_edge = weight_edge + size_t(weight.defined());
+  return {weight.defined() && ctx->needs_input_grad(weight_edge), bias.defined() && ctx->needs_input_grad(bias_edge)};
 }
 
 // The norm in differentiable ATen ops, in the kernels' statistics dtype: x_hat = (x - mean) * rstd
@@ -206,10 +230,9 @@ struct NormFunction : public torch::autograd::Function<NormFunction<kRms>> {
     } else {
       at::AutoDispatchBelowADInplaceOrView guard;
       const at::Tensor dy = grad_y.defined() ? grad_y.contiguous() : at::zeros_like(x);
-      std::tie(grad_x, grad_weight, grad_bias) =
-          norm_backward(kRms, dy, x, weight, bias, saved[3], saved[4], grad_residual_out);
-      if (!weight.defined()) grad_weight = at::Tensor();
-      if (!bias.defined()) grad_bias = at::Tensor();
+      std::tie(grad_x, grad_weight, grad_bias) = norm_backward(kRms, dy, x, weight, bias, saved[3], saved[4],
+                                                               grad_residual_out,
+                                                               param_grad_mask(ctx, has_residual, weight, bias));
     }
     return {grad_x, has_residual ? grad_x : at::Tensor(), grad_weight, grad_bias, at::Tensor()};
   }
@@ -334,7 +357,12 @@ struct NormLinearFunction : public torch::autograd::Function<NormLinearFunction>
       const c10::SymInt rows = x.sym_numel() / n;
       const at::Tensor grad_out_2d = grad_out.reshape_symint({rows, linear_weight.sym_size(0)});
       const at::Tensor weight_c = linear_weight.to(compute);
-      if (bias_dtype_code >= 0) {
+      // needs_input_grad counts the tensor arguments that were given (an absent optional has no
+      // edge): x, then residual, norm_weight and norm_bias where present, then linear_weight and
+      // linear_bias.
+      const size_t linear_weight_edge = 1 + size_t(has_residual) + size_t(norm_weight.defined()) +
+                                        size_t(norm_bias.defined());
+      if (bias_dtype_code >= 0 && ctx->needs_input_grad(linear_weight_edge + 1)) {
         grad_linear_bias = grad_out_2d.sum(0).to(static_cast<at::ScalarType>(bias_dtype_code));
       }
       if (differentiable_backward(grad_out, grad_residual_out)) {
@@ -349,10 +377,6 @@ struct NormLinearFunction : public torch::autograd::Function<NormLinearFunction>
         if (grad_residual_out.defined()) grad_x = grad_x + grad_residual_out;
       } else {
         at::AutoDispatchBelowADInplaceOrView guard;
-        // needs_input_grad counts the tensor arguments that were given (an absent optional has no
-        // edge): x, then residual, norm_weight and norm_bias where present, then linear_weight.
-        const size_t linear_weight_edge = 1 + size_t(has_residual) + size_t(norm_weight.defined()) +
-                                          size_t(norm_bias.defined());
         const bool need_linear_weight_grad = ctx->needs_input_grad(linear_weight_edge);
         // Under autocast the matmuls run in another dtype: y is cast for grad_W anyway, so the
         // backward kernel rebuilds it beside grad_y.
@@ -374,15 +398,14 @@ struct NormLinearFunction : public torch::autograd::Function<NormLinearFunction>
           grad_y = cpu_mm(grad_out_2d, weight_c).to(x.scalar_type()).view_symint(x.sym_sizes());
         }
         at::Tensor y;
-        std::tie(grad_norm_weight, grad_norm_bias, y) = norm_backward_inplace(
-            rms, grad_y, x, norm_weight, norm_bias, saved[4], saved[5], grad_residual_out, rebuild_y_in_backward);
+        std::tie(grad_norm_weight, grad_norm_bias, y) =
+            norm_backward_inplace(rms, grad_y, x, norm_weight, norm_bias, saved[4], saved[5], grad_residual_out,
+                                  rebuild_y_in_backward, param_grad_mask(ctx, has_residual, norm_weight, norm_bias));
         grad_x = grad_y;
         if (rebuild_y_in_backward) {
           grad_linear_weight =
               at::mm(grad_out_2d.t(), y.view_symint({rows, n}).to(compute)).to(linear_weight.scalar_type());
         }
-        if (!norm_weight.defined()) grad_norm_weight = at::Tensor();
-        if (!norm_bias.defined()) grad_norm_bias = at::Tensor();
       }
     } else {
       grad_x = grad_residual_out;  // only residual_out was used: the norm and the linear get no gradient

@@ -113,7 +113,7 @@ NormForward prepare_norm_fwd(const char* op, bool rms, const at::Tensor& x, cons
 NormBackward prepare_norm_bwd(const char* op, const at::Tensor& grad_y, const at::Tensor& x,
                               const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                               const at::Tensor* mean, const at::Tensor& rstd,
-                              const std::optional<at::Tensor>& grad_x_extra, bool return_y,
+                              const std::optional<at::Tensor>& grad_x_extra, NormBwdOutputs outputs,
                               bool grad_x_in_grad_y) {
   const NormShape shape = check_norm_bwd_inputs(op, grad_y, x, weight, bias, mean, rstd, grad_x_extra);
   if (grad_x_in_grad_y) {
@@ -136,13 +136,17 @@ NormBackward prepare_norm_bwd(const char* op, const at::Tensor& grad_y, const at
     }
   }
   const auto param_options = x.options().dtype(shape.param_dtype);
+  const bool has_grad_weight = weight.has_value() && outputs.grad_weight;
+  const bool has_grad_bias = bias.has_value() && outputs.grad_bias;
   return {shape.rows,
           shape.n,
           shape.param_dtype,
+          has_grad_weight,
+          has_grad_bias,
           grad_x_in_grad_y ? grad_y : new_output_like(x),
-          weight.has_value() ? at::empty({shape.n}, param_options) : absent_like(x),
-          bias.has_value() ? at::empty({shape.n}, param_options) : absent_like(x),
-          return_y ? new_output_like(x) : absent_like(x)};
+          has_grad_weight ? at::empty({shape.n}, param_options) : absent_like(x),
+          has_grad_bias ? at::empty({shape.n}, param_options) : absent_like(x),
+          outputs.y ? new_output_like(x) : absent_like(x)};
 }
 
 }  // namespace memopt

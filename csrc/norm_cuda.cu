@@ -450,9 +450,10 @@ NormFwdResult norm_fwd_cuda(const char* op, bool rms, const at::Tensor& x, const
 NormBwdResult norm_bwd_cuda(const char* op, const at::Tensor& grad_y, const at::Tensor& x,
                             const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
                             const at::Tensor* mean, const at::Tensor& rstd,
-                            const std::optional<at::Tensor>& grad_x_extra, bool return_y, bool grad_x_in_grad_y) {
+                            const std::optional<at::Tensor>& grad_x_extra, NormBwdOutputs outputs,
+                            bool grad_x_in_grad_y) {
   const NormBackward problem =
-      prepare_norm_bwd(op, grad_y, x, weight, bias, mean, rstd, grad_x_extra, return_y, grad_x_in_grad_y);
+      prepare_norm_bwd(op, grad_y, x, weight, bias, mean, rstd, grad_x_extra, outputs, grad_x_in_grad_y);
   const c10::cuda::CUDAGuard guard(x.device());
   const at::Tensor &grad_x = problem.grad_x, &grad_weight = problem.grad_weight, &grad_bias = problem.grad_bias,
                    &y = problem.y;
@@ -472,7 +473,7 @@ NormBwdResult norm_bwd_cuda(const char* op, const at::Tensor& grad_y, const at::
       const param_t* bias_data = optional_data<param_t>(bias);
       const scalar_t* extra_data = optional_data<scalar_t>(grad_x_extra);
       scalar_t* grad_x_data = grad_x.mutable_data_ptr<scalar_t>();
-      scalar_t* y_data = return_y ? y.mutable_data_ptr<scalar_t>() : nullptr;
+      scalar_t* y_data = outputs.y ? y.mutable_data_ptr<scalar_t>() : nullptr;
       const int vec = vec_threads<scalar_t, param_t>(problem.n, {grad_y_data, x_data, extra_data, grad_x_data, y_data},
                                                      {weight_data, bias_data});
       const int threads = vec > 0 ? vec : threads_for_row(problem.n);
@@ -482,10 +483,11 @@ NormBwdResult norm_bwd_cuda(const char* op, const at::Tensor& grad_y, const at::
       const auto make_partials = [&] {
         return vec > 0 ? at::empty({blocks, problem.n}, partial_options) : at::zeros({blocks, problem.n}, partial_options);
       };
-      at::Tensor weight_partials = weight.has_value() ? make_partials() : at::Tensor();
-      at::Tensor bias_partials = bias.has_value() ? make_partials() : at::Tensor();
-      float* weight_partial_data = weight.has_value() ? weight_partials.mutable_data_ptr<float>() : nullptr;
-      float* bias_partial_data = bias.has_value() ? bias_partials.mutable_data_ptr<float>() : nullptr;
+      // No partials (and no column sum) for a gradient not asked for: a frozen or absent parameter.
+      at::Tensor weight_partials = problem.has_grad_weight ? make_partials() : at::Tensor();
+      at::Tensor bias_partials = problem.has_grad_bias ? make_partials() : at::Tensor();
+      float* weight_partial_data = problem.has_grad_weight ? weight_partials.mutable_data_ptr<float>() : nullptr;
+      float* bias_partial_data = problem.has_grad_bias ? bias_partials.mutable_data_ptr<float>() : nullptr;
       kernel<<<blocks, threads, 0, stream>>>(grad_y_data, x_data, weight_data, bias_data,
                                              mean ? mean->const_data_ptr<float>() : nullptr,
                                              rstd.const_data_ptr<float>(), extra_data, grad_x_data, y_data,

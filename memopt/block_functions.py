@@ -351,23 +351,26 @@ def _act(call: BlockCall, u: Tensor, bias) -> Tensor:
 
 
 def _norm_backward(call: BlockCall, grad_y, x, weight, bias, stats: NormStats, grad_extra, return_y: bool,
-                   grad_y_is_scratch: bool = False):
+                   need: tuple[bool, bool], grad_y_is_scratch: bool = False):
     """``(grad_x, grad_weight, grad_bias, y or None)``; ``grad_extra`` (the residual's gradient)
-    is added to grad_x in the same kernel. ``grad_y_is_scratch``: grad_y is this backward's own
+    is added to grad_x in the same kernel. ``need``: whether weight and bias need a gradient (one
+    that does not is not computed: None). ``grad_y_is_scratch``: grad_y is this backward's own
     (a matmul output), grad_x is written over it."""
     return _norm_ops._norm_bwd(
         call.spec.norm == "rmsnorm", _cast(grad_y, x.dtype), x, weight, bias, stats.mean, stats.rstd, grad_extra,
-        return_y, grad_y_is_scratch,
+        return_y, grad_y_is_scratch, *need,
     )  # fmt: skip
 
 
 def _norm_linear_backward(
     call: BlockCall, grad_out: Tensor, x: Tensor, norm_weight, norm_bias, stats: NormStats, grad_extra,
-    kept: Tensor | None, linear_weight: Tensor, weight_param: Tensor, need_weight: bool,
+    kept: Tensor | None, linear_weight: Tensor, weight_param: Tensor, need_weight: bool, need_norm: tuple[bool, bool],
 ):
     """``(grad_x, grad_norm_weight, grad_norm_bias, grad_linear_weight or None)``: the backward of
     ``linear(norm(x))`` from the linear's output gradient, ``grad_extra`` (the residual's gradient)
     added to grad_x. ``kept``: the forward's norm output, or None when it was not kept.
+    ``need_weight`` / ``need_norm``: whether the linear's weight / the norm's weight and bias need
+    a gradient (None where not).
 
     Note:
         Not kept, it is rebuilt with the norm's forward kernel (the forward's bits) into the one
@@ -386,12 +389,12 @@ def _norm_linear_backward(
         else:
             grad_normed = torch.mm(grad_out, linear_weight, out=rebuilt)
         grad_x, grad_norm_weight, grad_norm_bias, _ = _norm_backward(
-            call, grad_normed, x, norm_weight, norm_bias, stats, grad_extra, False, grad_y_is_scratch=True
+            call, grad_normed, x, norm_weight, norm_bias, stats, grad_extra, False, need_norm, grad_y_is_scratch=True
         )
         return grad_x, grad_norm_weight, grad_norm_bias, grad_weight
     grad_normed = cpu_linear.mm(grad_out, linear_weight)
     grad_x, grad_norm_weight, grad_norm_bias, rebuilt = _norm_backward(
-        call, grad_normed, x, norm_weight, norm_bias, stats, grad_extra, kept is None and need_weight,
+        call, grad_normed, x, norm_weight, norm_bias, stats, grad_extra, kept is None and need_weight, need_norm,
         grad_y_is_scratch=True,
     )
     del grad_normed
@@ -412,8 +415,9 @@ def _weight_grad(grad_out: Tensor, inp: Tensor, weight: Tensor) -> Tensor:
     return _cast(grad_out.t() @ _cast(inp, grad_out.dtype), weight.dtype)
 
 
-def _bias_grad(call: BlockCall, grad_out: Tensor, bias) -> Tensor | None:
-    if bias is None:
+def _bias_grad(call: BlockCall, grad_out: Tensor, bias, need: bool) -> Tensor | None:
+    """The bias's gradient (the rows' sum of ``grad_out``), or None without a bias or a need."""
+    if bias is None or not need:
         return None
     return _cast(grad_out.sum(0, dtype=call.accumulate), bias.dtype)
 
@@ -575,7 +579,7 @@ def _ffn_out_backward(call: BlockCall, grad_s2: Tensor, ffn: FFNHalf, need: Bloc
     u, g = ffn.u, ffn.g
     ffn.u = ffn.g = None
     grad_f = _cast(_dropout_backward(spec.residual_dropout, grad_s2, call.keys.ffn_residual), spec.compute_dtype)
-    grad_fc2_bias = _bias_grad(call, grad_f, params.fc2_bias)
+    grad_fc2_bias = _bias_grad(call, grad_f, params.fc2_bias, need.fc2_bias)
     # Under CPU autocast's upcast the activation runs in float32 and fc2 in the half type: g is
     # cast for fc2's weight gradient anyway, so the backward kernel rebuilds it beside grad_g.
     rebuild_g_first = g is None and need.fc2_weight and not call.upcast
@@ -598,11 +602,11 @@ def _ffn_out_backward(call: BlockCall, grad_s2: Tensor, ffn: FFNHalf, need: Bloc
     # no second d_ff-wide gradient buffer exists.
     grad_u, grad_fc1_bias, rebuilt_g = _activation_ops._act_backward(
         _upcast(call, grad_g), _upcast(call, u), _upcast(call, w.fc1_bias), spec.activation,
-        g is None and need.fc2_weight and not rebuild_g_first, grad_y_is_scratch=True,
+        g is None and need.fc2_weight and not rebuild_g_first, grad_y_is_scratch=True, need_bias=need.fc1_bias,
     )
     del grad_g, u
     grad_u = _cast(grad_u, spec.compute_dtype)
-    grad_fc1_bias = _cast(grad_fc1_bias, params.fc1_bias.dtype) if params.fc1_bias is not None else None
+    grad_fc1_bias = _cast(grad_fc1_bias, params.fc1_bias.dtype) if need.fc1_bias else None
     if need.fc2_weight and not rebuild_g_first:
         grad_fc2_weight = _weight_grad(grad_f, rebuilt_g if g is None else g, params.fc2_weight)
     return grad_u, grad_fc1_bias, grad_fc2_weight, grad_fc2_bias
@@ -618,7 +622,8 @@ def _ffn_out_half_backward(call: BlockCall, grad_y: Tensor, ffn: FFNHalf, need: 
         grad_s2 = grad_y
     else:
         grad_s2, grad_norm2_weight, grad_norm2_bias, _ = _norm_backward(
-            call, grad_y, ffn.s2, w.norm2_weight, w.norm2_bias, ffn.norm2, None, False
+            call, grad_y, ffn.s2, w.norm2_weight, w.norm2_bias, ffn.norm2, None, False,
+            (need.norm2_weight, need.norm2_bias),
         )
         ffn.s2 = None
     grad_u, grad_fc1_bias, grad_fc2_weight, grad_fc2_bias = _ffn_out_backward(call, grad_s2, ffn, need)
@@ -635,7 +640,7 @@ def _ffn_in_backward(call: BlockCall, grad_u: Tensor, grad_s2: Tensor, ffn: FFNH
         return _input_grad(grad_u, w.fc1_weight, grad_s2), None, None, grad_fc1_weight
     return _norm_linear_backward(
         call, grad_u, ffn.h, w.norm2_weight, w.norm2_bias, ffn.norm2, grad_s2, ffn.n2, w.fc1_weight,
-        params.fc1_weight, need.fc1_weight,
+        params.fc1_weight, need.fc1_weight, (need.norm2_weight, need.norm2_bias),
     )
 
 
@@ -727,12 +732,13 @@ def _attention_backward(call: BlockCall, grad_h: Tensor, half: AttentionHalf, ne
         grad_s1 = grad_h
     else:
         grad_s1, grad_norm1_weight, grad_norm1_bias, _ = _norm_backward(
-            call, grad_h, half.s1, w.norm1_weight, w.norm1_bias, half.norm1, None, False
+            call, grad_h, half.s1, w.norm1_weight, w.norm1_bias, half.norm1, None, False,
+            (need.norm1_weight, need.norm1_bias),
         )
     del grad_h
     grad_o = _cast(_dropout_backward(spec.residual_dropout, grad_s1, call.keys.attention_residual), spec.compute_dtype)
     grad_out_proj_weight = _weight_grad(grad_o, _flat(call, half.attn_out), params.out_proj_weight) if need.out_proj_weight else None
-    grad_out_proj_bias = _bias_grad(call, grad_o, params.out_proj_bias)
+    grad_out_proj_bias = _bias_grad(call, grad_o, params.out_proj_bias, need.out_proj_bias)
     grad_attn = cpu_linear.mm(grad_o, w.out_proj_weight).view(call.batch, call.seq, spec.n_heads, spec.head_dim).transpose(1, 2)
     del grad_o
     grad_qkv = _attention_kernel_bwd(
@@ -740,11 +746,11 @@ def _attention_backward(call: BlockCall, grad_h: Tensor, half: AttentionHalf, ne
     )
     del grad_attn
     grad_qkv = _cast(grad_qkv.view(call.batch * call.seq, -1), half.qkv.dtype)
-    grad_qkv_bias = _bias_grad(call, grad_qkv, params.qkv_bias)
+    grad_qkv_bias = _bias_grad(call, grad_qkv, params.qkv_bias, need.qkv_bias)
     if spec.norm_first:
         grad_x, grad_norm1_weight, grad_norm1_bias, grad_qkv_weight = _norm_linear_backward(
             call, grad_qkv, half.x, w.norm1_weight, w.norm1_bias, half.norm1, grad_s1, half.n1, w.qkv_weight,
-            params.qkv_weight, need.qkv_weight,
+            params.qkv_weight, need.qkv_weight, (need.norm1_weight, need.norm1_bias),
         )
     else:
         grad_qkv_weight = _weight_grad(grad_qkv, half.x, params.qkv_weight) if need.qkv_weight else None

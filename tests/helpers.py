@@ -4,11 +4,32 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 CPU_DTYPES = [torch.float32, torch.float64]
 CUDA_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 gpu = pytest.mark.gpu
+
+
+class MemoptOpCalls(TorchDispatchMode):
+    """Records each call of a ``torch.ops.memopt`` op whose name contains ``name_part``, below
+    autograd (a C++ node's calls too): ``calls`` holds its arguments by schema name, defaults
+    filled in. Shows what a backward asked of the kernels, e.g. which gradients."""
+
+    def __init__(self, name_part: str):
+        super().__init__()
+        self.name_part = name_part
+        self.calls: list[dict] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "memopt" and self.name_part in func.__name__:
+            schema = func._schema.arguments
+            self.calls.append(
+                {a.name: args[i] if i < len(args) else kwargs.get(a.name, a.default_value) for i, a in enumerate(schema)}
+            )
+        return func(*args, **kwargs)
 
 
 def _triton_interpreter_missing() -> str | None:

@@ -16,7 +16,7 @@ from memopt.ops.activation import (
     swiglu_ref,
 )
 
-from helpers import device_dtype_params, gpu, tolerances
+from helpers import MemoptOpCalls, device_dtype_params, gpu, tolerances
 
 SHAPES = [(1, 33), (97, 33), (123, 1025), (2, 5, 33), (7,)]
 SWIGLU_SHAPES = [(1, 66), (97, 66), (123, 2050), (2, 5, 34), (8,)]
@@ -274,6 +274,10 @@ def test_opcheck(with_bias, return_y):
         )
     torch.library.opcheck(torch.ops.memopt.swiglu_fwd.default, (x, bias))
     torch.library.opcheck(torch.ops.memopt.swiglu_bwd.default, (grad[:, :17].contiguous(), x, bias, return_y))
+    # The bias gradient not asked for: an empty output, in the fakes too.
+    torch.library.opcheck(torch.ops.memopt.bias_act_bwd.default, (grad, x, bias, "gelu", return_y, False))
+    torch.library.opcheck(torch.ops.memopt.bias_act_bwd_inplace.default, (grad.clone(), x, bias, "silu", return_y, False))
+    torch.library.opcheck(torch.ops.memopt.swiglu_bwd.default, (grad[:, :17].contiguous(), x, bias, return_y, False))
 
 
 @pytest.mark.parametrize("device,dtype", device_dtype_params())
@@ -301,6 +305,62 @@ def test_bias_act_bwd_inplace_writes_grad_x_over_grad_y(device, dtype, with_bias
             assert torch.equal(y, y_copy)
         else:
             assert y.numel() == 0
+
+
+@pytest.mark.parametrize("device,dtype", device_dtype_params())
+@pytest.mark.parametrize("op", ["bias_act_bwd", "bias_act_bwd_inplace", "swiglu_bwd"])
+@pytest.mark.parametrize("return_y", [False, True])
+@pytest.mark.parametrize("cols", [1026, 1024])  # 1024: the CUDA kernels' 16-byte packs
+def test_bwd_ops_skip_the_bias_gradient_not_asked_for(device, dtype, op, return_y, cols):
+    """return_grad_bias False (a frozen bias): the bias gradient comes back empty, and grad_x and
+    the rebuilt y are the full call's bit for bit (checked against float64 above)."""
+    x = torch.randn(97, cols, device=device, dtype=dtype)
+    bias = torch.randn(cols, device=device, dtype=dtype)
+    grad = torch.randn(97, cols // 2 if op == "swiglu_bwd" else cols, device=device, dtype=dtype)
+    ops = torch.ops.memopt
+    for activation in ("swiglu",) if op == "swiglu_bwd" else ACTIVATIONS:
+        if op == "swiglu_bwd":
+            full, got = ops.swiglu_bwd(grad, x, bias, return_y), ops.swiglu_bwd(grad, x, bias, return_y, False)
+        else:
+            full = ops.bias_act_bwd(grad, x, bias, activation, return_y)
+            if op == "bias_act_bwd":
+                got = ops.bias_act_bwd(grad, x, bias, activation, return_y, False)
+            else:
+                scratch = grad.clone()
+                got = (scratch, *ops.bias_act_bwd_inplace(scratch, x, bias, activation, return_y, False))
+        assert full[1].shape == bias.shape and got[1].numel() == 0, activation
+        assert torch.equal(got[0], full[0]) and torch.equal(got[2], full[2]), activation
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS + ("swiglu",))
+@pytest.mark.parametrize("linear", [False, True], ids=["act", "act_linear"])
+def test_frozen_bias_gets_no_gradient_and_none_is_computed(activation, linear):
+    """A bias that does not require grad (PEFT, LoRA) gets none and is not asked of the kernel;
+    x's gradient (and act_linear's weight's) match the float64 reference."""
+    x = torch.randn(2, 31, 66, dtype=torch.float32, requires_grad=True)
+    bias = torch.randn(66)  # frozen
+    params = [x, bias]
+    if linear:
+        k = 33 if activation == "swiglu" else 66
+        params += [(torch.randn(17, k) / k**0.5).requires_grad_(), torch.randn(17, requires_grad=True)]
+        fn = lambda *a: memopt.act_linear(*a, activation=activation)  # noqa: E731
+        ref_fn = lambda *a: act_linear_ref(*a, activation=activation)  # noqa: E731
+    elif activation == "swiglu":
+        fn, ref_fn = memopt.swiglu, swiglu_ref
+    else:
+        fn = lambda a, b: memopt.bias_act(a, b, activation)  # noqa: E731
+        ref_fn = lambda a, b: bias_act_ref(a, b, activation)  # noqa: E731
+    out = fn(*params)
+    grad = torch.randn_like(out)
+    with MemoptOpCalls("_bwd") as calls:
+        out.backward(grad)
+    assert [c["return_grad_bias"] for c in calls.calls] == [False]
+    _, expected = _reference_grads(ref_fn, params, grad)
+    assert bias.grad is None
+    tol = {k: 4 * v for k, v in tolerances(torch.float32).items()}  # the matmul sums 66 products
+    for p, e in zip(params, expected):
+        if p.requires_grad:
+            torch.testing.assert_close(p.grad.double(), e, **tol)
 
 
 @pytest.mark.parametrize("device,dtype", device_dtype_params())

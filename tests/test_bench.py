@@ -20,7 +20,7 @@ import memopt
 from bench import compare, configs, plot
 from bench.memory import LiveTensorTracker
 from bench.model import LayerStack, gpt_block
-from helpers import gpu, installed_triton_version
+from helpers import MemoptOpCalls, gpu, installed_triton_version
 
 TINY = replace(compare.PRESETS["tiny"], device="cpu")
 METRIC_COLUMNS = (
@@ -318,6 +318,22 @@ def test_kernel_benchmarks_time_eager_when_memopt_fails(monkeypatch):
     eager = rows[("eager", "time_fwd_bwd")]
     assert eager["status"] == "ok" and 0 < eager["p20"] <= eager["median"] <= eager["p80"]
     assert ("memopt", "time_vs_eager") not in rows and ("memopt", "saved_bytes") not in rows
+
+
+def test_kernel_benchmarks_with_frozen_params_ask_for_no_parameter_gradient():
+    """--frozen-params: only each op's input requires grad, so memopt's backward kernels are not
+    asked for a parameter gradient (and eager's skip theirs); every case still runs."""
+    from bench import kernels
+
+    settings = replace(kernels.KERNEL_PRESETS["tiny"], device="cpu", frozen_params=True)
+    with MemoptOpCalls("_bwd") as calls:
+        result = kernels.run_kernels(settings, ["layer_norm", "norm_linear", "bias_gelu", "act_linear_gelu"], progress=False)
+    assert result["arguments"]["frozen_params"] is True
+    timings = [r for r in result["rows"] if r["metric"] == "time_fwd_bwd" and r["provider"] != "compile"]
+    assert len(timings) == 8 and all(r["status"] == "ok" for r in timings)
+    asked = [(name, call[name]) for call in calls.calls for name in ("return_grad_weight", "return_grad_bias") if name in call]
+    assert {name for name, _ in asked} == {"return_grad_weight", "return_grad_bias"}
+    assert not any(wanted for _, wanted in asked), asked
 
 
 def test_memopt_configurations_build_from_the_reference_weights():

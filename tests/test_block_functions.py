@@ -9,6 +9,8 @@ from memopt import block_functions
 from memopt.block import EagerTransformerBlock
 from memopt.ops.attention import cpu_backend
 
+from helpers import MemoptOpCalls
+
 D_MODEL, N_HEADS = 64, 4
 TOL = {"atol": 1e-6, "rtol": 1e-5}  # float64; attention's float32 log-sum-exp sets the floor
 
@@ -19,26 +21,64 @@ def native_cpu_attention():
         yield
 
 
-@pytest.mark.parametrize("policy", ["none", "selective", "full"])
-@pytest.mark.parametrize("norm_first", [True, False])
-def test_frozen_parameters_and_input_get_no_gradient_and_the_rest_match_eager(policy, norm_first):
+def _blocks_with_frozen(policy: str, norm_first: bool, frozen: set[str], ffn_chunk_tokens: int | None = None):
+    """A float64 FusedCheckpointBlock and the eager block with its weights, ``frozen`` parameters
+    not requiring grad in both."""
     torch.manual_seed(0)
-    fused = memopt.FusedCheckpointBlock(D_MODEL, N_HEADS, 96, norm_first=norm_first, causal=True, policy=policy, dtype=torch.float64)
+    fused = memopt.FusedCheckpointBlock(D_MODEL, N_HEADS, 96, norm_first=norm_first, causal=True, policy=policy,
+                                        ffn_chunk_tokens=ffn_chunk_tokens, dtype=torch.float64)
     eager = EagerTransformerBlock(D_MODEL, N_HEADS, 96, norm_first=norm_first, causal=True, dtype=torch.float64)
     eager.load_state_dict(fused.state_dict())
-    frozen = {"fc1.weight", "qkv.weight", "norm2.bias", "out_proj.bias"}
     for block in (fused, eager):
         for name, param in block.named_parameters():
             param.requires_grad_(name not in frozen)
-    x = torch.randn(2, 24, D_MODEL, dtype=torch.float64)  # no gradient wanted for the input
-    grad = torch.randn(2, 24, D_MODEL, dtype=torch.float64)
-    fused(x).backward(grad)
-    eager(x).backward(grad)
+    return fused, eager
+
+
+def _assert_grads_match_eager(fused, eager, frozen: set[str]) -> None:
     for (name, got), (_, want) in zip(fused.named_parameters(), eager.named_parameters()):
         if name in frozen:
             assert got.grad is None, name
         else:
             torch.testing.assert_close(got.grad, want.grad, **TOL, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_frozen_parameters_and_input_get_no_gradient_and_the_rest_match_eager(policy, norm_first):
+    frozen = {"fc1.weight", "qkv.weight", "norm2.bias", "out_proj.bias"}
+    fused, eager = _blocks_with_frozen(policy, norm_first, frozen)
+    x = torch.randn(2, 24, D_MODEL, dtype=torch.float64)  # no gradient wanted for the input
+    grad = torch.randn(2, 24, D_MODEL, dtype=torch.float64)
+    fused(x).backward(grad)
+    eager(x).backward(grad)
+    _assert_grads_match_eager(fused, eager, frozen)
+
+
+@pytest.mark.parametrize("ffn_chunk_tokens", [None, 16], ids=["untiled", "tiled"])
+@pytest.mark.parametrize("policy", ["none", "selective", "full"])
+@pytest.mark.parametrize("norm_first", [True, False])
+def test_frozen_norms_and_biases_get_no_gradient_computed(policy, norm_first, ffn_chunk_tokens):
+    """Norms and fc1's bias frozen as PEFT freezes them: the norm and activation backward kernels
+    are not asked for those gradients (norm1's weight alone of the norms trains here), and the
+    other gradients match eager."""
+    frozen = {"norm1.bias", "norm2.weight", "norm2.bias", "fc1.bias"}
+    fused, eager = _blocks_with_frozen(policy, norm_first, frozen, ffn_chunk_tokens)
+    x = torch.randn(2, 24, D_MODEL, dtype=torch.float64, requires_grad=True)
+    grad = torch.randn(2, 24, D_MODEL, dtype=torch.float64)
+    with MemoptOpCalls("_bwd") as calls:
+        fused(x).backward(grad)
+    x_eager = x.detach().clone().requires_grad_()
+    eager(x_eager).backward(grad)
+    # Tiled, norm2 and the activation run once per chunk of 16 of the 48 tokens.
+    chunks = 1 if ffn_chunk_tokens is None else 3
+    norms = [c for c in calls.calls if "return_grad_weight" in c]
+    asked = sorted((c["return_grad_weight"], c["return_grad_bias"]) for c in norms)
+    assert asked == [(False, False)] * chunks + [(True, False)]
+    activations = [c for c in calls.calls if "activation" in c]  # bias_act_bwd(_inplace): fc1's bias
+    assert [c["return_grad_bias"] for c in activations] == [False] * chunks
+    torch.testing.assert_close(x.grad, x_eager.grad, **TOL)
+    _assert_grads_match_eager(fused, eager, frozen)
 
 
 def test_saved_names_are_fields_of_the_records():

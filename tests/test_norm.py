@@ -11,7 +11,7 @@ from memopt.ops.norm import (
     rms_norm_ref,
 )
 
-from helpers import device_dtype_params, gpu, tolerances
+from helpers import MemoptOpCalls, device_dtype_params, gpu, tolerances
 
 # Rows 1, 97, 123 and widths 33, 97, 1025 (odd, not multiples of a warp), plus 3-D inputs.
 SHAPES = [(1, 33), (97, 97), (123, 33), (3, 1025), (2, 5, 97), (4, 3, 33)]
@@ -248,6 +248,101 @@ def test_parameter_gradients_do_not_depend_on_thread_count(norm):
         torch.set_num_threads(threads)
     for a, b in zip(*results):
         assert (a is None and b is None) or torch.equal(a, b)
+
+
+FROZEN = [("weight",), ("bias",), ("weight", "bias")]
+
+
+@pytest.mark.parametrize("device,dtype", device_dtype_params())
+@pytest.mark.parametrize("norm", NORMS)
+@pytest.mark.parametrize("inplace", [False, True], ids=["out_of_place", "inplace"])
+@pytest.mark.parametrize("frozen", FROZEN, ids="+".join)
+@pytest.mark.parametrize("n", [1025, 512])  # odd: the scalar CUDA kernel; 512: the vectorised one
+def test_bwd_ops_skip_parameter_gradients_not_asked_for(device, dtype, norm, inplace, frozen, n):
+    """return_grad_weight / return_grad_bias False (a frozen parameter, as ATen's output_mask):
+    that gradient comes back empty, and grad_x, the other gradient and the rebuilt y are the full
+    call's bit for bit (the full call's are checked against float64 elsewhere)."""
+    if norm == "rmsnorm" and frozen == ("bias",):
+        pytest.skip("RMSNorm has no bias")
+    x = torch.randn(97, n, device=device, dtype=dtype)
+    weight = 1 + 0.5 * torch.randn(n, device=device, dtype=dtype)
+    bias = 0.5 * torch.randn(n, device=device, dtype=dtype) if norm == "layernorm" else None
+    grad_y, extra = torch.randn_like(x), torch.randn_like(x)
+    want_weight, want_bias = "weight" not in frozen, "bias" not in frozen
+    ops = torch.ops.memopt
+    if norm == "layernorm":
+        _, _, mean, rstd = ops.layer_norm_fwd(x, None, weight, bias, 1e-5)
+        args = (x, weight, bias, mean, rstd, extra, True)
+        full = ops.layer_norm_bwd(grad_y, *args)
+        if inplace:
+            scratch = grad_y.clone()
+            got = (scratch, *ops.layer_norm_bwd_inplace(scratch, *args, want_weight, want_bias))
+        else:
+            got = ops.layer_norm_bwd(grad_y, *args, want_weight, want_bias)
+        wanted = (True, want_weight, want_bias, True)
+    else:
+        _, _, rstd = ops.rms_norm_fwd(x, None, weight, 1e-5)
+        args = (x, weight, rstd, extra, True)
+        full = ops.rms_norm_bwd(grad_y, *args)
+        if inplace:
+            scratch = grad_y.clone()
+            got = (scratch, *ops.rms_norm_bwd_inplace(scratch, *args, want_weight))
+        else:
+            got = ops.rms_norm_bwd(grad_y, *args, want_weight)
+        wanted = (True, want_weight, True)
+    for name, g, f, want in zip(("grad_x", "grad_weight", "grad_bias", "y")[: len(wanted)], got, full, wanted):
+        if want:
+            assert torch.equal(g, f), name
+        else:
+            assert g.numel() == 0, f"{name} was not asked for, got shape {tuple(g.shape)}"
+
+
+@pytest.mark.parametrize("device,dtype", device_dtype_params())
+@pytest.mark.parametrize("linear", [False, True], ids=["norm", "norm_linear"])
+@pytest.mark.parametrize("with_residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("frozen", FROZEN, ids="+".join)
+@pytest.mark.parametrize("norm", NORMS)
+def test_frozen_norm_parameters_get_no_gradient_and_none_is_computed(device, dtype, norm, frozen, with_residual,
+                                                                     linear):
+    """A norm weight or bias that does not require grad (PEFT, LoRA) gets none, its gradient is
+    not asked of the kernel (ATen's layer-norm backward skips it too), and every other gradient
+    matches the float64 reference; norm_linear's frozen linear bias is not summed either."""
+    if norm == "rmsnorm" and frozen == ("bias",):
+        pytest.skip("RMSNorm has no bias")
+    shape = (2, 7, 97)
+    x, residual, weight, bias = make_inputs(shape, device, dtype, "weight_bias", with_residual, norm=norm)
+    for param in (weight if "weight" in frozen else None, bias if "bias" in frozen else None):
+        if param is not None:
+            param.requires_grad_(False)
+    inputs = [x, residual, weight, bias]
+    if linear:
+        linear_weight = (torch.randn(45, 97, device=device, dtype=dtype) / 97**0.5).requires_grad_()
+        linear_bias = torch.randn(45, device=device, dtype=dtype)  # frozen
+        outs = as_tuple(memopt.norm_linear(x, weight, bias, linear_weight, linear_bias, norm=norm, residual=residual))
+        inputs += [linear_weight, linear_bias]
+    else:
+        outs = run_norm(norm, x, residual, weight, bias, 1e-5)
+    leaves = [double_leaf(t) for t in inputs]
+    refs = run_norm_ref(norm, leaves[0], rounded_residual(x, residual, *leaves[:2]), *leaves[2:4], 1e-5)
+    if linear:
+        refs = (F.linear(refs[0], *leaves[4:]), *refs[1:])
+    grad_outs = [torch.randn_like(o) for o in outs]
+    with MemoptOpCalls("norm_bwd") as calls:
+        torch.autograd.backward(outs, grad_outs)
+    torch.autograd.backward(refs, [g.double() for g in grad_outs])
+    has_bias = norm == "layernorm"
+    asked = [(c["return_grad_weight"], c.get("return_grad_bias", False)) for c in calls.calls]
+    assert asked == [("weight" not in frozen, has_bias and "bias" not in frozen)]
+    # The matmul reduces over n: its error grows like sqrt(n) times the elementwise one.
+    tol = {k: v * (4 if linear else 1) for k, v in tolerances(dtype).items()}
+    names = ("x", "residual", "weight", "bias", "linear_weight", "linear_bias")
+    for name, t, ref in zip(names, inputs, leaves):
+        if t is None:
+            continue
+        if not t.requires_grad:
+            assert t.grad is None, name
+            continue
+        torch.testing.assert_close(t.grad.double(), ref.grad, **tol, msg=lambda m: f"grad of {name}: {m}")
 
 
 def norm_linear_ref(norm, x, residual, norm_weight, norm_bias, linear_weight, linear_bias, eps):
@@ -497,6 +592,13 @@ def test_opcheck(optional, dtype):
         ops.layer_norm_bwd_inplace.default, (grad_y.clone(), x, weight, bias, mean, rstd, grad_x_extra, optional)
     )
     torch.library.opcheck(ops.rms_norm_bwd_inplace.default, (grad_y.clone(), x, weight, rstd, grad_x_extra, optional))
+    if optional:  # the parameter gradients not asked for: empty outputs, in the fakes too
+        torch.library.opcheck(ops.layer_norm_bwd.default, (grad_y, x, weight, bias, mean, rstd, None, False, False, True))
+        torch.library.opcheck(ops.rms_norm_bwd.default, (grad_y, x, weight, rstd, None, False, False))
+        torch.library.opcheck(
+            ops.layer_norm_bwd_inplace.default, (grad_y.clone(), x, weight, bias, mean, rstd, None, True, True, False)
+        )
+        torch.library.opcheck(ops.rms_norm_bwd_inplace.default, (grad_y.clone(), x, weight, rstd, None, True, False))
 
 
 def test_opcheck_float32_params_with_float64_x():

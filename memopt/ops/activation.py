@@ -43,19 +43,25 @@ def _bias_act_fwd_inplace_fake(x, bias, activation):
     return None
 
 
+def _bias_grad_fake(x, bias, wanted: bool):
+    """The bias gradient: like bias, or empty without a bias or when it was not asked for
+    (return_grad_bias False)."""
+    if bias is None or not wanted:
+        return x.new_empty(0)
+    return torch.empty_like(bias, memory_format=torch.contiguous_format)
+
+
 @torch.library.register_fake("memopt::bias_act_bwd")
-def _bias_act_bwd_fake(grad_y, x, bias, activation, return_y):
+def _bias_act_bwd_fake(grad_y, x, bias, activation, return_y, return_grad_bias=True):
     grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)
-    grad_bias = x.new_empty(0) if bias is None else torch.empty_like(bias, memory_format=torch.contiguous_format)
     y = torch.empty_like(x, memory_format=torch.contiguous_format) if return_y else x.new_empty(0)
-    return grad_x, grad_bias, y
+    return grad_x, _bias_grad_fake(x, bias, return_grad_bias), y
 
 
 @torch.library.register_fake("memopt::bias_act_bwd_inplace")
-def _bias_act_bwd_inplace_fake(grad_y, x, bias, activation, return_y):
-    grad_bias = x.new_empty(0) if bias is None else torch.empty_like(bias, memory_format=torch.contiguous_format)
+def _bias_act_bwd_inplace_fake(grad_y, x, bias, activation, return_y, return_grad_bias=True):
     y = torch.empty_like(x, memory_format=torch.contiguous_format) if return_y else x.new_empty(0)
-    return grad_bias, y
+    return _bias_grad_fake(x, bias, return_grad_bias), y
 
 
 @torch.library.register_fake("memopt::swiglu_fwd")
@@ -65,11 +71,10 @@ def _swiglu_fwd_fake(x, bias):
 
 
 @torch.library.register_fake("memopt::swiglu_bwd")
-def _swiglu_bwd_fake(grad_y, x, bias, return_y):
+def _swiglu_bwd_fake(grad_y, x, bias, return_y, return_grad_bias=True):
     grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)
-    grad_bias = x.new_empty(0) if bias is None else torch.empty_like(bias, memory_format=torch.contiguous_format)
     y = x.new_empty(x.shape[:-1] + (x.shape[-1] // 2,)) if return_y else x.new_empty(0)
-    return grad_x, grad_bias, y
+    return grad_x, _bias_grad_fake(x, bias, return_grad_bias), y
 
 
 def _check_activation(op: str, activation: str, allowed: tuple[str, ...]) -> None:
@@ -148,7 +153,9 @@ class BiasActFunction(torch.autograd.Function):
         if building_graph(grad_y):
             grad_x, grad_bias = _act_double_backward(grad_y, x, bias, ctx.activation)
         else:
-            grad_x, grad_bias, _ = torch.ops.memopt.bias_act_bwd(grad_y.contiguous(), x, bias, ctx.activation, False)
+            grad_x, grad_bias, _ = torch.ops.memopt.bias_act_bwd(
+                grad_y.contiguous(), x, bias, ctx.activation, False, ctx.needs_input_grad[1]
+            )
         return grad_x, grad_bias if bias is not None and ctx.needs_input_grad[1] else None, None
 
 
@@ -170,7 +177,7 @@ class SwiGLUFunction(torch.autograd.Function):
         if building_graph(grad_y):
             grad_x, grad_bias = _act_double_backward(grad_y, x, bias, "swiglu")
         else:
-            grad_x, grad_bias, _ = torch.ops.memopt.swiglu_bwd(grad_y.contiguous(), x, bias, False)
+            grad_x, grad_bias, _ = torch.ops.memopt.swiglu_bwd(grad_y.contiguous(), x, bias, False, ctx.needs_input_grad[1])
         return grad_x, grad_bias if bias is not None and ctx.needs_input_grad[1] else None
 
 
@@ -190,20 +197,22 @@ def _act_forward_inplace(x, bias, activation):
     return x
 
 
-def _act_backward(grad_y, x, bias, activation, return_y: bool = True, grad_y_is_scratch: bool = False):
+def _act_backward(grad_y, x, bias, activation, return_y: bool = True, grad_y_is_scratch: bool = False,
+                  need_bias: bool = True):
     """(grad_x, grad_bias, y): the gradient through the activation and the rebuilt activation
-    (an empty tensor when ``return_y`` is False).
+    (an empty tensor when ``return_y`` is False); grad_bias is empty without a bias or, with
+    ``need_bias`` False (a frozen bias), not computed.
 
     ``grad_y_is_scratch``: the caller made ``grad_y`` (a matmul output) and needs it no more, so
     grad_x may be written over it (``bias_act_bwd_inplace``; swiglu's grad_x is twice as wide and
     cannot be): the backward then allocates nothing of x's size besides the rebuilt y.
     """
     if activation == "swiglu":
-        return torch.ops.memopt.swiglu_bwd(grad_y, x, bias, return_y)
+        return torch.ops.memopt.swiglu_bwd(grad_y, x, bias, return_y, need_bias)
     if grad_y_is_scratch:
-        grad_bias, y = torch.ops.memopt.bias_act_bwd_inplace(grad_y, x, bias, activation, return_y)
+        grad_bias, y = torch.ops.memopt.bias_act_bwd_inplace(grad_y, x, bias, activation, return_y, need_bias)
         return grad_y, grad_bias, y
-    return torch.ops.memopt.bias_act_bwd(grad_y, x, bias, activation, return_y)
+    return torch.ops.memopt.bias_act_bwd(grad_y, x, bias, activation, return_y, need_bias)
 
 
 class ActLinearFunction(torch.autograd.Function):
@@ -261,11 +270,14 @@ class ActLinearFunction(torch.autograd.Function):
                     grad_act = cpu_linear.mm(grad_out_2d, weight).view(shape)
                 else:
                     grad_act = torch.mm(grad_out_2d, weight, out=y_2d).view(shape)
-                grad_x, grad_bias, _ = _act_backward(grad_act, x, bias, ctx.activation, False, grad_y_is_scratch=True)
+                grad_x, grad_bias, _ = _act_backward(
+                    grad_act, x, bias, ctx.activation, False, grad_y_is_scratch=True, need_bias=ctx.needs_input_grad[1]
+                )
             else:
                 grad_act = torch.matmul(grad_out, weight).to(x.dtype).contiguous()  # a new tensor
                 grad_x, grad_bias, y = _act_backward(
-                    grad_act, x, bias, ctx.activation, ctx.needs_input_grad[2], grad_y_is_scratch=True
+                    grad_act, x, bias, ctx.activation, ctx.needs_input_grad[2], grad_y_is_scratch=True,
+                    need_bias=ctx.needs_input_grad[1],
                 )
                 grad_weight = None
                 if ctx.needs_input_grad[2]:

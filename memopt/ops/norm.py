@@ -61,32 +61,36 @@ def _rms_norm_fwd_fake(x, residual, weight, eps):
     return _like(x), residual_out, x.new_empty(x.shape[:-1], dtype=_stat_dtype(x))
 
 
-def _param_grad_fake(x, param):
-    return x.new_empty(x.shape[-1], dtype=param.dtype) if param is not None else _absent(x)
+def _param_grad_fake(x, param, wanted: bool):
+    """A parameter's gradient: [n] in its dtype, or empty when the parameter is absent or its
+    gradient was not asked for (return_grad_weight / return_grad_bias False)."""
+    return x.new_empty(x.shape[-1], dtype=param.dtype) if param is not None and wanted else _absent(x)
 
 
 @torch.library.register_fake("memopt::layer_norm_bwd")
-def _layer_norm_bwd_fake(grad_y, x, weight, bias, mean, rstd, grad_x_extra, return_y):
+def _layer_norm_bwd_fake(grad_y, x, weight, bias, mean, rstd, grad_x_extra, return_y, return_grad_weight=True,
+                         return_grad_bias=True):
     y = _like(x) if return_y else _absent(x)
-    return _like(x), _param_grad_fake(x, weight), _param_grad_fake(x, bias), y
+    return _like(x), _param_grad_fake(x, weight, return_grad_weight), _param_grad_fake(x, bias, return_grad_bias), y
 
 
 @torch.library.register_fake("memopt::rms_norm_bwd")
-def _rms_norm_bwd_fake(grad_y, x, weight, rstd, grad_x_extra, return_y):
+def _rms_norm_bwd_fake(grad_y, x, weight, rstd, grad_x_extra, return_y, return_grad_weight=True):
     y = _like(x) if return_y else _absent(x)
-    return _like(x), _param_grad_fake(x, weight), y
+    return _like(x), _param_grad_fake(x, weight, return_grad_weight), y
 
 
 @torch.library.register_fake("memopt::layer_norm_bwd_inplace")
-def _layer_norm_bwd_inplace_fake(grad_y, x, weight, bias, mean, rstd, grad_x_extra, return_y):
+def _layer_norm_bwd_inplace_fake(grad_y, x, weight, bias, mean, rstd, grad_x_extra, return_y,
+                                 return_grad_weight=True, return_grad_bias=True):
     y = _like(x) if return_y else _absent(x)
-    return _param_grad_fake(x, weight), _param_grad_fake(x, bias), y
+    return _param_grad_fake(x, weight, return_grad_weight), _param_grad_fake(x, bias, return_grad_bias), y
 
 
 @torch.library.register_fake("memopt::rms_norm_bwd_inplace")
-def _rms_norm_bwd_inplace_fake(grad_y, x, weight, rstd, grad_x_extra, return_y):
+def _rms_norm_bwd_inplace_fake(grad_y, x, weight, rstd, grad_x_extra, return_y, return_grad_weight=True):
     y = _like(x) if return_y else _absent(x)
-    return _param_grad_fake(x, weight), y
+    return _param_grad_fake(x, weight, return_grad_weight), y
 
 
 @torch.library.register_fake("memopt::layer_norm")
@@ -125,33 +129,40 @@ def _norm_fwd(is_rms: bool, x, residual, weight, bias, eps):
 
 
 def _norm_bwd(is_rms: bool, grad_y, x, weight, bias, mean, rstd, grad_x_extra, return_y: bool,
-              grad_y_is_scratch: bool = False):
+              grad_y_is_scratch: bool = False, need_weight: bool = True, need_bias: bool = True):
     """(grad_x, grad_weight or None, grad_bias or None, y or None) from the registered backward op.
 
     ``grad_y_is_scratch``: the caller made ``grad_y`` (a matmul output) and needs it no more, so
     grad_x is written over it (``*_norm_bwd_inplace``) instead of into a new tensor.
+    ``need_weight`` / ``need_bias`` False (a frozen parameter): that gradient is not computed, and
+    is None.
     """
     grad_y, grad_x_extra = grad_y.contiguous(), _contiguous(grad_x_extra)
+    need_weight, need_bias = need_weight and weight is not None, need_bias and bias is not None
     if grad_y_is_scratch:
         if is_rms:
-            grad_weight, y = torch.ops.memopt.rms_norm_bwd_inplace(grad_y, x, weight, rstd, grad_x_extra, return_y)
+            grad_weight, y = torch.ops.memopt.rms_norm_bwd_inplace(
+                grad_y, x, weight, rstd, grad_x_extra, return_y, need_weight
+            )
             grad_bias = None
         else:
             grad_weight, grad_bias, y = torch.ops.memopt.layer_norm_bwd_inplace(
-                grad_y, x, weight, bias, mean, rstd, grad_x_extra, return_y
+                grad_y, x, weight, bias, mean, rstd, grad_x_extra, return_y, need_weight, need_bias
             )
         grad_x = grad_y
     elif is_rms:
-        grad_x, grad_weight, y = torch.ops.memopt.rms_norm_bwd(grad_y, x, weight, rstd, grad_x_extra, return_y)
+        grad_x, grad_weight, y = torch.ops.memopt.rms_norm_bwd(
+            grad_y, x, weight, rstd, grad_x_extra, return_y, need_weight
+        )
         grad_bias = None
     else:
         grad_x, grad_weight, grad_bias, y = torch.ops.memopt.layer_norm_bwd(
-            grad_y, x, weight, bias, mean, rstd, grad_x_extra, return_y
+            grad_y, x, weight, bias, mean, rstd, grad_x_extra, return_y, need_weight, need_bias
         )
     return (
         grad_x,
-        grad_weight if weight is not None else None,
-        grad_bias if bias is not None else None,
+        grad_weight if need_weight else None,
+        grad_bias if need_bias else None,
         y if return_y else None,
     )
 

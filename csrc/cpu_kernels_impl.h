@@ -324,25 +324,11 @@ void bias_act_fwd(const T* x, const T* bias, T* y, int64_t rows, int64_t cols) {
   });
 }
 
-// One row of bias_act's backward with a bias (the pointers at the row's start): grad_x, and y when
-// not null; with kBiasGrad the row's grad_h is added to partial.
-template <Activation A, bool kBiasGrad, typename T>
-inline void bias_act_bwd_row(const T* grad_y, const T* x, const T* bias, T* grad_x, T* y, T* partial, int64_t cols) {
-  using Vec = Vectorized<T>;
-  for_each_vector<T>(cols, [&](int64_t c, int64_t count) {
-    const Vec h = Vec::loadu(x + c, count) + Vec::loadu(bias + c, count);
-    const VecValueAndGrad<T> act = vec_activation_value_and_grad<A>(h);
-    const Vec grad_h = Vec::loadu(grad_y + c, count) * act.grad;
-    grad_h.store(grad_x + c, count);
-    if (y != nullptr) act.value.store(y + c, count);
-    if constexpr (kBiasGrad) (Vec::loadu(partial + c, count) + grad_h).store(partial + c, count);
-  });
-}
-
 template <Activation A, typename T>
 void bias_act_bwd(const T* grad_y, const T* x, const T* bias, T* grad_x,
                   T* y,         // rebuilt act(x + bias), or null
-                  T* partials,  // [chunks, cols] zeros for the bias gradient, or null (none asked for)
+                  T* partials,  // [chunks, cols] zeros, when bias (also when its gradient was not asked
+                                // for: the same code, so grad_x keeps its bits; the sum is dropped)
                   int64_t rows, int64_t cols) {
   using Vec = Vectorized<T>;
   if (bias == nullptr) {
@@ -356,22 +342,22 @@ void bias_act_bwd(const T* grad_y, const T* x, const T* bias, T* grad_x,
     });
     return;
   }
-  const auto row = [&](auto bias_grad, int64_t r, T* partial) {
-    const int64_t base = r * cols;
-    bias_act_bwd_row<A, decltype(bias_grad)::value>(grad_y + base, x + base, bias, grad_x + base,
-                                                    y != nullptr ? y + base : nullptr, partial, cols);
-  };
-  if (partials == nullptr) {  // a frozen bias: no reduction, rows in any grouping
-    at::parallel_for(0, rows, grain_rows(cols), [&](int64_t begin, int64_t end) {
-      for (int64_t r = begin; r < end; ++r) row(std::false_type{}, r, nullptr);
-    });
-    return;
-  }
   const int64_t chunks = (rows + kRowsPerChunk - 1) / kRowsPerChunk;
   at::parallel_for(0, chunks, std::max<int64_t>(1, grain_rows(cols) / kRowsPerChunk), [&](int64_t begin, int64_t end) {
     for (int64_t k = begin; k < end; ++k) {
+      T* partial = partials + k * cols;
       const int64_t row_end = std::min(rows, (k + 1) * kRowsPerChunk);
-      for (int64_t r = k * kRowsPerChunk; r < row_end; ++r) row(std::true_type{}, r, partials + k * cols);
+      for (int64_t r = k * kRowsPerChunk; r < row_end; ++r) {
+        const int64_t base = r * cols;
+        for_each_vector<T>(cols, [&](int64_t c, int64_t count) {
+          const Vec h = Vec::loadu(x + base + c, count) + Vec::loadu(bias + c, count);
+          const VecValueAndGrad<T> act = vec_activation_value_and_grad<A>(h);
+          const Vec grad_h = Vec::loadu(grad_y + base + c, count) * act.grad;
+          grad_h.store(grad_x + base + c, count);
+          if (y != nullptr) act.value.store(y + base + c, count);
+          (Vec::loadu(partial + c, count) + grad_h).store(partial + c, count);
+        });
+      }
     }
   });
 }
@@ -1024,7 +1010,10 @@ void bias_act_bwd_kernel(Activation activation, const at::Tensor& grad_y, const 
   const int64_t chunks = (rows + kRowsPerChunk - 1) / kRowsPerChunk;
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "bias_act_bwd_cpu", [&] {
     at::Tensor holder;
-    scalar_t* partials = grad_bias.defined() ? zeroed_partials<scalar_t, 4>(chunks, cols, x, holder) : nullptr;
+    // With a bias the partials are summed even when its gradient was not asked for (a frozen
+    // bias): a second row loop without them compiled to other bits of grad_x (float64 GELU with
+    // torch 2.11's headers), and the sum is a small part of the pass.
+    scalar_t* partials = bias.defined() ? zeroed_partials<scalar_t, 4>(chunks, cols, x, holder) : nullptr;
     dispatch_activation(activation, [&](auto a) {
       bias_act_bwd<decltype(a)::value, scalar_t>(grad_y.const_data_ptr<scalar_t>(), x.const_data_ptr<scalar_t>(),
                                                  data_or_null<scalar_t>(bias), grad_x.mutable_data_ptr<scalar_t>(),

@@ -1,11 +1,12 @@
 // The Autograd kernel of the registered ops that have no derivative of their own: the kernels'
-// forward and backward ops (layer_norm_fwd, bias_act_bwd, cpu_flash_attention_fwd, ...), which
-// memopt's differentiable ops and autograd Functions call below autograd or with grad mode off.
+// forward and backward ops (layer_norm_fwd, bias_act_bwd, cpu_flash_attention_fwd, ...) and their
+// in-place forms (bias_act_fwd_inplace, ...; their version counters: inplace_version_counter.cpp),
+// which memopt's differentiable ops and autograd Functions call below autograd or with grad mode off.
 // Without an Autograd kernel a direct caller's graph went through torch's not-implemented
 // fallback: a deprecation warning, then no gradient at all for the inputs (x.grad stayed None).
 // With grad mode on, a tensor argument that requires grad is now an error naming the op and its
-// differentiable counterpart, as the in-place ops' kernels do (inplace_autograd.cpp); otherwise
-// the call goes straight to the backend kernel.
+// differentiable counterpart (torch's x.relu_() refuses a leaf the same way); otherwise the call
+// goes on below autograd: to the in-place ops' ADInplaceOrView kernel, or straight to the backend.
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
 #include <c10/core/GradMode.h>
@@ -52,7 +53,9 @@ void refuse_grad_then_redispatch(const c10::OperatorHandle& op, c10::DispatchKey
 TORCH_LIBRARY_IMPL(memopt, Autograd, m) {
   for (const char* op : {"dropout_add_fwd", "dropout_add_bwd", "layer_norm_fwd", "layer_norm_bwd", "rms_norm_fwd",
                          "rms_norm_bwd", "bias_act_fwd", "bias_act_bwd", "swiglu_fwd", "swiglu_bwd",
-                         "cpu_flash_attention_fwd", "cpu_flash_attention_bwd", "cpu_flash_attention_bwd_packed"}) {
+                         "cpu_flash_attention_fwd", "cpu_flash_attention_bwd", "cpu_flash_attention_bwd_packed",
+                         "bias_act_fwd_inplace", "bias_act_bwd_inplace", "layer_norm_bwd_inplace",
+                         "rms_norm_bwd_inplace"}) {
     m.impl(op, torch::CppFunction::makeFromBoxedFunction<&refuse_grad_then_redispatch>());
   }
 }

@@ -73,6 +73,10 @@ TORCH_LIBRARY(memopt, m) {
   m.def("swiglu_fwd(Tensor x, Tensor? bias) -> Tensor y");
   m.def("swiglu_bwd(Tensor grad_y, Tensor x, Tensor? bias, bool return_y, bool return_grad_bias=True)"
         " -> (Tensor grad_x, Tensor grad_bias, Tensor y)");
+  // The differentiable activations (memopt.bias_act / swiglu): the forward op under a C++ autograd
+  // node that saves x and the bias, nothing of y's size (activation_autograd.cpp).
+  m.def("bias_act(Tensor x, Tensor? bias, str activation) -> Tensor y");
+  m.def("swiglu(Tensor x, Tensor? bias) -> Tensor y");
   // keep[...] = the dropout keep bit (philox.h) of element index[...] under rng_key, for any int64
   // index tensor (>= 0): the mask of a slice of a larger tensor without building the whole mask.
   m.def("philox_keep_mask(Tensor index, float p, Tensor rng_key) -> Tensor keep");

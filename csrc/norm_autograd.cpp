@@ -20,6 +20,7 @@
 #include <numeric>
 #include <vector>
 
+#include "autograd_common.h"
 #include "common.h"
 #include "cpu_linear.h"
 
@@ -28,21 +29,9 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-using OptionalTensor = std::optional<at::Tensor>;
 using Tensor4 = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
 using Tensor3 = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
 using Tensor2 = std::tuple<at::Tensor, at::Tensor>;
-
-OptionalTensor optional(const at::Tensor& t) { return t.defined() ? OptionalTensor(t) : std::nullopt; }
-
-// The differentiable ops take x, residual, weight and bias of any strides (an expanded or sliced
-// weight too), as F.layer_norm does; the kernels read rows and parameter vectors, so a
-// non-contiguous one is copied first. At the Autograd key that copy is a recorded op (its gradient
-// flows back to the strided input, and create_graph sees it); a contiguous tensor is passed
-// through with no copy.
-OptionalTensor contiguous(const OptionalTensor& t) {
-  return t.has_value() ? OptionalTensor(t->contiguous()) : std::nullopt;
-}
 
 // (y, residual_out, mean (undefined for RMSNorm), rstd) from the registered forward op.
 Tensor4 norm_forward(bool rms, const at::Tensor& x, const OptionalTensor& residual, const OptionalTensor& weight,
@@ -67,10 +56,6 @@ struct ParamGradMask {
   bool weight;
   bool bias;
 };
-
-// A gradient the backward op returned: undefined where it was not asked for (the op returns an
-// empty tensor there, which autograd would take for a gradient of the wrong shape).
-at::Tensor if_asked(const at::Tensor& grad, bool asked) { return asked ? grad : at::Tensor(); }
 
 // (grad_x, grad_weight, grad_bias) from the registered backward op; grad_x_extra is added to grad_x.
 // A parameter gradient outside `mask` comes back undefined.
@@ -138,22 +123,11 @@ struct NormMath {
 };
 
 NormMath norm_math(bool rms, const at::Tensor& x, double eps) {
-  const at::ScalarType compute = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::ScalarType compute = compute_dtype(x);
   const at::Tensor h = x.to(compute);
   const at::Tensor centred = rms ? h : h - h.mean(-1, /*keepdim=*/true);
   const at::Tensor rstd = at::rsqrt(centred.pow(2).mean(-1, /*keepdim=*/true) + eps);
   return {compute, centred * rstd, rstd};
-}
-
-// Whether a backward takes its differentiable path (ATen ops of the saved tensors) rather than
-// the kernels: under create_graph=True, and for a gradient that torch.autograd.grad batched
-// (is_grads_batched=True, jacobian(vectorize=True): legacy vmap), for which the kernels have no
-// batching rule and vmap's fallback cannot run their out= products.
-bool differentiable_backward(const at::Tensor& grad_a, const at::Tensor& grad_b) {
-  const auto batched = [](const at::Tensor& grad) {
-    return grad.defined() && grad.key_set().has(c10::DispatchKey::Batched);
-  };
-  return at::GradMode::is_enabled() || batched(grad_a) || batched(grad_b);
 }
 
 // y = x_hat * weight + bias in x's dtype, as differentiable ops (the kernels' forward, for a

@@ -9,8 +9,6 @@ import memopt
 from memopt.ops.activation import (
     ACTIVATIONS,
     ActLinearFunction,
-    BiasActFunction,
-    SwiGLUFunction,
     act_linear_ref,
     bias_act_ref,
     swiglu_ref,
@@ -185,14 +183,14 @@ def _gradcheck_inputs(activation, shape):
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gradcheck_bias_act_float64(activation, with_bias):
     x, bias = _gradcheck_inputs(activation, (5, 7))
-    assert torch.autograd.gradcheck(BiasActFunction.apply, (x, bias if with_bias else None, activation))
+    assert torch.autograd.gradcheck(torch.ops.memopt.bias_act, (x, bias if with_bias else None, activation))
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gradcheck_swiglu_float64(with_bias):
     x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
     bias = torch.randn(8, dtype=torch.float64, requires_grad=True) if with_bias else None
-    assert torch.autograd.gradcheck(SwiGLUFunction.apply, (x, bias))
+    assert torch.autograd.gradcheck(torch.ops.memopt.swiglu, (x, bias))
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS + ("swiglu",))
@@ -278,6 +276,60 @@ def test_opcheck(with_bias, return_y):
     torch.library.opcheck(torch.ops.memopt.bias_act_bwd.default, (grad, x, bias, "gelu", return_y, False))
     torch.library.opcheck(torch.ops.memopt.bias_act_bwd_inplace.default, (grad.clone(), x, bias, "silu", return_y, False))
     torch.library.opcheck(torch.ops.memopt.swiglu_bwd.default, (grad[:, :17].contiguous(), x, bias, return_y, False))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_opcheck_differentiable_activation_ops(dtype, with_bias):
+    x = torch.randn(5, 34, dtype=dtype, requires_grad=True)
+    bias = torch.randn(34, dtype=dtype, requires_grad=True) if with_bias else None
+    for activation in ACTIVATIONS:
+        torch.library.opcheck(torch.ops.memopt.bias_act.default, (x, bias, activation))
+    torch.library.opcheck(torch.ops.memopt.swiglu.default, (x, bias))
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS + ("swiglu",))
+def test_backward_runs_in_a_cpp_node(activation):
+    # No Python between the forward and backward kernels: memopt.bias_act / swiglu record the C++
+    # node of csrc/activation_autograd.cpp (a Python autograd.Function records a BackwardCFunction).
+    x = torch.randn(4, 6, requires_grad=True)
+    y = memopt.swiglu(x) if activation == "swiglu" else memopt.bias_act(x, None, activation)
+    assert not isinstance(y.grad_fn, torch.autograd.function.BackwardCFunction)
+    assert "ActivationFunction" in y.grad_fn.name(), y.grad_fn.name()
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS + ("swiglu",))
+def test_registered_ops_take_strided_input(activation):
+    # The ops copy strided x and bias in a recorded op (as F.gelu takes any strides): gradients
+    # reach the strided leaves, first and second order.
+    base = torch.randn(8, 6, dtype=torch.float64)
+    x = base.t().contiguous().t().requires_grad_()  # (8, 6) with strides (1, 8)
+    bias = torch.randn(6, 2, dtype=torch.float64)[:, 0].detach().requires_grad_()
+    assert not x.is_contiguous() and not bias.is_contiguous()
+    op = (lambda a, b: torch.ops.memopt.swiglu(a, b)) if activation == "swiglu" else (
+        lambda a, b: torch.ops.memopt.bias_act(a, b, activation))
+    ref = (lambda a, b: swiglu_ref(a, b)) if activation == "swiglu" else (lambda a, b: bias_act_ref(a, b, activation))
+    x_ref, bias_ref = x.detach().clone().requires_grad_(), bias.detach().clone().requires_grad_()
+    y, y_ref = op(x, bias), ref(x_ref, bias_ref)
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(y)
+    gx, gb = torch.autograd.grad(y, (x, bias), grad, create_graph=True)
+    gx_ref, gb_ref = torch.autograd.grad(y_ref, (x_ref, bias_ref), grad, create_graph=True)
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(gb, gb_ref, rtol=1e-12, atol=1e-12)
+    second = torch.autograd.grad((gx * gx).sum() + gb.sum(), (x, bias), allow_unused=True)
+    second_ref = torch.autograd.grad((gx_ref * gx_ref).sum() + gb_ref.sum(), (x_ref, bias_ref), allow_unused=True)
+    for got, want in zip(second, second_ref):
+        if want is None:
+            assert got is None or not got.any()
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_bias_act_op_refuses_swiglu_as_an_activation():
+    # swiglu halves the width: memopt::bias_act must not run it under its own name.
+    with pytest.raises(RuntimeError, match='memopt.bias_act: activation must be one of "relu", "gelu", "gelu_tanh", "silu", got "swiglu"'):
+        torch.ops.memopt.bias_act(torch.randn(3, 4, requires_grad=True), None, "swiglu")
 
 
 @pytest.mark.parametrize("device,dtype", device_dtype_params())
@@ -521,6 +573,15 @@ def _raises(call, match):
         (lambda: torch.ops.memopt.bias_act_fwd(torch.randn(3, 4), torch.randn(5), "gelu"), r"bias must have shape \[4\]"),
         (lambda: torch.ops.memopt.swiglu_fwd(torch.randn(3, 4), torch.randn(2)), r"bias must have shape \[4\]"),
         (lambda: memopt.bias_act(torch.randn(3, 4), torch.randn(4, device="meta")), "bias must be on x's device"),
+        (lambda: memopt.swiglu(torch.randn(3, 4), torch.randn(4, device="meta")), "bias must be on x's device"),
+        # A meta bias sends the kernel ops to their fakes (the Meta kernels), which must refuse it
+        # too rather than hand back an uninitialised CPU tensor.
+        (lambda: torch.ops.memopt.bias_act_fwd(torch.randn(3, 4), torch.randn(4, device="meta"), "gelu"),
+         "bias must be on x's device"),
+        (lambda: torch.ops.memopt.swiglu_fwd(torch.randn(3, 4), torch.randn(4, device="meta")),
+         "bias must be on x's device"),
+        (lambda: torch.ops.memopt.bias_act_bwd(torch.randn(3, 4, device="meta"), torch.randn(3, 4), None, "gelu", False),
+         "grad_y must be on x's device"),
         (lambda: memopt.act_linear(torch.randn(3, 4), None, torch.randn(2, 4, device="meta")),
          "linear_weight must be on x's device"),
         (lambda: memopt.act_linear(torch.randn(3, 4), None, torch.randn(2, 3)), r"linear_weight must have shape \[out_features, 4\]"),

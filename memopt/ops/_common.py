@@ -9,6 +9,8 @@
   penalties, Hessian-vector products and MAML get exact second derivatives; an ordinary backward
   keeps the kernels.
 * The attention output's layout, which the Triton and the PyTorch backends allocate alike.
+* :func:`call_unchecked`: the public functions whose ops check everything themselves (norms,
+  activations) call the op before any Python check.
 """
 
 from __future__ import annotations
@@ -202,3 +204,21 @@ def recompute_barrier(t: torch.Tensor, after: torch.Tensor) -> torch.Tensor:
 @recompute_barrier.register_fake
 def _recompute_barrier_fake(t, after):
     return torch.empty_like(t)
+
+
+# Note: the public functions of ops with C++ autograd nodes (memopt.layer_norm, rms_norm,
+# norm_linear, bias_act, swiglu) call the op first and run their Python checks only when it
+# raises. The ops check every condition those checks do (norm_common.cpp, activation_common.cpp,
+# check_norm_linear in norm_autograd.cpp), so an input the checks would refuse never gets through,
+# and a refused one gets the Python message; the checks cost ~15-20 us a call (more once a GEMM
+# has swept the caches), which at 512 x 512 was the whole of memopt's lead over F.layer_norm.
+# Under torch.compile the checks run first, as before.
+def call_unchecked(op, *args):
+    """``op(*args)`` before any Python check, or None when it raised (the checked call that follows
+    says what was wrong) or when tracing under torch.compile (the checks run first there)."""
+    if torch.compiler.is_compiling():
+        return None
+    try:
+        return op(*args)
+    except Exception:
+        return None

@@ -9,11 +9,14 @@ their result over an input that the caller made itself (a matmul output) and nee
 (``block_functions.block_forward``); ``bias_act_bwd_inplace`` grad_x over grad_y, for
 ``ActLinearFunction`` and the block's FFN backward.
 
-* ``BiasActFunction`` / ``SwiGLUFunction`` save the pre-activation ``x`` (and the bias); the
-  backward kernel recomputes ``act`` and ``act'`` from it.
+* :func:`bias_act` and :func:`swiglu` call the differentiable ops ``torch.ops.memopt.bias_act`` /
+  ``swiglu``, whose autograd node is C++ (``csrc/activation_autograd.cpp``): it saves the
+  pre-activation ``x`` and the bias, and the backward kernel recomputes ``act'`` from them; under
+  ``create_graph=True`` the backward is ATen's differentiable activation backward ops (exact
+  second derivatives). No Python runs in their forward or backward.
 * ``ActLinearFunction`` computes ``F.linear(act(x + bias), W, b)`` and saves ``x`` and the
   parameters but not ``act(x + bias)``, which eager PyTorch keeps for the weight gradient: the
-  backward kernel rebuilds it (``return_y=True``) in the same pass that computes ``grad_x``.
+  backward rebuilds it with the forward kernel.
 
 ``bias_act_ref`` / ``swiglu_ref`` / ``act_linear_ref`` are the plain PyTorch references.
 """
@@ -26,20 +29,32 @@ import torch.nn.functional as F
 from memopt import _extension
 from memopt.ops import cpu_linear
 from memopt.ops._common import (
-    autocast_as, autocast_state, building_graph, check_float_x, check_linear, check_tensor, grads_with_graph,
+    autocast_as, autocast_state, building_graph, call_unchecked, check_float_x, check_linear, check_tensor,
+    grads_with_graph,
 )
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 ACT_LINEAR_ACTIVATIONS = ACTIVATIONS + ("swiglu",)
 
 
+def _check_fake_devices(op: str, x, bias, **others) -> None:
+    """The kernels refuse tensors on another device than x; so must the fakes, which also run as
+    the ops' Meta kernels: a CPU x with a meta bias dispatches there, and must not pass (it would
+    return an uninitialised CPU tensor)."""
+    for name, t in (("bias", bias),) + tuple(others.items()):
+        if t is not None and t.device != x.device:
+            raise ValueError(f"memopt.{op}: {name} must be on x's device ({x.device}), got {t.device}")
+
+
 @torch.library.register_fake("memopt::bias_act_fwd")
 def _bias_act_fwd_fake(x, bias, activation):
+    _check_fake_devices("bias_act", x, bias)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.register_fake("memopt::bias_act_fwd_inplace")
 def _bias_act_fwd_inplace_fake(x, bias, activation):
+    _check_fake_devices("bias_act", x, bias)
     return None
 
 
@@ -53,6 +68,7 @@ def _bias_grad_fake(x, bias, wanted: bool):
 
 @torch.library.register_fake("memopt::bias_act_bwd")
 def _bias_act_bwd_fake(grad_y, x, bias, activation, return_y, return_grad_bias=True):
+    _check_fake_devices("bias_act", x, bias, grad_y=grad_y)
     grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)
     y = torch.empty_like(x, memory_format=torch.contiguous_format) if return_y else x.new_empty(0)
     return grad_x, _bias_grad_fake(x, bias, return_grad_bias), y
@@ -60,21 +76,34 @@ def _bias_act_bwd_fake(grad_y, x, bias, activation, return_y, return_grad_bias=T
 
 @torch.library.register_fake("memopt::bias_act_bwd_inplace")
 def _bias_act_bwd_inplace_fake(grad_y, x, bias, activation, return_y, return_grad_bias=True):
+    _check_fake_devices("bias_act", x, bias, grad_y=grad_y)
     y = torch.empty_like(x, memory_format=torch.contiguous_format) if return_y else x.new_empty(0)
     return _bias_grad_fake(x, bias, return_grad_bias), y
 
 
 @torch.library.register_fake("memopt::swiglu_fwd")
 def _swiglu_fwd_fake(x, bias):
+    _check_fake_devices("swiglu", x, bias)
     torch._check(x.shape[-1] % 2 == 0, lambda: f"memopt.swiglu: x's last dimension must be even, got {x.shape[-1]}")
     return x.new_empty(x.shape[:-1] + (x.shape[-1] // 2,))
 
 
 @torch.library.register_fake("memopt::swiglu_bwd")
 def _swiglu_bwd_fake(grad_y, x, bias, return_y, return_grad_bias=True):
+    _check_fake_devices("swiglu", x, bias, grad_y=grad_y)
     grad_x = torch.empty_like(x, memory_format=torch.contiguous_format)
     y = x.new_empty(x.shape[:-1] + (x.shape[-1] // 2,)) if return_y else x.new_empty(0)
     return grad_x, _bias_grad_fake(x, bias, return_grad_bias), y
+
+
+@torch.library.register_fake("memopt::bias_act")
+def _bias_act_fake(x, bias, activation):
+    return _bias_act_fwd_fake(x, bias, activation)
+
+
+@torch.library.register_fake("memopt::swiglu")
+def _swiglu_fake(x, bias):
+    return _swiglu_fwd_fake(x, bias)
 
 
 def _check_activation(op: str, activation: str, allowed: tuple[str, ...]) -> None:
@@ -124,61 +153,6 @@ def _act_differentiable(x: torch.Tensor, bias: torch.Tensor | None, activation: 
     else:
         y = _TORCH_ACTIVATIONS[activation](h)
     return y.to(x.dtype)
-
-
-def _act_double_backward(grad_y, x, bias, activation):
-    """(grad_x, grad_bias) as differentiable ops, for ``create_graph=True`` (double backward)."""
-    with torch.enable_grad():
-        y = _act_differentiable(x, bias, activation)
-    grad_x, grad_bias = grads_with_graph(y, [x, bias], grad_y)
-    return grad_x, grad_bias
-
-
-class BiasActFunction(torch.autograd.Function):
-    """``act(x + bias)`` saving ``x`` and ``bias`` only; the backward kernel recomputes ``act'``.
-
-    Under ``create_graph=True`` the backward runs as differentiable PyTorch ops instead, so second
-    derivatives are exact.
-    """
-
-    @staticmethod
-    def forward(ctx, x, bias, activation):
-        ctx.activation = activation
-        ctx.save_for_backward(x, bias)
-        return torch.ops.memopt.bias_act_fwd(x, bias, activation)
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        x, bias = ctx.saved_tensors
-        if building_graph(grad_y):
-            grad_x, grad_bias = _act_double_backward(grad_y, x, bias, ctx.activation)
-        else:
-            grad_x, grad_bias, _ = torch.ops.memopt.bias_act_bwd(
-                grad_y.contiguous(), x, bias, ctx.activation, False, ctx.needs_input_grad[1]
-            )
-        return grad_x, grad_bias if bias is not None and ctx.needs_input_grad[1] else None, None
-
-
-class SwiGLUFunction(torch.autograd.Function):
-    """``silu(gate + b_gate) * (up + b_up)`` over ``x = [gate | up]``, saving ``x`` and ``bias``.
-
-    Under ``create_graph=True`` the backward runs as differentiable PyTorch ops (exact second
-    derivatives).
-    """
-
-    @staticmethod
-    def forward(ctx, x, bias):
-        ctx.save_for_backward(x, bias)
-        return torch.ops.memopt.swiglu_fwd(x, bias)
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        x, bias = ctx.saved_tensors
-        if building_graph(grad_y):
-            grad_x, grad_bias = _act_double_backward(grad_y, x, bias, "swiglu")
-        else:
-            grad_x, grad_bias, _ = torch.ops.memopt.swiglu_bwd(grad_y.contiguous(), x, bias, False, ctx.needs_input_grad[1])
-        return grad_x, grad_bias if bias is not None and ctx.needs_input_grad[1] else None
 
 
 def _act_forward(x, bias, activation):
@@ -294,6 +268,12 @@ class ActLinearFunction(torch.autograd.Function):
         )
 
 
+# The differentiable ops; bias_act and swiglu call them before any check (_common.call_unchecked's
+# Note). Strided x and bias are copied by the ops in a recorded op (activation_autograd.cpp).
+_BIAS_ACT = torch.ops.memopt.bias_act.default
+_SWIGLU = torch.ops.memopt.swiglu.default
+
+
 def bias_act(x: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "gelu") -> torch.Tensor:
     """``act(x + bias)``, saving only ``x`` (and ``bias``) for backward.
 
@@ -306,11 +286,14 @@ def bias_act(x: torch.Tensor, bias: torch.Tensor | None = None, activation: str 
     Returns:
         ``(*, n)`` tensor of x's dtype.
     """
+    result = call_unchecked(_BIAS_ACT, x, bias, activation)
+    if result is not None:
+        return result
     _check_x("bias_act", x)
     _check_activation("bias_act", activation, ACTIVATIONS)
     _check_bias("bias_act", x, bias, x.shape[-1])
     _extension.require_cuda_kernels("bias_act", x)
-    return BiasActFunction.apply(x.contiguous(), None if bias is None else bias.contiguous(), activation)
+    return _BIAS_ACT(x, bias, activation)
 
 
 def swiglu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -323,12 +306,15 @@ def swiglu(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     Returns:
         ``(*, d)`` tensor of x's dtype.
     """
+    result = call_unchecked(_SWIGLU, x, bias)
+    if result is not None:
+        return result
     _check_x("swiglu", x)
     if x.shape[-1] % 2:
         raise ValueError(f"memopt.swiglu: x's last dimension must be even ([gate | up]), got shape {list(x.shape)}")
     _check_bias("swiglu", x, bias, x.shape[-1])
     _extension.require_cuda_kernels("swiglu", x)
-    return SwiGLUFunction.apply(x.contiguous(), None if bias is None else bias.contiguous())
+    return _SWIGLU(x, bias)
 
 
 def act_linear(

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from memopt import _extension
-from memopt.ops._common import check_eps, check_float_x, check_linear, check_tensor
+from memopt.ops._common import call_unchecked, check_eps, check_float_x, check_linear, check_tensor
 
 _NORMS = ("layernorm", "rmsnorm")
 
@@ -216,12 +216,8 @@ def _check_public(op: str, x, residual, weight, bias, weight_name: str = "weight
     _extension.require_cuda_kernels(op, x)
 
 
-# Note: the public functions call the op first and run their Python checks only when it raises.
-# The ops check every condition those checks do (norm_common.cpp, check_norm_linear in
-# norm_autograd.cpp), so an input the checks would refuse never gets through, and a refused one
-# gets the Python message; the checks cost ~20 us a call (more once a GEMM has swept the caches),
-# which at 512 x 512 was the whole of memopt's lead over F.layer_norm. Under torch.compile, and for
-# an eps that is not a float (the op would take True as 1.0), the checks run first, as before.
+# The public functions call the op before any check (_common.call_unchecked's Note), but for an
+# eps that is not a float, which the op would take (True as 1.0): those get the checks first.
 # Strided x and residual are not refused: the ops copy them (norm_autograd.cpp), since a raise
 # and a retry cost ~80 us a call, more than the copy at 256 x 512; nor are strided or expanded
 # weight and bias, which F.layer_norm takes too (copied the same way, so gradients reach the
@@ -232,14 +228,9 @@ _NORM_LINEAR = torch.ops.memopt.norm_linear.default
 
 
 def _call_unchecked(eps, op, *args):
-    """``op(*args)`` before any Python check, or None when it raised (the checked call that follows
-    says what was wrong) or must not run unchecked."""
-    if type(eps) is not float or torch.compiler.is_compiling():
-        return None
-    try:
-        return op(*args)
-    except Exception:
-        return None
+    """``op(*args)`` before any Python check, or None when it raised, runs under torch.compile,
+    or has an eps that is not a float."""
+    return call_unchecked(op, *args) if type(eps) is float else None
 
 
 def layer_norm(

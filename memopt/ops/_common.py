@@ -31,6 +31,15 @@ def check_tensor(op: str, name: str, value, *, optional: bool = False) -> None:
         raise TypeError(f"memopt.{op}: {name} must be {expected}, got {type(value).__name__}")
 
 
+def check_fake_devices(op: str, ref_name: str, ref: torch.Tensor, **others) -> None:
+    """The kernels refuse a tensor on another device than ``ref`` (x, or q); so must the fakes,
+    which also run as the ops' Meta kernels: a CPU ``ref`` with one meta argument dispatches there
+    and would get back an uninitialised CPU tensor. None stands for an absent optional."""
+    for name, t in others.items():
+        if t is not None and t.device != ref.device:
+            raise ValueError(f"memopt.{op}: {name} must be on {ref_name}'s device ({ref.device}), got {t.device}")
+
+
 def check_eps(op: str, eps) -> float:
     """``eps`` as a float: a real number (not a bool), finite and >= 0."""
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):

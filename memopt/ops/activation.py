@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from memopt import _extension
 from memopt.ops import cpu_linear
 from memopt.ops._common import (
-    autocast_as, autocast_state, building_graph, call_unchecked, check_float_x, check_linear, check_tensor,
+    autocast_as, autocast_state, building_graph, call_unchecked, check_fake_devices, check_float_x, check_linear, check_tensor,
     grads_with_graph,
 )
 
@@ -38,12 +38,7 @@ ACT_LINEAR_ACTIVATIONS = ACTIVATIONS + ("swiglu",)
 
 
 def _check_fake_devices(op: str, x, bias, **others) -> None:
-    """The kernels refuse tensors on another device than x; so must the fakes, which also run as
-    the ops' Meta kernels: a CPU x with a meta bias dispatches there, and must not pass (it would
-    return an uninitialised CPU tensor)."""
-    for name, t in (("bias", bias),) + tuple(others.items()):
-        if t is not None and t.device != x.device:
-            raise ValueError(f"memopt.{op}: {name} must be on x's device ({x.device}), got {t.device}")
+    check_fake_devices(op, "x", x, bias=bias, **others)
 
 
 @torch.library.register_fake("memopt::bias_act_fwd")

@@ -97,7 +97,7 @@ import torch
 
 from memopt import _extension  # noqa: F401  (loads memopt._C: torch.ops.memopt.*)
 from memopt.ops import philox_mask as _philox_mask  # noqa: F401  (registers the fake of philox_dropout_scale)
-from memopt.ops._common import attention_out_empty, building_graph, grads_with_graph
+from memopt.ops._common import attention_out_empty, building_graph, check_fake_devices, grads_with_graph
 from memopt.ops._philox import dropout_keep_mask
 from memopt.ops._rng import new_rng_key
 
@@ -777,6 +777,7 @@ torch.library.impl("memopt::attention_fwd", ("cpu", "cuda"), _without_grad(atten
 
 @torch.library.register_fake("memopt::attention_fwd")
 def _attention_fwd_fake(q, k, v, causal, dropout_p, scale, rng_key, backend="auto"):
+    check_fake_devices("attention", "q", q, k=k, v=v)
     out = attention_out_empty(q)
     lse = q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype))
     return out, lse
@@ -890,11 +891,13 @@ torch.library.impl("memopt::attention_bwd_packed", ("cpu", "cuda"), _without_gra
 
 @torch.library.register_fake("memopt::attention_flash_cpu")
 def _attention_flash_cpu_fake(q, k, v, causal, scale=None, dropout_p=0.0, rng_key=None):
+    check_fake_devices("attention", "q", q, k=k, v=v)
     return attention_out_empty(q)
 
 
 @torch.library.register_fake("memopt::cpu_flash_attention_fwd")
 def _cpu_flash_attention_fwd_fake(q, k, v, causal, scale, dropout_p=0.0, rng_key=None):
+    check_fake_devices("attention", "q", q, k=k, v=v)
     return attention_out_empty(q), q.new_empty(q.shape[:3])
 
 
@@ -915,6 +918,7 @@ def _cpu_flash_attention_bwd_packed_fake(grad_out, q, k, v, out, lse, causal, sc
 
 @torch.library.register_fake("memopt::attention_bwd")
 def _attention_bwd_fake(grad_out, q, k, v, out, lse, causal, dropout_p, scale, rng_key, backend="auto"):
+    check_fake_devices("attention", "q", q, grad_out=grad_out, k=k, v=v, out=out, lse=lse)
     grads = []
     for t in (q, k, v):
         batch, heads, seq, head_dim = t.shape
@@ -924,6 +928,7 @@ def _attention_bwd_fake(grad_out, q, k, v, out, lse, causal, dropout_p, scale, r
 
 @torch.library.register_fake("memopt::attention_bwd_packed")
 def _attention_bwd_packed_fake(grad_out, q, k, v, out, lse, causal, dropout_p, scale, rng_key, backend="auto"):
+    check_fake_devices("attention", "q", q, grad_out=grad_out, k=k, v=v, out=out, lse=lse)
     torch._check_value(
         q.shape[2] == k.shape[2],
         lambda: "memopt.attention_bwd_packed: packs the gradients of q, k and v along the heads, so seq_q must "

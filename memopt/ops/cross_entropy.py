@@ -44,7 +44,7 @@ from numbers import Real
 import torch
 import torch.nn.functional as F
 
-from memopt.ops._common import autocast_off, autocast_state
+from memopt.ops._common import autocast_off, autocast_state, check_fake_devices
 
 _REDUCTIONS = ("mean", "sum", "none")
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -211,6 +211,7 @@ linear_cross_entropy_fwd = torch.library.custom_op(
 def _linear_cross_entropy_fwd_fake(
     hidden, weight, bias, target, ignore_index, label_smoothing, logit_softcap, chunk_tokens, compute_dtype
 ):
+    check_fake_devices("linear_cross_entropy", "hidden", hidden, weight=weight, bias=bias, target=target)
     accumulate_dtype = _accumulate_dtype(compute_dtype)
     tokens = hidden.shape[0]
     return hidden.new_empty(tokens, dtype=accumulate_dtype), hidden.new_empty(tokens, dtype=accumulate_dtype)
@@ -352,6 +353,8 @@ def _linear_cross_entropy_bwd_fake(
     grad_loss, hidden, weight, bias, target, lse, ignore_index, label_smoothing, logit_softcap,
     chunk_tokens, compute_dtype, need_grad_hidden, need_grad_weight,
 ):
+    check_fake_devices("linear_cross_entropy", "hidden", hidden, grad_loss=grad_loss, weight=weight, bias=bias,
+                       target=target, lse=lse)
     grad_hidden = hidden.new_empty((hidden.shape[0], hidden.shape[1]) if need_grad_hidden else (0,))
     grad_weight = weight.new_empty(weight.shape if need_grad_weight else (0,))
     if bias is None:

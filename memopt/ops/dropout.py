@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from memopt import _extension
-from memopt.ops._common import check_dropout_p, check_float_x, check_tensor
+from memopt.ops._common import check_dropout_p, check_fake_devices, check_float_x, check_tensor
 from memopt.ops._philox import dropout_keep_mask
 from memopt.ops._rng import check_fake_rng_key, check_rng_key, new_rng_key
 
@@ -19,6 +19,7 @@ from memopt.ops._rng import check_fake_rng_key, check_rng_key, new_rng_key
 @torch.library.register_fake("memopt::dropout_add_fwd")
 def _dropout_add_fwd_fake(x, residual, p, rng_key):
     check_fake_rng_key("dropout_add", rng_key)
+    check_fake_devices("dropout_add", "x", x, residual=residual)
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from memopt import _extension
-from memopt.ops._common import call_unchecked, check_eps, check_float_x, check_linear, check_tensor
+from memopt.ops._common import call_unchecked, check_eps, check_fake_devices, check_float_x, check_linear, check_tensor
 
 _NORMS = ("layernorm", "rmsnorm")
 
@@ -39,11 +39,7 @@ def _like(x: torch.Tensor) -> torch.Tensor:
 
 
 def _check_fake_devices(op: str, x, **others) -> None:
-    """The kernels refuse tensors on another device than x; so must the fakes, which also run as
-    the ops' Meta kernels: a CPU x with a meta weight dispatches there, and must not pass."""
-    for name, t in others.items():
-        if t is not None and t.device != x.device:
-            raise ValueError(f"memopt.{op}: {name} must be on x's device ({x.device}), got {t.device}")
+    check_fake_devices(op, "x", x, **others)
 
 
 @torch.library.register_fake("memopt::layer_norm_fwd")
@@ -70,12 +66,15 @@ def _param_grad_fake(x, param, wanted: bool):
 @torch.library.register_fake("memopt::layer_norm_bwd")
 def _layer_norm_bwd_fake(grad_y, x, weight, bias, mean, rstd, grad_x_extra, return_y, return_grad_weight=True,
                          return_grad_bias=True):
+    _check_fake_devices("layer_norm", x, grad_y=grad_y, weight=weight, bias=bias, mean=mean, rstd=rstd,
+                        grad_x_extra=grad_x_extra)
     y = _like(x) if return_y else _absent(x)
     return _like(x), _param_grad_fake(x, weight, return_grad_weight), _param_grad_fake(x, bias, return_grad_bias), y
 
 
 @torch.library.register_fake("memopt::rms_norm_bwd")
 def _rms_norm_bwd_fake(grad_y, x, weight, rstd, grad_x_extra, return_y, return_grad_weight=True):
+    _check_fake_devices("rms_norm", x, grad_y=grad_y, weight=weight, rstd=rstd, grad_x_extra=grad_x_extra)
     y = _like(x) if return_y else _absent(x)
     return _like(x), _param_grad_fake(x, weight, return_grad_weight), y
 
@@ -83,12 +82,15 @@ def _rms_norm_bwd_fake(grad_y, x, weight, rstd, grad_x_extra, return_y, return_g
 @torch.library.register_fake("memopt::layer_norm_bwd_inplace")
 def _layer_norm_bwd_inplace_fake(grad_y, x, weight, bias, mean, rstd, grad_x_extra, return_y,
                                  return_grad_weight=True, return_grad_bias=True):
+    _check_fake_devices("layer_norm", x, grad_y=grad_y, weight=weight, bias=bias, mean=mean, rstd=rstd,
+                        grad_x_extra=grad_x_extra)
     y = _like(x) if return_y else _absent(x)
     return _param_grad_fake(x, weight, return_grad_weight), _param_grad_fake(x, bias, return_grad_bias), y
 
 
 @torch.library.register_fake("memopt::rms_norm_bwd_inplace")
 def _rms_norm_bwd_inplace_fake(grad_y, x, weight, rstd, grad_x_extra, return_y, return_grad_weight=True):
+    _check_fake_devices("rms_norm", x, grad_y=grad_y, weight=weight, rstd=rstd, grad_x_extra=grad_x_extra)
     y = _like(x) if return_y else _absent(x)
     return _param_grad_fake(x, weight, return_grad_weight), y
 

@@ -69,6 +69,19 @@ def test_one_meta_argument_is_refused_naming_it(op, arg, call):
         call()
 
 
+@pytest.mark.parametrize("op", ["attention_fwd", "cpu_flash_attention_fwd"])
+def test_a_meta_rng_key_beside_cpu_data_is_refused(op):
+    # The key lives on the host for every device; a meta key sends the call to the fake.
+    t = _attention_args(lambda n: "cpu")
+    key = torch.tensor([7, 0], dtype=torch.int64, device="meta")
+    call = {
+        "attention_fwd": lambda: ops.attention_fwd(t["q"], t["k"], t["v"], False, 0.1, 0.5, key),
+        "cpu_flash_attention_fwd": lambda: ops.cpu_flash_attention_fwd(t["q"], t["k"], t["v"], False, 0.5, 0.1, key),
+    }[op]
+    with pytest.raises(ValueError, match=r"memopt\.attention: rng_key must be an int64 CPU tensor of 2 elements"):
+        call()
+
+
 def test_all_meta_arguments_still_give_shapes():
     x, bias = _x(3, 4, device="meta"), _x(4, device="meta")
     assert ops.bias_act(x, bias, "gelu").shape == (3, 4)

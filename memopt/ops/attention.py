@@ -99,7 +99,7 @@ from memopt import _extension  # noqa: F401  (loads memopt._C: torch.ops.memopt.
 from memopt.ops import philox_mask as _philox_mask  # noqa: F401  (registers the fake of philox_dropout_scale)
 from memopt.ops._common import attention_out_empty, building_graph, check_fake_devices, grads_with_graph
 from memopt.ops._philox import dropout_keep_mask
-from memopt.ops._rng import new_rng_key
+from memopt.ops._rng import check_fake_rng_key, check_rng_key, new_rng_key
 
 try:
     from memopt.ops import attention_triton
@@ -337,9 +337,7 @@ def _check_inputs(q, k, v, causal, dropout_p, rng_key, backend="auto") -> str:
         raise ValueError(f"memopt.attention: q, k and v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"memopt.attention: dropout_p must be a float in [0, 1), got {dropout_p!r}")
-    if not isinstance(rng_key, torch.Tensor) or rng_key.dtype != torch.int64 or rng_key.shape != (2,) or rng_key.device.type != "cpu":
-        got = f"{rng_key.dtype} {tuple(rng_key.shape)} on {rng_key.device}" if isinstance(rng_key, torch.Tensor) else type(rng_key).__name__
-        raise ValueError(f"memopt.attention: rng_key must be an int64 CPU tensor (seed, offset) of shape [2], got {got}")
+    check_rng_key("attention", rng_key)
     if q.device.type == "cuda" and attention_triton is None and backend in ("auto", "triton"):
         raise RuntimeError(
             "memopt.attention: CUDA tensors run memopt's Triton kernels, but triton is not installed "
@@ -778,6 +776,8 @@ torch.library.impl("memopt::attention_fwd", ("cpu", "cuda"), _without_grad(atten
 @torch.library.register_fake("memopt::attention_fwd")
 def _attention_fwd_fake(q, k, v, causal, dropout_p, scale, rng_key, backend="auto"):
     check_fake_devices("attention", "q", q, k=k, v=v)
+    if rng_key is not None:
+        check_fake_rng_key("attention", rng_key)
     out = attention_out_empty(q)
     lse = q.new_empty(q.shape[:3], dtype=lse_dtype(q.dtype))
     return out, lse
@@ -892,12 +892,16 @@ torch.library.impl("memopt::attention_bwd_packed", ("cpu", "cuda"), _without_gra
 @torch.library.register_fake("memopt::attention_flash_cpu")
 def _attention_flash_cpu_fake(q, k, v, causal, scale=None, dropout_p=0.0, rng_key=None):
     check_fake_devices("attention", "q", q, k=k, v=v)
+    if rng_key is not None:
+        check_fake_rng_key("attention", rng_key)
     return attention_out_empty(q)
 
 
 @torch.library.register_fake("memopt::cpu_flash_attention_fwd")
 def _cpu_flash_attention_fwd_fake(q, k, v, causal, scale, dropout_p=0.0, rng_key=None):
     check_fake_devices("attention", "q", q, k=k, v=v)
+    if rng_key is not None:
+        check_fake_rng_key("attention", rng_key)
     return attention_out_empty(q), q.new_empty(q.shape[:3])
 
 
@@ -919,6 +923,8 @@ def _cpu_flash_attention_bwd_packed_fake(grad_out, q, k, v, out, lse, causal, sc
 @torch.library.register_fake("memopt::attention_bwd")
 def _attention_bwd_fake(grad_out, q, k, v, out, lse, causal, dropout_p, scale, rng_key, backend="auto"):
     check_fake_devices("attention", "q", q, grad_out=grad_out, k=k, v=v, out=out, lse=lse)
+    if rng_key is not None:
+        check_fake_rng_key("attention", rng_key)
     grads = []
     for t in (q, k, v):
         batch, heads, seq, head_dim = t.shape
@@ -929,6 +935,8 @@ def _attention_bwd_fake(grad_out, q, k, v, out, lse, causal, dropout_p, scale, r
 @torch.library.register_fake("memopt::attention_bwd_packed")
 def _attention_bwd_packed_fake(grad_out, q, k, v, out, lse, causal, dropout_p, scale, rng_key, backend="auto"):
     check_fake_devices("attention", "q", q, grad_out=grad_out, k=k, v=v, out=out, lse=lse)
+    if rng_key is not None:
+        check_fake_rng_key("attention", rng_key)
     torch._check_value(
         q.shape[2] == k.shape[2],
         lambda: "memopt.attention_bwd_packed: packs the gradients of q, k and v along the heads, so seq_q must "

@@ -77,6 +77,11 @@ TORCH_LIBRARY(memopt, m) {
   // node that saves x and the bias, nothing of y's size (activation_autograd.cpp).
   m.def("bias_act(Tensor x, Tensor? bias, str activation) -> Tensor y");
   m.def("swiglu(Tensor x, Tensor? bias) -> Tensor y");
+  // out = F.linear(act(x + bias), linear_weight, linear_bias), activation one of bias_act's or
+  // "swiglu", under a C++ autograd node that keeps no activation output: its backward rebuilds it
+  // from x for the weight gradient (activation_autograd.cpp). Under torch.autocast the linear runs
+  // in the autocast dtype.
+  m.def("act_linear(Tensor x, Tensor? bias, Tensor linear_weight, Tensor? linear_bias, str activation) -> Tensor out");
   // keep[...] = the dropout keep bit (philox.h) of element index[...] under rng_key, for any int64
   // index tensor (>= 0): the mask of a slice of a larger tensor without building the whole mask.
   m.def("philox_keep_mask(Tensor index, float p, Tensor rng_key) -> Tensor keep");

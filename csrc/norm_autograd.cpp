@@ -224,9 +224,7 @@ struct NormFunction : public torch::autograd::Function<NormFunction<kRms>> {
 // a Python autograd.Function around the same work cost 0.25-0.5 ms more per step once a GEMM had
 // swept the caches.
 
-// What F.linear after the norm accepts, with memopt.norm_linear's words (memopt/ops/_common.py's
-// check_linear): weight (m, n) and bias (m,) on x's device; outside torch.autocast in x's dtype,
-// under it in a dtype autocast casts (float32, float16, bfloat16), x too.
+// The norm's parameters and the linear's (check_linear_params), with memopt.norm_linear's words.
 void check_norm_linear(const at::Tensor& x, const at::Tensor& weight, const OptionalTensor& bias, bool rms,
                        const OptionalTensor& norm_weight, const OptionalTensor& norm_bias) {
   constexpr const char* op = "norm_linear";
@@ -249,42 +247,7 @@ void check_norm_linear(const at::Tensor& x, const at::Tensor& weight, const Opti
                    "norm_weight (", norm_weight->scalar_type(), "), got ", norm_bias->scalar_type());
     }
   }
-  MEMOPT_CHECK(weight.dim() == 2 && weight.sym_size(1) == n, op, "linear_weight must have shape [out_features, ", n,
-               "], got ", weight.sym_sizes());
-  if (bias.has_value()) {
-    MEMOPT_CHECK(bias->dim() == 1 && bias->sym_size(0) == weight.sym_size(0), op, "linear_bias must have shape [",
-                 weight.sym_size(0), "], got ", bias->sym_sizes());
-  }
-  const bool autocast = at::autocast::is_autocast_available(x.device().type()) &&
-                        at::autocast::is_autocast_enabled(x.device().type());
-  const auto castable = [](at::ScalarType t) { return t == at::kFloat || t == at::kHalf || t == at::kBFloat16; };
-  const auto check_param = [&](const at::Tensor& p, const char* name) {
-    check_same_device(p, x, op, name, "x");
-    if (autocast) {
-      MEMOPT_CHECK(castable(p.scalar_type()) && castable(x.scalar_type()), op, "under torch.autocast x and ", name,
-                   " must be float32, float16 or bfloat16 (autocast casts those), got x ", x.scalar_type(), " and ",
-                   name, " ", p.scalar_type());
-    } else {
-      MEMOPT_CHECK(p.scalar_type() == x.scalar_type(), op, name, " must have x's dtype (", x.scalar_type(),
-                   ") outside torch.autocast, got ", p.scalar_type());
-    }
-  };
-  check_param(weight, "linear_weight");
-  if (bias.has_value()) check_param(*bias, "linear_bias");
-}
-
-// F.linear as under torch.autocast when it is on (inputs cast to the autocast dtype, as autocast
-// casts them for linear), but without autocast's cast cache: a weight cast made below autograd and
-// cached would hand every later F.linear in the same autocast region a copy with no autograd
-// history, so the weight would get no gradient there.
-at::Tensor linear_as_autocast(const at::Tensor& y, const at::Tensor& weight, const OptionalTensor& bias) {
-  const c10::DeviceType device = y.device().type();
-  if (!at::autocast::is_autocast_available(device) || !at::autocast::is_autocast_enabled(device)) {
-    return cpu_linear(y, weight, bias);
-  }
-  const at::ScalarType dtype = at::autocast::get_autocast_dtype(device);
-  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-  return at::linear(y.to(dtype), weight.to(dtype), bias.has_value() ? OptionalTensor(bias->to(dtype)) : std::nullopt);
+  check_linear_params(op, x, n, weight, bias);
 }
 
 struct NormLinearFunction : public torch::autograd::Function<NormLinearFunction> {

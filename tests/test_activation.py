@@ -8,7 +8,6 @@ import torch.nn.functional as F
 import memopt
 from memopt.ops.activation import (
     ACTIVATIONS,
-    ActLinearFunction,
     act_linear_ref,
     bias_act_ref,
     swiglu_ref,
@@ -200,7 +199,7 @@ def test_gradcheck_act_linear_float64(activation, with_linear_bias):
     k = 4 if activation == "swiglu" else 8
     weight = torch.randn(5, k, dtype=torch.float64, requires_grad=True)
     linear_bias = torch.randn(5, dtype=torch.float64, requires_grad=True) if with_linear_bias else None
-    assert torch.autograd.gradcheck(ActLinearFunction.apply, (x, bias, weight, linear_bias, activation))
+    assert torch.autograd.gradcheck(torch.ops.memopt.act_linear, (x, bias, weight, linear_bias, activation))
 
 
 @pytest.mark.parametrize("device,dtype", device_dtype_params())
@@ -283,19 +282,26 @@ def test_opcheck(with_bias, return_y):
 def test_opcheck_differentiable_activation_ops(dtype, with_bias):
     x = torch.randn(5, 34, dtype=dtype, requires_grad=True)
     bias = torch.randn(34, dtype=dtype, requires_grad=True) if with_bias else None
+    weight = torch.randn(3, 34, dtype=dtype, requires_grad=True)
+    linear_bias = torch.randn(3, dtype=dtype, requires_grad=True) if with_bias else None
     for activation in ACTIVATIONS:
         torch.library.opcheck(torch.ops.memopt.bias_act.default, (x, bias, activation))
+        torch.library.opcheck(torch.ops.memopt.act_linear.default, (x, bias, weight, linear_bias, activation))
     torch.library.opcheck(torch.ops.memopt.swiglu.default, (x, bias))
+    torch.library.opcheck(torch.ops.memopt.act_linear.default, (x, bias, weight[:, :17], linear_bias, "swiglu"))
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS + ("swiglu",))
 def test_backward_runs_in_a_cpp_node(activation):
-    # No Python between the forward and backward kernels: memopt.bias_act / swiglu record the C++
-    # node of csrc/activation_autograd.cpp (a Python autograd.Function records a BackwardCFunction).
+    # No Python between the forward and backward kernels: memopt.bias_act / swiglu / act_linear
+    # record the C++ nodes of csrc/activation_autograd.cpp (a Python autograd.Function records a
+    # BackwardCFunction).
     x = torch.randn(4, 6, requires_grad=True)
     y = memopt.swiglu(x) if activation == "swiglu" else memopt.bias_act(x, None, activation)
-    assert not isinstance(y.grad_fn, torch.autograd.function.BackwardCFunction)
-    assert "ActivationFunction" in y.grad_fn.name(), y.grad_fn.name()
+    out = memopt.act_linear(x, None, torch.randn(2, 3 if activation == "swiglu" else 6), activation=activation)
+    for t, node in ((y, "ActivationFunction"), (out, "ActLinearFunction")):
+        assert not isinstance(t.grad_fn, torch.autograd.function.BackwardCFunction)
+        assert node in t.grad_fn.name(), t.grad_fn.name()
 
 
 @pytest.mark.parametrize("activation", ACTIVATIONS + ("swiglu",))
@@ -324,6 +330,22 @@ def test_registered_ops_take_strided_input(activation):
             assert got is None or not got.any()
         else:
             torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("activation", ACTIVATIONS + ("swiglu",))
+def test_act_linear_op_takes_strided_input(activation):
+    x = torch.randn(8, 6, dtype=torch.float64).t().contiguous().t().requires_grad_()  # (8, 6), strides (1, 8)
+    bias = torch.randn(6, 2, dtype=torch.float64)[:, 0].detach().requires_grad_()
+    weight = torch.randn(3, 3 if activation == "swiglu" else 6, dtype=torch.float64, requires_grad=True)
+    assert not x.is_contiguous() and not bias.is_contiguous()
+    leaves = [x, bias, weight]
+    refs = [t.detach().clone().requires_grad_() for t in leaves]
+    out = torch.ops.memopt.act_linear(x, bias, weight, None, activation)
+    ref = act_linear_ref(*refs, activation=activation)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    grad = torch.randn_like(out)
+    for got, want in zip(torch.autograd.grad(out, leaves, grad), torch.autograd.grad(ref, refs, grad)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 def test_bias_act_op_refuses_swiglu_as_an_activation():

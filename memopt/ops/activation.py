@@ -7,16 +7,17 @@ math shared in ``csrc/activation.h``, registered as ``torch.ops.memopt.bias_act_
 their result over an input that the caller made itself (a matmul output) and needs no more:
 ``bias_act_fwd_inplace`` y over x, for the block's forward without a graph
 (``block_functions.block_forward``); ``bias_act_bwd_inplace`` grad_x over grad_y, for
-``ActLinearFunction`` and the block's FFN backward.
+act_linear's node and the block's FFN backward.
 
 * :func:`bias_act` and :func:`swiglu` call the differentiable ops ``torch.ops.memopt.bias_act`` /
   ``swiglu``, whose autograd node is C++ (``csrc/activation_autograd.cpp``): it saves the
   pre-activation ``x`` and the bias, and the backward kernel recomputes ``act'`` from them; under
   ``create_graph=True`` the backward is ATen's differentiable activation backward ops (exact
   second derivatives). No Python runs in their forward or backward.
-* ``ActLinearFunction`` computes ``F.linear(act(x + bias), W, b)`` and saves ``x`` and the
-  parameters but not ``act(x + bias)``, which eager PyTorch keeps for the weight gradient: the
-  backward rebuilds it with the forward kernel.
+* :func:`act_linear` calls ``torch.ops.memopt.act_linear``, whose C++ node (same file) computes
+  ``F.linear(act(x + bias), W, b)`` and saves ``x`` and the parameters but not ``act(x + bias)``,
+  which eager PyTorch keeps for the weight gradient: the backward rebuilds it with the forward
+  kernel, in the one activation-sized buffer it allocates.
 
 ``bias_act_ref`` / ``swiglu_ref`` / ``act_linear_ref`` are the plain PyTorch references.
 """
@@ -27,11 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from memopt import _extension
-from memopt.ops import cpu_linear
-from memopt.ops._common import (
-    autocast_as, autocast_state, building_graph, call_unchecked, check_fake_devices, check_float_x, check_linear, check_tensor,
-    grads_with_graph,
-)
+from memopt.ops._common import call_unchecked, check_fake_devices, check_float_x, check_linear, check_tensor
 
 ACTIVATIONS = ("relu", "gelu", "gelu_tanh", "silu")
 ACT_LINEAR_ACTIVATIONS = ACTIVATIONS + ("swiglu",)
@@ -99,6 +96,14 @@ def _bias_act_fake(x, bias, activation):
 @torch.library.register_fake("memopt::swiglu")
 def _swiglu_fake(x, bias):
     return _swiglu_fwd_fake(x, bias)
+
+
+@torch.library.register_fake("memopt::act_linear")
+def _act_linear_fake(x, bias, linear_weight, linear_bias, activation):
+    _check_fake_devices("act_linear", x, bias, linear_weight=linear_weight, linear_bias=linear_bias)
+    y = _swiglu_fwd_fake(x, bias) if activation == "swiglu" else _bias_act_fwd_fake(x, bias, activation)
+    # F.linear on fake tensors gives the dtype autocast would (the op runs its linear under it)
+    return F.linear(y, linear_weight, linear_bias)
 
 
 def _check_activation(op: str, activation: str, allowed: tuple[str, ...]) -> None:
@@ -184,89 +189,12 @@ def _act_backward(grad_y, x, bias, activation, return_y: bool = True, grad_y_is_
     return torch.ops.memopt.bias_act_bwd(grad_y, x, bias, activation, return_y, need_bias)
 
 
-class ActLinearFunction(torch.autograd.Function):
-    """``F.linear(act(x + bias), weight, linear_bias)`` without saving ``act(x + bias)``.
-
-    Saves ``x`` (the previous matmul's output) and the parameters. The backward rebuilds the
-    activation ``y`` with the forward kernel, takes ``grad_weight = grad_out^T @ y``, writes
-    ``grad_act = grad_out @ weight`` over ``y`` and (but for swiglu, whose ``grad_x`` is twice as
-    wide) ``grad_x`` over ``grad_act``.
-
-    Note:
-        One activation-sized buffer lives through the backward (swiglu: also its ``grad_x``),
-        where eager ``act(x + bias)`` + ``F.linear`` peaks at three (``x + bias`` and ``y``, kept
-        from the forward, and ``grad_act``) and rebuilding ``y`` inside the activation's backward
-        kernel held two: on CPU each fresh buffer of that size can cost more in page
-        faults than the activation's whole kernel. Where the matmuls run in another dtype
-        (autocast, or a weight of another dtype) ``y`` is cast anyway, so the backward kernel
-        rebuilds it beside a new ``grad_act``.
-
-    Autocast: like ``torch.amp.custom_fwd``/``custom_bwd``, the backward runs under the autocast
-    state of the forward, recorded for x's device type (the decorators fix one device type at
-    definition; this function serves CPU and CUDA). The activation runs in x's dtype and the
-    matmuls in the autocast dtype, exactly as the eager ``act`` followed by ``F.linear`` would.
-    """
-
-    @staticmethod
-    def forward(ctx, x, bias, weight, linear_bias, activation):
-        ctx.autocast_state = autocast_state(x.device.type)
-        ctx.activation = activation
-        ctx.has_bias = bias is not None
-        ctx.linear_bias_dtype = None if linear_bias is None else linear_bias.dtype
-        ctx.save_for_backward(x, bias, weight)
-        y = _act_forward(x, bias, activation)
-        return cpu_linear.linear(y, weight, linear_bias)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, bias, weight = ctx.saved_tensors
-        rows = x.shape[:-1].numel()
-        with autocast_as(ctx.autocast_state):
-            grad_out_2d = grad_out.reshape(rows, grad_out.shape[-1])
-            if building_graph(grad_out):
-                with torch.enable_grad():
-                    out = F.linear(_act_differentiable(x, bias, ctx.activation), weight)
-                grad_x, grad_bias, grad_weight = grads_with_graph(out, [x, bias, weight], grad_out)
-            elif ctx.needs_input_grad[2] and not ctx.autocast_state[1] and grad_out.dtype == weight.dtype == x.dtype:
-                # One activation-sized buffer: y rebuilt by the forward kernel (the forward's bits),
-                # grad_weight taken from it, grad_act written over it (see the class's Note).
-                y = _act_forward(x, bias, ctx.activation)
-                y_2d = y.view(rows, y.shape[-1])
-                grad_weight = torch.mm(grad_out_2d.t(), y_2d)
-                shape = y.shape
-                if cpu_linear.mm_in_new_buffer(grad_out_2d, weight, y_2d):
-                    del y, y_2d  # the heap hands this memory to the product (cpu_linear's Note)
-                    grad_act = cpu_linear.mm(grad_out_2d, weight).view(shape)
-                else:
-                    grad_act = torch.mm(grad_out_2d, weight, out=y_2d).view(shape)
-                grad_x, grad_bias, _ = _act_backward(
-                    grad_act, x, bias, ctx.activation, False, grad_y_is_scratch=True, need_bias=ctx.needs_input_grad[1]
-                )
-            else:
-                grad_act = torch.matmul(grad_out, weight).to(x.dtype).contiguous()  # a new tensor
-                grad_x, grad_bias, y = _act_backward(
-                    grad_act, x, bias, ctx.activation, ctx.needs_input_grad[2], grad_y_is_scratch=True,
-                    need_bias=ctx.needs_input_grad[1],
-                )
-                grad_weight = None
-                if ctx.needs_input_grad[2]:
-                    grad_weight = torch.matmul(grad_out_2d.t(), y.reshape(rows, y.shape[-1])).to(weight.dtype)
-            grad_linear_bias = None
-            if ctx.linear_bias_dtype is not None and ctx.needs_input_grad[3]:
-                grad_linear_bias = grad_out_2d.sum(0).to(ctx.linear_bias_dtype)
-        return (
-            grad_x,
-            grad_bias if ctx.has_bias and ctx.needs_input_grad[1] else None,
-            grad_weight,
-            grad_linear_bias,
-            None,
-        )
-
-
-# The differentiable ops; bias_act and swiglu call them before any check (_common.call_unchecked's
-# Note). Strided x and bias are copied by the ops in a recorded op (activation_autograd.cpp).
+# The differentiable ops; bias_act, swiglu and act_linear call them before any check
+# (_common.call_unchecked's Note). Strided x and bias are copied by the ops in a recorded op
+# (activation_autograd.cpp).
 _BIAS_ACT = torch.ops.memopt.bias_act.default
 _SWIGLU = torch.ops.memopt.swiglu.default
+_ACT_LINEAR = torch.ops.memopt.act_linear.default
 
 
 def bias_act(x: torch.Tensor, bias: torch.Tensor | None = None, activation: str = "gelu") -> torch.Tensor:
@@ -335,6 +263,10 @@ def act_linear(
     Returns:
         ``(*, out_features)``; under ``torch.autocast`` in the autocast dtype, as ``F.linear``.
     """
+    if type(activation) is str:  # (the op would refuse another type with the dispatcher's words)
+        result = call_unchecked(_ACT_LINEAR, x, bias, linear_weight, linear_bias, activation)
+        if result is not None:
+            return result
     _check_x("act_linear", x)
     _check_activation("act_linear", activation, ACT_LINEAR_ACTIVATIONS)
     width = x.shape[-1]
@@ -344,9 +276,7 @@ def act_linear(
     _check_bias("act_linear", x, bias, width)
     check_linear("act_linear", x, act_width, linear_weight, linear_bias)
     _extension.require_cuda_kernels("act_linear", x)
-    return ActLinearFunction.apply(
-        x.contiguous(), None if bias is None else bias.contiguous(), linear_weight, linear_bias, activation
-    )
+    return _ACT_LINEAR(x, bias, linear_weight, linear_bias, activation)
 
 
 def bias_act_ref(

@@ -6,8 +6,9 @@ Note:
     oneDNN's inner product (``torch.ops.mkldnn._linear_pointwise``, what torch.compile's CPU
     backend fuses linears into). Which is faster depends on the host; the rule, its measurements
     and the ``MEMOPT_CPU_LINEAR`` override live in ``csrc/cpu_linear.cpp``, which also serves
-    ``memopt.norm_linear``. This module applies the same answer (``backend()``) to the linears
-    memopt runs from Python: ``act_linear``'s and the block's, with its size floor (oneDNN only for
+    the C++ nodes of ``memopt.norm_linear`` and ``memopt.act_linear``. This module applies the
+    same answer (``backend()``) to the linears memopt runs from Python: the block's, with its size
+    floor (oneDNN only for
     products of ``min_multiply_adds()`` multiply-adds and up, its per-call cost outweighs it below).
     The rule depends on the host and the product's shape only,
     never on timing, so a process computes the same bits in every step and under every policy

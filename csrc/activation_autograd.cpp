@@ -8,8 +8,10 @@
 // eager. These nodes are C++, as the norms' are (norm_autograd.cpp). They save x and the bias,
 // nothing of y's size; the backward kernel recomputes act' from them. A backward under
 // create_graph=True (or with batched gradients) runs as differentiable ATen ops
-// (threshold_backward, gelu_backward, silu's formula), so second derivatives are exact. Checks: the kernels' (activation_common.cpp); memopt/ops/activation.py
-// runs its own (the same conditions, in Python's words) only when a call fails.
+// (threshold_backward, gelu_backward, silu's formula), so second derivatives are exact.
+// Checks: the kernels' (activation_common.cpp) and, for act_linear's linear, check_linear_params
+// (autograd_common.h); memopt/ops/activation.py runs its own (the same conditions, in Python's
+// words) only when a call fails.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/csrc/autograd/custom_function.h>

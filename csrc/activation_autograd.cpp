@@ -68,6 +68,13 @@ const c10::TypedOperatorHandle<SwigluBwd>& swiglu_bwd_op() {
   return op;
 }
 
+// act(x + bias) by the forward kernel: swiglu's for "swiglu" (x = [gate | up]), else bias_act's.
+bool is_swiglu(const std::string& activation) { return activation == "swiglu"; }
+
+at::Tensor act_forward(const at::Tensor& x, const OptionalTensor& bias, const std::string& activation) {
+  return is_swiglu(activation) ? swiglu_forward(x, bias) : bias_act_forward(x, bias, activation);
+}
+
 // (grad_x, grad_bias) from the registered backward op; grad_bias undefined unless asked for.
 std::tuple<at::Tensor, at::Tensor> bias_act_backward(const at::Tensor& grad_y, const at::Tensor& x,
                                                      const at::Tensor& bias, const std::string& activation,
@@ -150,6 +157,7 @@ struct ActivationFunction : public torch::autograd::Function<ActivationFunction>
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const OptionalTensor& bias, bool swiglu,
                             const std::string& activation) {
     at::AutoDispatchBelowADInplaceOrView guard;
+    // Not act_forward(x, bias, activation): bias_act's "swiglu" must reach bias_act's kernel.
     at::Tensor y = swiglu ? swiglu_forward(x, bias) : bias_act_forward(x, bias, activation);
     ctx->save_for_backward({x, bias.value_or(at::Tensor())});
     ctx->saved_data["activation"] = swiglu ? std::string("swiglu") : activation;
@@ -172,7 +180,7 @@ struct ActivationFunction : public torch::autograd::Function<ActivationFunction>
       std::tie(grad_x, grad_bias) = act_backward_math(grad_y, x, bias, activation, need_bias);
     } else {
       at::AutoDispatchBelowADInplaceOrView guard;
-      std::tie(grad_x, grad_bias) = activation == "swiglu"
+      std::tie(grad_x, grad_bias) = is_swiglu(activation)
                                         ? swiglu_backward(grad_y.contiguous(), x, bias, need_bias)
                                         : bias_act_backward(grad_y.contiguous(), x, bias, activation, need_bias);
     }
@@ -191,12 +199,6 @@ struct ActivationFunction : public torch::autograd::Function<ActivationFunction>
 // in another dtype (autocast, or a weight of another dtype) y is cast anyway, so the backward
 // kernel rebuilds it beside a new grad_act. A C++ node, as norm_linear's: the Python
 // autograd.Function it replaces cost ~0.2 ms a call at 512 x 512 in a profile.
-
-bool is_swiglu(const std::string& activation) { return activation == "swiglu"; }
-
-at::Tensor act_forward(const at::Tensor& x, const OptionalTensor& bias, const std::string& activation) {
-  return is_swiglu(activation) ? swiglu_forward(x, bias) : bias_act_forward(x, bias, activation);
-}
 
 // The linear's parameters, with memopt.act_linear's words (x and the bias: the activation kernel's
 // checks, activation_common.cpp).

@@ -216,9 +216,10 @@ def _recompute_barrier_fake(t, after):
 
 
 # Note: the public functions of ops with C++ autograd nodes (memopt.layer_norm, rms_norm,
-# norm_linear, bias_act, swiglu) call the op first and run their Python checks only when it
-# raises. The ops check every condition those checks do (norm_common.cpp, activation_common.cpp,
-# check_norm_linear in norm_autograd.cpp), so an input the checks would refuse never gets through,
+# norm_linear, bias_act, swiglu, act_linear) call the op first and run their Python checks only
+# when it raises. The ops check every condition those checks do (norm_common.cpp,
+# activation_common.cpp, check_norm_linear and check_act_linear over autograd_common.h's
+# check_linear_params), so an input the checks would refuse never gets through,
 # and a refused one gets the Python message; the checks cost ~15-20 us a call (more once a GEMM
 # has swept the caches), which at 512 x 512 was the whole of memopt's lead over F.layer_norm.
 # Under torch.compile the checks run first, as before.

@@ -263,10 +263,9 @@ def act_linear(
     Returns:
         ``(*, out_features)``; under ``torch.autocast`` in the autocast dtype, as ``F.linear``.
     """
-    if type(activation) is str:  # (the op would refuse another type with the dispatcher's words)
-        result = call_unchecked(_ACT_LINEAR, x, bias, linear_weight, linear_bias, activation)
-        if result is not None:
-            return result
+    result = call_unchecked(_ACT_LINEAR, x, bias, linear_weight, linear_bias, activation)
+    if result is not None:
+        return result
     _check_x("act_linear", x)
     _check_activation("act_linear", activation, ACT_LINEAR_ACTIVATIONS)
     width = x.shape[-1]

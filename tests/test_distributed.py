@@ -27,16 +27,32 @@ needs_gloo = pytest.mark.skipif(
 )
 
 
-def _torchrun(script: Path, timeout: int = 240) -> tuple[str, str]:
+# What the C++ runtime prints when a thread is ended inside a noexcept destructor: here, gloo's
+# teardown at interpreter exit (a worker thread dropping a tensor after Python has finalised).
+GLOO_TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def _torchrun(script: Path, timeout: int = 240, finished: str | None = None) -> tuple[str, str]:
     """Run ``script`` on two processes (one thread each) with this checkout importable; assert it
-    exited cleanly and return (its stdout, stdout + stderr for failure messages)."""
+    exited cleanly and return (its stdout, stdout + stderr for failure messages).
+
+    Note: the test workers end with ``helpers.leave_without_gloo_teardown`` (``os._exit`` after a
+    barrier), but the README's examples end as a user's script does, with ``destroy_process_group``
+    and a normal exit, and torch's gloo teardown aborts there now and then on these CPU machines
+    (2 of 8 runs before the examples met at a barrier first; once in CI since, at f7518a9). So for
+    a script that printed ``finished`` (its work done and checked) and then died with exactly that
+    abort, the launch is repeated once; any other failure, or the abort twice, fails the test."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent.parent), env.get("PYTHONPATH", "")])
-    result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
-        env=env, capture_output=True, text=True, timeout=timeout,
-    )  # fmt: skip
-    output = result.stdout + result.stderr
+    for attempt in range(2 if finished is not None else 1):
+        result = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
+            env=env, capture_output=True, text=True, timeout=timeout,
+        )  # fmt: skip
+        output = result.stdout + result.stderr
+        aborted_in_teardown = finished is not None and finished in result.stdout and GLOO_TEARDOWN_ABORT in output
+        if result.returncode == 0 or not aborted_in_teardown:
+            break
     assert result.returncode == 0, output[-6000:]
     return result.stdout, output
 
@@ -76,5 +92,5 @@ def test_pipeline_stages_match_single_process():
 def test_example_runs_and_is_the_readme_block(example, printed):
     example = WORKER.parent.parent / "examples" / example
     assert example.read_text() in (WORKER.parent.parent / "README.md").read_text()
-    stdout, output = _torchrun(example)
+    stdout, output = _torchrun(example, finished=printed)
     assert printed in stdout, output[-6000:]

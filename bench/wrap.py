@@ -7,6 +7,9 @@ one model, one batch and the same initial weights, each configuration runs in tu
 * ``hf-checkpoint``: Hugging Face's own activation checkpointing
   (``gradient_checkpointing_enable``/``activation_checkpointing_enable``, ``use_reentrant=False``),
   the baseline to beat;
+* ``hf-selective``: the same with PyTorch's selective checkpointing of memopt's "selective" op
+  list (``context_fn=create_selective_checkpoint_contexts(memopt.policy.selective_checkpoint_policy)``):
+  what a user can write today for what ``memopt-selective`` does, and so its baseline;
 * ``memopt-full`` / ``memopt-selective``: ``memopt.wrap(model, policy=...)``;
 * ``plan-25%``, ``plan-50%``, ``plan-75%``: ``memopt.plan(model, inputs, budget_bytes=f * plain
   saved bytes)`` then ``memopt.wrap(model, plan=plan)``.
@@ -32,6 +35,8 @@ No optimizer step: the weights stay the initial ones for every configuration.
 from __future__ import annotations
 
 import argparse
+import functools
+import inspect
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -39,8 +44,10 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import memopt
+from memopt.policy import selective_checkpoint_policy
 from bench._args import device_name, int_type, positive_floats
 from bench.compare import (
     DTYPES,
@@ -125,15 +132,37 @@ def build_model(name: str, settings: Settings, device: torch.device) -> nn.Modul
     return model.to(DTYPES[settings.dtype]).train()
 
 
-def hf_checkpointing(model: nn.Module, enable: bool) -> None:
-    """Hugging Face's own activation checkpointing, non-reentrant (renamed in transformers 5.x)."""
+def sac_saved_bytes_countable() -> bool:
+    """Whether this torch's checkpoint shows the tensors PyTorch's selective checkpointing saves to
+    outer saved-tensor hooks (``respect_saved_tensors_hooks``, torch 2.14): without it the
+    saved-byte count of a selective-checkpointing row would leave them all out."""
+    return "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
+
+
+def selective_checkpoint_kwargs() -> dict:
+    """``torch.utils.checkpoint`` keyword arguments for PyTorch's selective checkpointing of
+    memopt's "selective" op list (matmuls, SDPA kernels: ``memopt.policy.SELECTIVE_SAVED_OPS``),
+    what it saves shown to outer saved-tensor hooks where this torch can."""
+    kwargs = {
+        "use_reentrant": False,
+        "context_fn": functools.partial(create_selective_checkpoint_contexts, selective_checkpoint_policy),
+    }
+    if sac_saved_bytes_countable():
+        kwargs["respect_saved_tensors_hooks"] = True
+    return kwargs
+
+
+def hf_checkpointing(model: nn.Module, enable: bool, selective: bool = False) -> None:
+    """Hugging Face's own activation checkpointing, non-reentrant (renamed in transformers 5.x);
+    ``selective``: under PyTorch's selective checkpointing (:func:`selective_checkpoint_kwargs`)."""
+    kwargs = selective_checkpoint_kwargs() if selective else {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
         if enable:
-            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
         else:
             model.activation_checkpointing_disable()
     elif enable:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_disable()
 
@@ -170,6 +199,7 @@ def empty_row(model_name: str, config: str, settings: Settings) -> dict:
         "tolerance": TOLERANCE[DTYPES[settings.dtype]],
         "grad_check": "n/a",
         "time_vs_hf": None,
+        "time_vs_hf_selective": None,
         "budget_fraction": None,
         "budget_bytes": None,
         "predicted_bytes": None,
@@ -339,6 +369,13 @@ class Runner:
             self.configured("hf-checkpoint", lambda: hf_checkpointing(model, True), lambda: hf_checkpointing(model, False)),
         ]
         rows[-1]["policies"] = "hf"
+        hf_selective = self.configured(
+            "hf-selective", lambda: hf_checkpointing(model, True, selective=True), lambda: hf_checkpointing(model, False)
+        )
+        hf_selective["policies"] = "hf-sac"
+        if not sac_saved_bytes_countable():
+            hf_selective["saved_bytes"] = None  # the count saw none of what selective checkpointing kept
+        rows.append(hf_selective)
         for policy in ("full", "selective"):
             row = self.configured(
                 f"memopt-{policy}", lambda: memopt.wrap(model, policy=policy), lambda: memopt.unwrap(model)
@@ -353,6 +390,8 @@ class Runner:
                 row["saved_vs_plain"] = row["saved_bytes"] / plain["saved_bytes"]
             if row["step_time_ms_median"] is not None and hf["step_time_ms_median"]:
                 row["time_vs_hf"] = row["step_time_ms_median"] / hf["step_time_ms_median"]
+            if row["step_time_ms_median"] is not None and hf_selective["step_time_ms_median"]:
+                row["time_vs_hf_selective"] = row["step_time_ms_median"] / hf_selective["step_time_ms_median"]
         return rows
 
 
@@ -393,21 +432,21 @@ def _num(value: float | None, fmt: str) -> str:
 def markdown_table(rows: list[dict]) -> str:
     """One line per (model, configuration); planner rows carry budget and predictions."""
     lines = [
-        "| model | config | policies | step ms (p20-p80) | time / hf | saved MiB | saved / plain | step peak GPU MiB "
-        "| held GPU MiB | loss rel diff | grad rel diff | check | budget MiB | predicted MiB | predicted host MiB "
-        "| predicted +ms | measured +ms | fits |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|",
+        "| model | config | policies | step ms (p20-p80) | time / hf | time / hf-selective | saved MiB | saved / plain "
+        "| step peak GPU MiB | held GPU MiB | loss rel diff | grad rel diff | check | budget MiB | predicted MiB "
+        "| predicted host MiB | predicted +ms | measured +ms | fits |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|---:|---|",
     ]
     for r in rows:
         if r["status"] != "ok":
             budget = _mib(r["budget_bytes"]) if r["budget_bytes"] is not None else ""
-            lines.append(f"| {r['model']} | {r['config']} | {r['status']} | | | | | | | | | | {budget} | | | | | |")
+            lines.append(f"| {r['model']} | {r['config']} | {r['status']} | | | | | | | | | | | {budget} | | | | | |")
             continue
         time_cell = f"{r['step_time_ms_median']:.1f} ({r['step_time_ms_p20']:.1f}-{r['step_time_ms_p80']:.1f})"
         fits = "" if r["within_budget"] is None else ("yes" if r["within_budget"] else "OVER BUDGET")
         lines.append(
             f"| {r['model']} | {r['config']} | {r['policies']} | {time_cell} | {_num(r['time_vs_hf'], '.2f')} "
-            f"| {_mib(r['saved_bytes'])} | {_num(r['saved_vs_plain'], '.2f')} | {_mib(r['peak_gpu_step_bytes'])} "
+            f"| {_num(r['time_vs_hf_selective'], '.2f')} | {_mib(r['saved_bytes'])} | {_num(r['saved_vs_plain'], '.2f')} | {_mib(r['peak_gpu_step_bytes'])} "
             f"| {_mib(r['held_gpu_bytes'])} "
             f"| {_num(r['loss_rel_diff'], '.1e')} | {_num(r['grad_max_rel_diff'], '.1e')} | {r['grad_check']} "
             f"| {_mib(r['budget_bytes'])} | {_mib(r['predicted_bytes'])} | {_mib(r['predicted_host_bytes'])} "
@@ -467,7 +506,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(markdown_table(result["rows"]))
     print(
-        "\npolicies: one letter per layer, n(one) s(elective) f(ull) o(ffload); hf = Hugging Face checkpointing of every layer"
+        "\npolicies: one letter per layer, n(one) s(elective) f(ull) o(ffload); hf = Hugging Face checkpointing of every layer; "
+        "hf-sac = the same under PyTorch's selective checkpointing of memopt's \"selective\" op list"
     )
     print(f"results: {path}\ntotal {result['wall_s']:.1f} s")
     bad = over_budget(result["rows"])

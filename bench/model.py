@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Callable
 
 import torch
 from torch import nn
@@ -32,10 +31,25 @@ def gpt_block(d_model: int, n_heads: int, d_ff: int, dropout: float = 0.0, atten
     )  # fmt: skip
 
 
-def _selective_context_fn() -> Callable:
-    # memopt's "selective" op list (memopt.policy.SELECTIVE_SAVED_OPS: matmuls, SDPA kernels)
-    # through PyTorch's own selective checkpointing: the baseline users can write today.
-    return functools.partial(create_selective_checkpoint_contexts, selective_checkpoint_policy)
+def sac_saved_bytes_countable() -> bool:
+    """Whether this torch's checkpoint shows the tensors PyTorch's selective checkpointing saves to
+    outer saved-tensor hooks (``respect_saved_tensors_hooks``, torch 2.14): without it a byte
+    count of a selective-checkpointing run leaves them all out."""
+    return "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
+
+
+def selective_checkpoint_kwargs() -> dict:
+    """``torch.utils.checkpoint`` keyword arguments for PyTorch's selective checkpointing of
+    memopt's "selective" op list (``memopt.policy.SELECTIVE_SAVED_OPS``: matmuls, SDPA kernels),
+    the baseline users can write today; what it saves is shown to outer saved-tensor hooks (the
+    harnesses' byte counters) where this torch can."""
+    kwargs = {
+        "use_reentrant": False,
+        "context_fn": functools.partial(create_selective_checkpoint_contexts, selective_checkpoint_policy),
+    }
+    if sac_saved_bytes_countable():
+        kwargs["respect_saved_tensors_hooks"] = True
+    return kwargs
 
 
 class LayerStack(nn.Module):
@@ -55,13 +69,8 @@ class LayerStack(nn.Module):
             raise ValueError(f"LayerStack: checkpoint_mode must be one of {POLICIES}, got {checkpoint_mode!r}")
         self.layers = nn.ModuleList(layers)
         self.checkpoint_mode = checkpoint_mode
-        self._checkpoint_kwargs: dict = {"use_reentrant": False}
-        if checkpoint_mode == "selective":
-            self._checkpoint_kwargs["context_fn"] = _selective_context_fn()
-            # Let outer saved-tensor hooks (the harness's byte counter) see what SAC saves, as
-            # they see every other saved tensor; torch versions without the switch ignore them.
-            if "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters:
-                self._checkpoint_kwargs["respect_saved_tensors_hooks"] = True
+        selective = checkpoint_mode == "selective"
+        self._checkpoint_kwargs = selective_checkpoint_kwargs() if selective else {"use_reentrant": False}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:

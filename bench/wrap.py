@@ -35,8 +35,6 @@ No optimizer step: the weights stay the initial ones for every configuration.
 from __future__ import annotations
 
 import argparse
-import functools
-import inspect
 import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -44,10 +42,9 @@ from typing import Callable
 
 import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
 import memopt
-from memopt.policy import selective_checkpoint_policy
+from bench import model as bench_model
 from bench._args import device_name, int_type, positive_floats
 from bench.compare import (
     DTYPES,
@@ -132,30 +129,10 @@ def build_model(name: str, settings: Settings, device: torch.device) -> nn.Modul
     return model.to(DTYPES[settings.dtype]).train()
 
 
-def sac_saved_bytes_countable() -> bool:
-    """Whether this torch's checkpoint shows the tensors PyTorch's selective checkpointing saves to
-    outer saved-tensor hooks (``respect_saved_tensors_hooks``, torch 2.14): without it the
-    saved-byte count of a selective-checkpointing row would leave them all out."""
-    return "respect_saved_tensors_hooks" in inspect.signature(checkpoint).parameters
-
-
-def selective_checkpoint_kwargs() -> dict:
-    """``torch.utils.checkpoint`` keyword arguments for PyTorch's selective checkpointing of
-    memopt's "selective" op list (matmuls, SDPA kernels: ``memopt.policy.SELECTIVE_SAVED_OPS``),
-    what it saves shown to outer saved-tensor hooks where this torch can."""
-    kwargs = {
-        "use_reentrant": False,
-        "context_fn": functools.partial(create_selective_checkpoint_contexts, selective_checkpoint_policy),
-    }
-    if sac_saved_bytes_countable():
-        kwargs["respect_saved_tensors_hooks"] = True
-    return kwargs
-
-
 def hf_checkpointing(model: nn.Module, enable: bool, selective: bool = False) -> None:
     """Hugging Face's own activation checkpointing, non-reentrant (renamed in transformers 5.x);
-    ``selective``: under PyTorch's selective checkpointing (:func:`selective_checkpoint_kwargs`)."""
-    kwargs = selective_checkpoint_kwargs() if selective else {"use_reentrant": False}
+    ``selective``: under PyTorch's selective checkpointing (``bench.model.selective_checkpoint_kwargs``)."""
+    kwargs = bench_model.selective_checkpoint_kwargs() if selective else {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):
         if enable:
             model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
@@ -373,7 +350,7 @@ class Runner:
             "hf-selective", lambda: hf_checkpointing(model, True, selective=True), lambda: hf_checkpointing(model, False)
         )
         hf_selective["policies"] = "hf-sac"
-        if not sac_saved_bytes_countable():
+        if not bench_model.sac_saved_bytes_countable():
             hf_selective["saved_bytes"] = None  # the count saw none of what selective checkpointing kept
         rows.append(hf_selective)
         for policy in ("full", "selective"):

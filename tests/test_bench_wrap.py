@@ -11,6 +11,7 @@ import memopt
 
 pytest.importorskip("transformers")
 
+from bench import model as bench_model  # noqa: E402
 from bench import wrap as bench_wrap  # noqa: E402
 from helpers import installed_triton_version  # noqa: E402
 
@@ -31,7 +32,7 @@ TIMED_COLUMNS = (
 )
 # PyTorch's selective checkpointing shows what it saves to outer hooks only where its checkpoint
 # takes respect_saved_tensors_hooks (torch 2.14); elsewhere the hf-selective row counts no bytes.
-SAC_COUNTABLE = bench_wrap.sac_saved_bytes_countable()
+SAC_COUNTABLE = bench_model.sac_saved_bytes_countable()
 
 
 @pytest.fixture(scope="module")
@@ -165,8 +166,8 @@ def test_infeasible_and_failing_plans_become_rows(monkeypatch):
 def test_hf_selective_counts_no_bytes_where_torch_hides_them(monkeypatch):
     """On a torch whose checkpoint cannot show selective checkpointing's saved tensors to outer
     hooks (2.11-2.13), the hf-selective row is timed and checked but reports no saved bytes."""
-    monkeypatch.setattr(bench_wrap, "sac_saved_bytes_countable", lambda: False)
-    assert "respect_saved_tensors_hooks" not in bench_wrap.selective_checkpoint_kwargs()
+    monkeypatch.setattr(bench_model, "sac_saved_bytes_countable", lambda: False)
+    assert "respect_saved_tensors_hooks" not in bench_model.selective_checkpoint_kwargs()
     settings = bench_wrap.replace(bench_wrap.PRESETS["cpu"], layers=2, repeats=1, warmup=0, budgets=())
     device = bench_wrap.resolve_device("cpu")
     rows = bench_wrap.Runner("llama", bench_wrap.build_model("llama", settings, device), settings, device).run()

@@ -48,6 +48,16 @@ def _draw(seed: int) -> dict:
     }
 
 
+def _inputs(case: dict, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The input and the output gradient of ``case``: (batch, seq, d), or (seq, batch, d) for a
+    sequence-first block."""
+    shape = (case["batch"], case["seq"], case["d_model"])
+    if not case["block"]["batch_first"]:
+        shape = (case["seq"], case["batch"], case["d_model"])
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(shape, dtype=torch.float64, generator=generator) for _ in range(2))
+
+
 def _gradients(block, x0, grad_out, frozen, x_requires_grad, second_order):
     """Output, first-order gradients of (x and) the trainable parameters, and under
     ``second_order`` the gradients of a weighted sum of those first-order gradients."""
@@ -82,12 +92,7 @@ def test_random_configuration_matches_the_eager_block(seed):
     fused.load_state_dict(eager.state_dict())
     names = [name for name, _ in eager.named_parameters()]
     frozen = set(random.Random(seed + 1000).sample(names, k=int(case["frozen_fraction"] * len(names))))
-    shape = (case["batch"], case["seq"], case["d_model"])
-    if not case["block"]["batch_first"]:
-        shape = (case["seq"], case["batch"], case["d_model"])
-    generator = torch.Generator().manual_seed(seed)
-    x0 = torch.randn(shape, dtype=torch.float64, generator=generator)
-    grad_out = torch.randn(shape, dtype=torch.float64, generator=generator)
+    x0, grad_out = _inputs(case, seed)
     args = (x0, grad_out, frozen, case["x_requires_grad"], case["second_order"])
     out_e, grads_e = _gradients(eager, *args)
     out_f, grads_f = _gradients(fused, *args)
@@ -106,12 +111,7 @@ def test_random_configuration_with_dropout_is_the_same_under_every_policy(seed):
     torch.manual_seed(seed)
     reference = memopt.FusedCheckpointBlock(case["d_model"], case["n_heads"], case["d_ff"], policy="none", **block_kwargs)
     reference = reference.double()
-    shape = (case["batch"], case["seq"], case["d_model"])
-    if not block_kwargs["batch_first"]:
-        shape = (case["seq"], case["batch"], case["d_model"])
-    generator = torch.Generator().manual_seed(seed)
-    x0 = torch.randn(shape, dtype=torch.float64, generator=generator)
-    grad_out = torch.randn(shape, dtype=torch.float64, generator=generator)
+    x0, grad_out = _inputs(case, seed)
     results = {}
     for policy in POLICIES:
         for chunk in (None, 3):

@@ -44,7 +44,7 @@ def _torchrun(script: Path, timeout: int = 240, finished: str | None = None) -> 
     abort, the launch is repeated once; any other failure, or the abort twice, fails the test."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env["PYTHONPATH"] = os.pathsep.join([str(WORKER.parent.parent), env.get("PYTHONPATH", "")])
-    for attempt in range(2 if finished is not None else 1):
+    for _ in range(2 if finished is not None else 1):
         result = subprocess.run(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script)],
             env=env, capture_output=True, text=True, timeout=timeout,

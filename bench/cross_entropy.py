@@ -6,7 +6,9 @@ when ``--compile`` is given) one forward + backward of the LM-head loss is timed
 GPU, the median of ``perf_counter`` repeats on CPU) and its memory measured: the peak of the
 tracked live bytes (``bench.memory.LiveTensorTracker``, inputs and weight excluded) on every
 device (inside memopt's op bodies too, ``ChunkAwareTracker``), the allocator's peak above the inputs on GPU, and the bytes saved for backward
-(``memopt.saved_bytes``).
+(``memopt.saved_bytes``). With ``--frozen-weight`` the LM head's weight does not require grad
+(LoRA / PEFT fine-tuning): both sides compute only ``grad_hidden``, and memopt forms it in the
+forward (note [a frozen LM head] in ``memopt/ops/cross_entropy.py``).
 
 Rows follow the house schema (``op, provider, mode, metric, unit, x, median, p20, p80`` plus
 ``status``) under an environment header, in
@@ -45,6 +47,8 @@ class CrossEntropySettings:
     repeats: int = 3
     compile: bool = False
     threads: int | None = 1
+    # The LM head's weight frozen (LoRA / PEFT fine-tuning): only hidden needs a gradient.
+    frozen_weight: bool = False
 
 
 PRESETS = {
@@ -109,14 +113,16 @@ def _peaks(call, hidden, weight, target, device: torch.device) -> tuple[int, int
 def bench_point(provider: str, tokens: int, settings: CrossEntropySettings, device: torch.device) -> list[dict]:
     """The rows of one (provider, token count): time, peak bytes, saved bytes; or one status row."""
     base = {"op": "linear_cross_entropy", "provider": provider, "mode": "fwd_bwd", "x": tokens, "device": str(device),
-            "dtype": settings.dtype, "autocast": settings.autocast}
+            "dtype": settings.dtype, "autocast": settings.autocast, "frozen_weight": settings.frozen_weight}
     if provider == "compile" and not settings.compile:
         return [{**base, "metric": "time_fwd_bwd", "unit": "ms", "median": None, "p20": None, "p80": None,
                  "status": "not available (torch.compile not requested: pass --compile)"}]
     dtype = DTYPES[settings.dtype]
     torch.manual_seed(0)
     hidden = torch.randn(tokens, settings.dim, device=device, dtype=dtype, requires_grad=True)
-    weight = (torch.randn(settings.vocab, settings.dim, device=device, dtype=dtype) / settings.dim**0.5).requires_grad_()
+    weight = (torch.randn(settings.vocab, settings.dim, device=device, dtype=dtype) / settings.dim**0.5).requires_grad_(
+        not settings.frozen_weight
+    )
     target = torch.randint(0, settings.vocab, (tokens,), device=device)
     call = _loss_fn(provider, settings, device)
     try:
@@ -192,17 +198,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunk-tokens", type=positive_int, dest="chunk_tokens")
     parser.add_argument("--repeats", type=positive_int, help="timed repeats on CPU")
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None)
+    parser.add_argument("--frozen-weight", action="store_true", default=None, dest="frozen_weight",
+                        help="freeze the LM head's weight (LoRA / PEFT): only hidden gets a gradient")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help=OUT_HELP.format(kind="cross_entropy"))
     args = parser.parse_args(argv)
     settings = PRESETS[args.preset]
-    overrides = {k: getattr(args, k) for k in ("device", "dtype", "autocast", "tokens", "dim", "vocab", "chunk_tokens", "repeats", "compile")
+    overrides = {k: getattr(args, k) for k in ("device", "dtype", "autocast", "tokens", "dim", "vocab", "chunk_tokens", "repeats", "compile", "frozen_weight")
                  if getattr(args, k) is not None}
     settings = replace(settings, **overrides)
     result = run_cross_entropy(settings)
     env = result["environment"]
     print(f"memopt {env['memopt']} | torch {env['torch']} | {env['device_name']} | commit {env['commit'][:12]}")
     print(f"d {settings.dim}, vocab {settings.vocab}, {settings.dtype}"
-          f"{', autocast ' + settings.autocast if settings.autocast else ''}, chunk {result['arguments']['chunk_tokens_used']} tokens\n")
+          f"{', autocast ' + settings.autocast if settings.autocast else ''}"
+          f"{', frozen weight' if settings.frozen_weight else ''}, chunk {result['arguments']['chunk_tokens_used']} tokens\n")
     print(markdown_table(result["rows"]))
     save_run(result, args.out, "cross_entropy", settings.preset, settings.device, plot=False)
     return 0

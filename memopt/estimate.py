@@ -709,7 +709,10 @@ def _loss_terms(cfg: ModelConfig, head_trains: bool, elem: int, loss_bytes: int)
     in backward the two gradient buffers of ``nll_loss`` and ``log_softmax`` (4 bytes each per
     logit), then the logits' gradient with the LM head's weight gradient. ``chunked``: one
     ``loss_chunk_tokens x vocab`` chunk in float32 (with its ``elem`` matmul output and gradient
-    when ``elem`` is not 4), the hidden gradient and the weight's.
+    when ``elem`` is not 4), the hidden gradient and the weight's. A frozen head under ``chunked``
+    (note [a frozen LM head] in ``memopt/ops/cross_entropy.py``): the forward forms the hidden
+    gradient (``tokens x d``, saved in place of the head's input, which the caller counts) and
+    saves no log-sum-exp; the backward only scales it.
     """
     tokens, vocab, d = cfg.micro_batch * cfg.seq_len, cfg.vocab_size, cfg.d_model
     weight_grad = vocab * d * elem if head_trains else 0
@@ -721,6 +724,9 @@ def _loss_terms(cfg: ModelConfig, head_trains: bool, elem: int, loss_bytes: int)
         return 0, tokens * vocab * elem, max(forward, softmax_backward, head_backward)
     chunk = min(cfg.loss_chunk_tokens or default_chunk_tokens(vocab), tokens)
     low = elem if elem != loss_bytes else 0
+    if not head_trains:
+        forward = tokens * d * elem + chunk * vocab * (loss_bytes + 2 * low)
+        return tokens * loss_bytes, 0, max(forward, tokens * d * elem)
     forward = chunk * vocab * (loss_bytes + low)
     backward = tokens * d * elem + weight_grad + chunk * vocab * (loss_bytes + 2 * low) + chunk * d * loss_bytes
     return 2 * tokens * loss_bytes, 0, max(forward, backward)

@@ -1,6 +1,7 @@
 """linear_cross_entropy: float64 reference at 1e-12 over ignore_index x reduction x label smoothing
 x softcap x bias, low precision and autocast against twice the eager error, meta tensors, O(tokens) saved
-tensors (counted), a chunk-bounded working set, gradcheck, opcheck, torch.compile, errors."""
+tensors (counted), a chunk-bounded working set, gradcheck, opcheck, torch.compile, errors; the same
+for a frozen head (note [a frozen LM head]: the hidden gradient formed in the forward)."""
 
 from __future__ import annotations
 
@@ -39,7 +40,13 @@ def _inputs(tokens=TOKENS, dim=DIM, vocab=VOCAB, dtype=torch.float64, ignored="s
 
 
 def _leaves(hidden, weight, bias):
-    return [t for t in (hidden, weight, bias) if t is not None]
+    """Those of the three that get a gradient (a frozen weight and bias do not)."""
+    return [t for t in (hidden, weight, bias) if t is not None and t.requires_grad]
+
+
+def _frozen(weight, bias):
+    """The LM head frozen (LoRA / PEFT): note [a frozen LM head]."""
+    return weight.detach(), None if bias is None else bias.detach()
 
 
 def _loss_and_grads(fn, hidden, weight, bias, target, upstream_seed=1, **kwargs):
@@ -179,17 +186,19 @@ LOW_PRECISION = [
 ]
 
 
-def _low_precision_check(device, dtype, autocast_dtype, tokens=TOKENS, dim=64, vocab=VOCAB, chunk=CHUNK):
+def _low_precision_check(device, dtype, autocast_dtype, tokens=TOKENS, dim=64, vocab=VOCAB, chunk=CHUNK, frozen=False):
     hidden, weight, bias, target = _inputs(tokens, dim, vocab, dtype=torch.float64, device=device)
+    if frozen:
+        weight, bias = _frozen(weight, bias)
     options = dict(label_smoothing=0.1, logit_softcap=8.0)
     ref_loss, ref_grads = _loss_and_grads(linear_cross_entropy_ref, hidden, weight, bias, target, **options)
-    low = [t.detach().to(dtype).requires_grad_() for t in (hidden, weight, bias)]
+    low = [t.detach().to(dtype).requires_grad_(t.requires_grad) for t in (hidden, weight, bias)]
     with torch.autocast(device, dtype=autocast_dtype or torch.bfloat16, enabled=autocast_dtype is not None):
         loss, grads = _loss_and_grads(memopt.linear_cross_entropy, *low, target, chunk_tokens=chunk, **options)
         eager_loss, eager_grads = _loss_and_grads(linear_cross_entropy_ref, *low, target, **options)
     expected_dtype = torch.float32 if autocast_dtype is not None else dtype
     assert loss.dtype == eager_loss.dtype == expected_dtype
-    assert [g.dtype for g in grads] == [t.dtype for t in low]
+    assert [g.dtype for g in grads] == [t.dtype for t in _leaves(*low)]
     ours = _max_errors(loss, grads, ref_loss, ref_grads)
     eager = _max_errors(eager_loss, eager_grads, ref_loss, ref_grads)
     eps = torch.finfo(autocast_dtype or dtype).eps
@@ -200,9 +209,10 @@ def _low_precision_check(device, dtype, autocast_dtype, tokens=TOKENS, dim=64, v
         assert mine <= bound, f"{name}: error {mine:.3g} > bound {bound:.3g} (eager error {theirs:.3g})"
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable-head", "frozen-head"])
 @pytest.mark.parametrize("dtype,autocast_dtype", LOW_PRECISION)
-def test_low_precision_within_twice_eager_error(dtype, autocast_dtype):
-    _low_precision_check("cpu", dtype, autocast_dtype)
+def test_low_precision_within_twice_eager_error(dtype, autocast_dtype, frozen):
+    _low_precision_check("cpu", dtype, autocast_dtype, frozen=frozen)
 
 
 @pytest.mark.parametrize("chunk", [64, 16], ids=["64-chunks", "256-chunks"])
@@ -282,10 +292,13 @@ class _LargestIntermediate(TorchDispatchMode):
         return out
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable-head", "frozen-head"])
 @pytest.mark.parametrize("autocast", [False, True])
-def test_no_intermediate_exceeds_a_chunk_of_logits(autocast):
+def test_no_intermediate_exceeds_a_chunk_of_logits(autocast, frozen):
     chunk, dim = 16, 8  # dim < chunk: the vocab x dim weight-sized buffers are below chunk x vocab
     hidden, weight, bias, target = _inputs(dim=dim, dtype=torch.float32)
+    if frozen:
+        weight, bias = _frozen(weight, bias)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         with _LargestIntermediate() as ours:
             loss = memopt.linear_cross_entropy(hidden, weight, target, bias=bias, chunk_tokens=chunk, label_smoothing=0.1, logit_softcap=3.0)
@@ -297,15 +310,19 @@ def test_no_intermediate_exceeds_a_chunk_of_logits(autocast):
     assert eager.largest >= TOKENS * VOCAB  # the check sees full logits when they exist
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable-head", "frozen-head"])
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("logit_softcap", [None, 3.0])
-def test_peak_live_bytes_hold_one_chunk_of_logits(logit_softcap, autocast):
+def test_peak_live_bytes_hold_one_chunk_of_logits(logit_softcap, autocast, frozen):
     """Tracked peak of forward + backward: one float32 chunk x vocab buffer (two in a softcapped
-    backward), the weight gradient and O(tokens x d); a second chunk alive at once would not fit."""
+    backward, or a softcapped forward with a frozen head), the weight gradient and O(tokens x d); a
+    second chunk alive at once would not fit."""
     from bench.cross_entropy import ChunkAwareTracker
 
     chunk, dim = 16, 8
     hidden, weight, bias, target = _inputs(dim=dim, dtype=torch.float32)
+    if frozen:
+        weight, bias = _frozen(weight, bias)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         with ChunkAwareTracker(exclude=[hidden, weight, bias, target]) as tracker:
             loss = memopt.linear_cross_entropy(
@@ -387,7 +404,7 @@ def test_vocab_blocked_backward_equals_chunked_in_float64(chunk_tokens, with_bia
     monkeypatch.setattr(cross_entropy, "_CHUNK_ELEMENTS", 7 * 20)
     hidden, weight, bias, target = (t.detach() if t is not None else None for t in _inputs(with_bias=with_bias))
     options = (-100, label_smoothing, logit_softcap)
-    _, lse = cross_entropy._forward_chunks(hidden, weight, bias, target, *options, CHUNK, torch.float64)
+    _, lse, _ = cross_entropy._forward_chunks(hidden, weight, bias, target, *options, CHUNK, torch.float64)
     grad_loss = torch.randn(TOKENS, dtype=torch.float64)
     want = cross_entropy._backward_chunks(
         grad_loss, hidden, weight, bias, target, lse, *options, CHUNK, torch.float64, need_hidden, True
@@ -417,14 +434,132 @@ def test_half_weight_blocked_backward_within_twice_eager_error(dtype, monkeypatc
         eager_error = ((theirs.double() - ref).norm() / ref.norm()).item()
         assert error <= 2 * eager_error, f"{name}: relative error {error:.3g} > twice eager's {eager_error:.3g}"
 
-def test_frozen_weight_gets_no_gradient_and_hidden_still_does():
-    hidden, weight, bias, target = _inputs()
-    weight.requires_grad_(False)
-    bias.requires_grad_(False)
-    loss = memopt.linear_cross_entropy(hidden, weight, target, bias=bias, chunk_tokens=CHUNK)
-    (grad,) = torch.autograd.grad(loss, hidden)
-    (ref,) = torch.autograd.grad(linear_cross_entropy_ref(hidden, weight, target, bias=bias), hidden)
+# --- a frozen LM head: d loss / d hidden formed in the forward (note [a frozen LM head]) --------
+
+
+class _OpsCalled(TorchDispatchMode):
+    """Names of the memopt ops the dispatcher runs while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "memopt":
+            self.names.append(func._opname)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("logit_softcap", [None, 4.0])
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("ignored", IGNORED)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+def test_frozen_head_float64_equals_reference(reduction, ignored, label_smoothing, logit_softcap):
+    """Only hidden needs a gradient: the forward forms it, the backward scales its rows by each
+    token's loss gradient (random here, reduction "none" included) and rebuilds no logits."""
+    hidden, weight, bias, target = _inputs(ignored=ignored)
+    weight, bias = _frozen(weight, bias)
+    options = dict(reduction=reduction, label_smoothing=label_smoothing, logit_softcap=logit_softcap)
+    with _OpsCalled() as called:
+        loss, (grad,) = _loss_and_grads(memopt.linear_cross_entropy, hidden, weight, bias, target, chunk_tokens=CHUNK, **options)
+    assert called.names == ["linear_cross_entropy_fwd", "linear_cross_entropy_bwd_from_forward"]
+    ref_loss, (ref,) = _loss_and_grads(linear_cross_entropy_ref, hidden, weight, bias, target, **options)
+    _assert_close_relative(loss, ref_loss, 1e-12, "loss")
     _assert_close_relative(grad, ref, 1e-12, "grad_hidden")
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("chunk_tokens", [1, 7, None, 1000])
+def test_frozen_head_any_chunking_and_bias(chunk_tokens, with_bias):
+    hidden, weight, bias, target = _inputs(with_bias=with_bias)
+    weight, bias = _frozen(weight, bias)
+    options = dict(label_smoothing=0.2, logit_softcap=2.5, reduction="none")
+    loss, (grad,) = _loss_and_grads(memopt.linear_cross_entropy, hidden, weight, bias, target, chunk_tokens=chunk_tokens, **options)
+    ref_loss, (ref,) = _loss_and_grads(linear_cross_entropy_ref, hidden, weight, bias, target, **options)
+    _assert_close_relative(loss, ref_loss, 1e-12, "loss")
+    _assert_close_relative(grad, ref, 1e-12, "grad_hidden")
+
+
+@pytest.mark.parametrize("frozen", ["weight", "bias"])
+def test_a_head_half_frozen_rebuilds_the_logits(frozen):
+    """A frozen weight with a trainable bias (or the other way round) still needs the logits in
+    the backward: the recomputing path, asked only for the gradients wanted."""
+    hidden, weight, bias, target = _inputs()
+    (weight if frozen == "weight" else bias).requires_grad_(False)
+    with _OpsCalled() as called:
+        loss, grads = _loss_and_grads(memopt.linear_cross_entropy, hidden, weight, bias, target, chunk_tokens=CHUNK)
+    assert called.names == ["linear_cross_entropy_fwd", "linear_cross_entropy_bwd"]
+    ref_loss, ref_grads = _loss_and_grads(linear_cross_entropy_ref, hidden, weight, bias, target)
+    assert len(grads) == len(ref_grads) == 2
+    for grad, ref in zip(grads, ref_grads):
+        _assert_close_relative(grad, ref, 1e-12, "grad")
+
+
+def test_frozen_head_saves_one_gradient_row_per_token_in_place_of_hidden_and_the_lse():
+    hidden, weight, bias, target = _inputs(dtype=torch.float32)
+    for requires_grad, expected in ((False, TOKENS * DIM * 4 + 8), (True, TOKENS * DIM * 4 + TOKENS * 4 + 8)):
+        weight.requires_grad_(requires_grad)
+        bias.requires_grad_(requires_grad)
+        # hidden counted: the trainable head saves it and the lse, the frozen one d loss_i / d
+        # hidden_i (float32, tokens x d) instead; both the mean's int64 count.
+        with memopt.SavedTensorCounter(exclude=[weight, bias, target]) as counter:
+            memopt.linear_cross_entropy(hidden, weight, target, bias=bias, chunk_tokens=CHUNK, logit_softcap=3.0)
+        assert counter.total_bytes == expected, requires_grad
+    hidden_bf16 = hidden.detach().bfloat16().requires_grad_()
+    with memopt.SavedTensorCounter(exclude=[target]) as counter:
+        memopt.linear_cross_entropy(hidden_bf16, weight.detach().bfloat16(), target, reduction="sum")
+    assert counter.total_bytes == TOKENS * DIM * 2  # in hidden's dtype, as hidden itself would be
+
+
+def test_frozen_head_without_gradients_saves_nothing_and_forms_none():
+    hidden, weight, bias, target = _inputs()
+    weight, bias = _frozen(weight, bias)
+    with torch.no_grad(), _LargestIntermediate() as seen:
+        loss = memopt.linear_cross_entropy(hidden, weight, target, bias=bias, chunk_tokens=CHUNK)
+    assert not loss.requires_grad
+    assert seen.largest <= CHUNK * VOCAB  # and no tokens x d gradient: d = 16 makes it 1552 elements anyway
+    with memopt.SavedTensorCounter() as counter:
+        memopt.linear_cross_entropy(hidden.detach(), weight, target, bias=bias, chunk_tokens=CHUNK)
+    assert counter.total_bytes == 0
+
+
+def test_frozen_head_half_hidden_scales_in_row_blocks_rounding_once(monkeypatch):
+    """bf16 hidden: each row of d loss_i / d hidden_i times the token's float32 loss gradient,
+    rounded once into bf16, a block of rows at a time (blocks of 3 rows here, not dividing 97)."""
+    hidden, weight, _, target = _inputs(dtype=torch.float32)
+    hidden = hidden.detach().bfloat16().requires_grad_()
+    weight = weight.detach().bfloat16()
+    _, _, unit = torch.ops.memopt.linear_cross_entropy_fwd(hidden, weight, None, target, -100, 0.0, None, CHUNK, torch.bfloat16, True)
+    monkeypatch.setattr(cross_entropy, "_CHUNK_ELEMENTS", 3 * DIM)
+    loss = memopt.linear_cross_entropy(hidden, weight, target, reduction="none", chunk_tokens=CHUNK)
+    upstream = torch.randn(TOKENS, dtype=torch.float64).float()
+    (grad,) = torch.autograd.grad(loss.float(), hidden, upstream)
+    # loss is bf16 here (reduction "none" in hidden's dtype): its gradient reaches the op as the
+    # bf16-rounded upstream, upcast to the loss's float32
+    coefficient = torch.where(target != -100, upstream.bfloat16().float(), 0.0)
+    expected = (unit.float() * coefficient.unsqueeze(1)).bfloat16()
+    assert grad.dtype == torch.bfloat16
+    assert torch.equal(grad, expected)
+
+
+def test_frozen_head_second_derivatives_are_refused_not_wrong():
+    hidden, weight, bias, target = _inputs(tokens=5, dim=3, vocab=7)
+    weight, bias = _frozen(weight, bias)
+    loss = memopt.linear_cross_entropy(hidden, weight, target, bias=bias)
+    (grad_hidden,) = torch.autograd.grad(loss, hidden, create_graph=True)
+    with pytest.raises(RuntimeError, match="linear_cross_entropy_bwd_from_forward"):
+        grad_hidden.sum().backward()
+
+
+def test_frozen_head_gradcheck_float64():
+    hidden, weight, bias, target = _inputs(tokens=5, dim=3, vocab=7, ignored="none")
+    weight, bias = _frozen(weight, bias)
+    target[1] = -100
+
+    def fn(h):
+        return LinearCrossEntropyFunction.apply(h, weight, bias, target, -100, 0.15, 1.5, 2, torch.float64, h[:0].clone())
+
+    assert torch.autograd.gradcheck(fn, (hidden,))
 
 
 def test_default_chunk_is_about_64_mib_of_float32_logits():
@@ -444,19 +579,29 @@ def test_opcheck(with_bias, logit_softcap, label_smoothing):
     bias = None if bias is None else bias.detach()
     options = (-100, label_smoothing, logit_softcap, 8, torch.float32)
     torch.library.opcheck(torch.ops.memopt.linear_cross_entropy_fwd.default, (hidden, weight, bias, target, *options))
-    _, lse = torch.ops.memopt.linear_cross_entropy_fwd(hidden, weight, bias, target, *options)
+    _, lse, _ = torch.ops.memopt.linear_cross_entropy_fwd(hidden, weight, bias, target, *options)
     grad_loss = torch.randn(21)
     for need_hidden, need_weight in ((True, True), (False, True), (True, False)):
         torch.library.opcheck(
             torch.ops.memopt.linear_cross_entropy_bwd.default,
             (grad_loss, hidden, weight, bias, target, lse, *options, need_hidden, need_weight),
         )
+    torch.library.opcheck(torch.ops.memopt.linear_cross_entropy_fwd.default, (hidden, weight, bias, target, *options, True))
+    _, _, unit_grad_hidden = torch.ops.memopt.linear_cross_entropy_fwd(hidden, weight, bias, target, *options, True)
+    assert unit_grad_hidden.shape == hidden.shape
+    torch.library.opcheck(
+        torch.ops.memopt.linear_cross_entropy_bwd_from_forward.default,
+        (grad_loss, unit_grad_hidden, target, -100, hidden[:0].clone()),
+    )
 
 
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable-head", "frozen-head"])
 @pytest.mark.parametrize("autocast", [False, True])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_compile_fullgraph_equals_eager(reduction, autocast, compile_cache):
+def test_compile_fullgraph_equals_eager(reduction, autocast, frozen, compile_cache):
     hidden, weight, bias, target = _inputs(dtype=torch.float32)
+    if frozen:
+        weight, bias = _frozen(weight, bias)
 
     def fn(h, w, t, bias):
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -528,14 +673,18 @@ def test_label_smoothing_of_one_and_integer_arguments_are_accepted():
 # --- benchmark --------------------------------------------------------------------------------
 
 
-def test_benchmark_runs_on_tiny_shapes(tmp_path):
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable-head", "frozen-head"])
+def test_benchmark_runs_on_tiny_shapes(tmp_path, frozen):
     from bench import cross_entropy
 
-    assert cross_entropy.main(["--preset", "tiny", "--out", str(tmp_path)]) == 0
+    assert cross_entropy.main(["--preset", "tiny", "--out", str(tmp_path)] + (["--frozen-weight"] if frozen else [])) == 0
     (path,) = tmp_path.glob("cross_entropy-tiny-cpu-*.json")
     import json
 
-    rows = json.loads(path.read_text())["rows"]
+    result = json.loads(path.read_text())
+    assert result["arguments"]["frozen_weight"] is frozen
+    rows = result["rows"]
+    assert all(r["frozen_weight"] is frozen for r in rows)
     peaks = {(r["provider"], r["x"]): r["median"] for r in rows if r["metric"] == "peak_tracked_bytes"}
     assert peaks and all(v is not None for v in peaks.values())
     for (provider, tokens), peak in peaks.items():
@@ -547,10 +696,11 @@ def test_benchmark_runs_on_tiny_shapes(tmp_path):
 
 
 @gpu
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable-head", "frozen-head"])
 @pytest.mark.parametrize("dtype,autocast_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, None), (torch.float32, None)])
-def test_cuda_within_twice_eager_error(dtype, autocast_dtype, monkeypatch):
+def test_cuda_within_twice_eager_error(dtype, autocast_dtype, frozen, monkeypatch):
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # float32 means float32 on both sides
-    _low_precision_check("cuda", dtype, autocast_dtype, tokens=1031, dim=256, vocab=32003, chunk=256)
+    _low_precision_check("cuda", dtype, autocast_dtype, tokens=1031, dim=256, vocab=32003, chunk=256, frozen=frozen)
 
 
 @gpu
@@ -582,10 +732,12 @@ _INF = float("inf")
         ({}, {(2, 0): -_INF}, [0, 1, 2, 3], "sum", 0.1),
     ],
 )
-def test_infinite_logits_give_pytorchs_nan_and_inf(bias_values, hidden_values, target, reduction, label_smoothing):
+@pytest.mark.parametrize("frozen", [False, True], ids=["trainable-head", "frozen-head"])
+def test_infinite_logits_give_pytorchs_nan_and_inf(bias_values, hidden_values, target, reduction, label_smoothing, frozen):
     """Overflowed logits (fp16 products under autocast): the loss and every gradient are NaN, inf
     and finite where F.cross_entropy's are, with the same finite values. A +inf logit gave a +inf
-    loss where PyTorch's is NaN, and a weight gradient that was finite in most entries."""
+    loss where PyTorch's is NaN, and a weight gradient that was finite in most entries. With a
+    frozen head the forward's softmax (exp(z - max) / sum) must give what exp(z - lse) gives."""
     hidden = torch.randn(4, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     for index, value in hidden_values.items():
         hidden[index] = value
@@ -594,7 +746,7 @@ def test_infinite_logits_give_pytorchs_nan_and_inf(bias_values, hidden_values, t
     for index, value in bias_values.items():
         bias[index] = value
     target = torch.tensor(target)
-    inputs = [t.requires_grad_() for t in (hidden, weight, bias)]
+    inputs = [t.requires_grad_() for t in ((hidden,) if frozen else (hidden, weight, bias))]
     kwargs = dict(reduction=reduction, label_smoothing=label_smoothing)
 
     def loss_and_grads(loss):

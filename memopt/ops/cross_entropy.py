@@ -13,7 +13,9 @@ with one more matmul and turns them into ``grad_hidden`` and ``grad_weight`` chu
 costs a fourth ``tokens x vocab x d`` matmul (eager PyTorch does three). Liger Kernel's other
 choice, computing the gradients in the forward, needs no recompute but keeps ``grad_hidden``
 (tokens x d) and a weight-sized ``grad_weight`` alive from the forward to the backward, and cannot
-serve ``reduction="none"`` with an arbitrary upstream gradient; it is not offered.
+serve ``reduction="none"`` with an arbitrary upstream gradient; it is not offered. A frozen head
+(only ``hidden`` needs a gradient: LoRA) is the exception, where forming the gradient in the
+forward holds nothing extra: note [a frozen LM head] in ``linear_cross_entropy``.
 
 Working set per chunk: the chunk's logits in the compute dtype and one float32 (float64)
 ``chunk x vocab`` buffer (two in a softcapped backward, which keeps ``tanh`` for its
@@ -31,7 +33,8 @@ than ``chunk_tokens x vocab``, nor than 2^24 unless ``chunk_tokens x block`` is)
 
 Layers: one chunked PyTorch implementation shared by every device (matmuls through the device's
 BLAS, cuBLAS on CUDA; the elementwise part in place on the chunk), registered as
-``torch.ops.memopt.linear_cross_entropy_fwd`` / ``linear_cross_entropy_bwd`` with fake impls;
+``torch.ops.memopt.linear_cross_entropy_fwd`` / ``linear_cross_entropy_bwd`` (and, for a frozen
+head, ``linear_cross_entropy_bwd_from_forward``) with fake impls;
 ``LinearCrossEntropyFunction`` decides what is saved; ``linear_cross_entropy`` validates and
 reduces; ``linear_cross_entropy_ref`` is the plain PyTorch reference.
 """
@@ -99,6 +102,26 @@ def _chunk_logits(hidden_chunk, weight_c, bias_c, accumulate_dtype, softcap, kee
     return logits.mul_(softcap), None
 
 
+def _softmax_to_grad_logits_(
+    probs, tanh_part, target_chunk, valid, first_class, vocab, label_smoothing, accumulate_dtype
+):
+    """Turn ``probs = softmax(z)`` (``chunk x rows``, classes ``[first_class, first_class + rows)``)
+    into ``d loss / d z`` for a unit loss gradient, in place: ``softmax(z)_c - (1 - eps)
+    [c == target] - eps / vocab``, times ``1 - tanh^2`` under a softcap (``tanh_part``, consumed)."""
+    if label_smoothing > 0.0:
+        probs.sub_(label_smoothing / vocab)
+    # The target's -(1 - eps) where the target is one of these classes (elsewhere 0 is taken
+    # off, at a clamped column): no host sync.
+    rows, classes = probs.shape
+    inside = valid & (target_chunk >= first_class) & (target_chunk < first_class + classes)
+    columns = (target_chunk - first_class).clamp_(0, classes - 1)
+    take = inside.to(accumulate_dtype).mul_(1.0 - label_smoothing)
+    probs[torch.arange(rows, device=probs.device), columns] -= take
+    if tanh_part is not None:
+        probs.mul_(tanh_part.square_().neg_().add_(1.0))
+    return probs
+
+
 def _chunk_grad_logits(
     hidden_chunk, weight_rows, bias_rows, first_class, vocab, lse_chunk, target_chunk, grad_loss_chunk,
     ignore_index, label_smoothing, logit_softcap, accumulate_dtype,
@@ -109,36 +132,38 @@ def _chunk_grad_logits(
     times the token's loss gradient, zero for ignored tokens. The softmax comes from the saved
     ``lse_chunk`` over the whole vocabulary, so any block of classes gets its exact share."""
     valid = target_chunk != ignore_index
-    # where, not a product: an all-ignored mean sends grad_loss = 1/0 = inf, and the ignored
-    # tokens' gradient must stay 0 as in torch.
-    coefficient = torch.where(valid, grad_loss_chunk.to(accumulate_dtype), 0.0)
     logits, tanh_part = _chunk_logits(
         hidden_chunk, weight_rows, bias_rows, accumulate_dtype, logit_softcap, keep_tanh=True
     )
-    grad_logits = logits.sub_(lse_chunk.unsqueeze(1)).exp_()
-    if label_smoothing > 0.0:
-        grad_logits.sub_(label_smoothing / vocab)
-    # The target's -(1 - eps) where the target is one of these classes (elsewhere 0 is taken
-    # off, at a clamped column): no host sync.
-    rows, classes = grad_logits.shape
-    inside = valid & (target_chunk >= first_class) & (target_chunk < first_class + classes)
-    columns = (target_chunk - first_class).clamp_(0, classes - 1)
-    take = inside.to(accumulate_dtype).mul_(1.0 - label_smoothing)
-    grad_logits[torch.arange(rows, device=grad_logits.device), columns] -= take
-    if tanh_part is not None:
-        grad_logits.mul_(tanh_part.square_().neg_().add_(1.0))
-    return grad_logits.mul_(coefficient.unsqueeze(1))
+    probs = logits.sub_(lse_chunk.unsqueeze(1)).exp_()
+    grad_logits = _softmax_to_grad_logits_(
+        probs, tanh_part, target_chunk, valid, first_class, vocab, label_smoothing, accumulate_dtype
+    )
+    return grad_logits.mul_(_loss_coefficient(grad_loss_chunk, valid, accumulate_dtype).unsqueeze(1))
 
 
-def _logsumexp_(logits: torch.Tensor) -> torch.Tensor:
-    """Row-wise log-sum-exp that overwrites ``logits`` instead of allocating a second buffer."""
+def _loss_coefficient(grad_loss, valid, dtype):
+    """Each token's loss gradient, 0 at ignored tokens. A where, not a product: an all-ignored
+    mean sends grad_loss = 1/0 = inf, and the ignored tokens' gradient must stay 0 as in torch."""
+    return torch.where(valid, grad_loss.to(dtype), 0.0)
+
+
+def _logsumexp_(logits: torch.Tensor, keep_softmax: bool = False):
+    """Row-wise log-sum-exp that overwrites ``logits`` instead of allocating a second buffer; with
+    ``keep_softmax``, ``(lse, softmax)`` where the softmax is that buffer, normalised in place."""
     row_max = logits.amax(1, keepdim=True)
     # A row of -inf only: 0, so that its log-sum-exp is -inf (and its loss NaN or inf as
     # F.cross_entropy's), not -inf - -inf. A +inf maximum stays: the row's log-sum-exp is NaN, as
     # log_softmax gives there, so its loss and every gradient it reaches are NaN as PyTorch's
-    # (torch.logsumexp's inf would give a finite-looking share of the weight gradient).
+    # (torch.logsumexp's inf would give a finite-looking share of the weight gradient). The
+    # softmax of either row is NaN (0 / 0, NaN / NaN), as exp(z - lse) is.
     row_max = torch.where(row_max == -math.inf, 0.0, row_max)
-    return logits.sub_(row_max).exp_().sum(1).log_().add_(row_max.squeeze(1))
+    exps = logits.sub_(row_max).exp_()
+    total = exps.sum(1)
+    if not keep_softmax:
+        return total.log_().add_(row_max.squeeze(1))
+    lse = total.log().add_(row_max.squeeze(1))
+    return lse, exps.div_(total.unsqueeze(1))
 
 
 def _check_target_values(target: torch.Tensor, vocab: int, ignore_index: int) -> None:
@@ -165,20 +190,25 @@ def _forward_chunks(
     logit_softcap: float | None,
     chunk_tokens: int,
     compute_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token loss and log-sum-exp, chunk by chunk over the tokens.
+    grad_hidden_in_forward: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-token loss and log-sum-exp, chunk by chunk over the tokens; with
+    ``grad_hidden_in_forward``, also each token's ``d loss_i / d hidden_i``.
 
     Args: ``hidden (N, d)``, ``weight (V, d)``, ``bias (V,)`` or None, ``target (N,)`` int64; the
     matmul runs in ``compute_dtype``. Returns ``loss (N,)`` (0 where ``target == ignore_index``)
     and ``lse (N,)`` of the (capped) logits, both float64 for a float64 compute dtype, float32
     otherwise. ``loss = lse - (1 - eps) * z_target - eps / V * sum(z)`` with ``eps`` the label
-    smoothing: torch's ``(1 - eps) * nll + eps / V * sum(-log_softmax)``.
+    smoothing: torch's ``(1 - eps) * nll + eps / V * sum(-log_softmax)``. The third result is
+    ``(N, d)`` in hidden's dtype with ``grad_hidden_in_forward`` (the gradient of each token's own
+    loss, for a loss gradient of 1, ignored tokens included), otherwise empty.
     """
     tokens, vocab = hidden.shape[0], weight.shape[0]
     _check_target_values(target, vocab, ignore_index)
     accumulate_dtype = _accumulate_dtype(compute_dtype)
     loss = hidden.new_empty(tokens, dtype=accumulate_dtype)
     lse = hidden.new_empty(tokens, dtype=accumulate_dtype)
+    unit_grad_hidden = hidden.new_empty((tokens, hidden.shape[1]) if grad_hidden_in_forward else (0,))
     with autocast_off(hidden.device.type):
         weight_c = weight.to(compute_dtype)
         bias_c = None if bias is None else bias.to(compute_dtype)
@@ -186,12 +216,21 @@ def _forward_chunks(
             stop = min(start + chunk_tokens, tokens)
             target_chunk = target[start:stop]
             valid = target_chunk != ignore_index
-            logits, _ = _chunk_logits(
-                hidden[start:stop].to(compute_dtype), weight_c, bias_c, accumulate_dtype, logit_softcap, keep_tanh=False
-            )
+            logits, tanh_part = _chunk_logits(
+                hidden[start:stop].to(compute_dtype), weight_c, bias_c, accumulate_dtype, logit_softcap,
+                keep_tanh=grad_hidden_in_forward,
+            )  # fmt: skip
             target_logit = logits.gather(1, torch.where(valid, target_chunk, 0).unsqueeze(1)).squeeze(1)
             logit_sum = logits.sum(1) if label_smoothing > 0.0 else None
-            lse_chunk = _logsumexp_(logits)  # the logits are gone after this
+            if grad_hidden_in_forward:
+                lse_chunk, probs = _logsumexp_(logits, keep_softmax=True)  # the logits are gone after this
+                grad_logits = _softmax_to_grad_logits_(
+                    probs, tanh_part, target_chunk, valid, 0, vocab, label_smoothing, accumulate_dtype
+                )
+                unit_grad_hidden[start:stop] = torch.mm(grad_logits.to(compute_dtype), weight_c)
+                del probs, grad_logits, tanh_part
+            else:
+                lse_chunk = _logsumexp_(logits)  # the logits are gone after this
             chunk_loss = lse_chunk - target_logit
             if logit_sum is not None:
                 smooth = vocab * lse_chunk - logit_sum
@@ -199,7 +238,7 @@ def _forward_chunks(
             loss[start:stop] = torch.where(valid, chunk_loss, 0.0)
             lse[start:stop] = lse_chunk
             del logits  # before the next chunk's matmul, so two chunks never coexist
-    return loss, lse
+    return loss, lse, unit_grad_hidden
 
 
 linear_cross_entropy_fwd = torch.library.custom_op(
@@ -209,12 +248,14 @@ linear_cross_entropy_fwd = torch.library.custom_op(
 
 @linear_cross_entropy_fwd.register_fake
 def _linear_cross_entropy_fwd_fake(
-    hidden, weight, bias, target, ignore_index, label_smoothing, logit_softcap, chunk_tokens, compute_dtype
+    hidden, weight, bias, target, ignore_index, label_smoothing, logit_softcap, chunk_tokens, compute_dtype,
+    grad_hidden_in_forward=False,
 ):
     check_fake_devices("linear_cross_entropy", "hidden", hidden, weight=weight, bias=bias, target=target)
     accumulate_dtype = _accumulate_dtype(compute_dtype)
     tokens = hidden.shape[0]
-    return hidden.new_empty(tokens, dtype=accumulate_dtype), hidden.new_empty(tokens, dtype=accumulate_dtype)
+    unit_grad_hidden = hidden.new_empty((tokens, hidden.shape[1]) if grad_hidden_in_forward else (0,))
+    return hidden.new_empty(tokens, dtype=accumulate_dtype), hidden.new_empty(tokens, dtype=accumulate_dtype), unit_grad_hidden
 
 
 def _backward_chunks(
@@ -364,12 +405,55 @@ def _linear_cross_entropy_bwd_fake(
     return grad_hidden, grad_weight, grad_bias
 
 
+def _backward_from_forward(
+    grad_loss: torch.Tensor,
+    unit_grad_hidden: torch.Tensor,
+    target: torch.Tensor,
+    ignore_index: int,
+    hidden_anchor: torch.Tensor,
+) -> torch.Tensor:
+    """``grad_hidden (N, d)`` in hidden's dtype from the forward's per-token gradients: row i is
+    ``grad_loss_i * unit_grad_hidden_i``, 0 at ignored tokens, the product taken in the loss's
+    dtype (float32 for a float16/bfloat16 hidden: one rounding, into hidden's dtype).
+
+    ``hidden_anchor`` is not read: an empty tensor in hidden's autograd graph. Under
+    ``create_graph`` it makes the result require grad through this op, which has no autograd
+    formula, so differentiating the gradient again raises; without it the result would be a
+    constant and a second derivative would silently miss every term through hidden."""
+    coefficient = _loss_coefficient(grad_loss, target != ignore_index, grad_loss.dtype).unsqueeze(1)
+    if unit_grad_hidden.dtype == coefficient.dtype:
+        return unit_grad_hidden * coefficient
+    # float16/bfloat16 hidden: the product in float32 a block of rows at a time (no float32
+    # tokens x d temporary), each block cast into the result.
+    grad_hidden = torch.empty_like(unit_grad_hidden)
+    tokens, dim = unit_grad_hidden.shape
+    rows = max(1, _CHUNK_ELEMENTS // max(dim, 1))
+    for start in range(0, tokens, rows):
+        grad_hidden[start : start + rows] = unit_grad_hidden[start : start + rows] * coefficient[start : start + rows]
+    return grad_hidden
+
+
+linear_cross_entropy_bwd_from_forward = torch.library.custom_op(
+    "memopt::linear_cross_entropy_bwd_from_forward", _backward_from_forward, mutates_args=()
+)
+
+
+@linear_cross_entropy_bwd_from_forward.register_fake
+def _linear_cross_entropy_bwd_from_forward_fake(grad_loss, unit_grad_hidden, target, ignore_index, hidden_anchor):
+    check_fake_devices(
+        "linear_cross_entropy", "unit_grad_hidden", unit_grad_hidden, grad_loss=grad_loss, target=target,
+        hidden_anchor=hidden_anchor,
+    )  # fmt: skip
+    return torch.empty_like(unit_grad_hidden)
+
+
 # The Python bodies of the registered ops, by op name: a TorchDispatchMode sees only a custom
 # op's outputs, so the tests and bench.cross_entropy run these under their mode to see every
 # intermediate of the chunk loop.
 IMPLEMENTATIONS = {
     "linear_cross_entropy_fwd": _forward_chunks,
     "linear_cross_entropy_bwd": _backward_chunks,
+    "linear_cross_entropy_bwd_from_forward": _backward_from_forward,
 }
 
 
@@ -382,20 +466,40 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """Per-token loss ``(N,)``; saves hidden, weight, bias, target and the lse, never the logits.
 
     ``apply(hidden (N, d), weight (V, d), bias (V,) or None, target (N,) int64, ignore_index,
-    label_smoothing, logit_softcap, chunk_tokens, compute_dtype)``.
+    label_smoothing, logit_softcap, chunk_tokens, compute_dtype, hidden_anchor=None)``.
+    With a ``hidden_anchor`` (only ``hidden`` needs a gradient, a frozen LM head: note [a frozen
+    LM head]; an empty tensor in hidden's graph, see ``_backward_from_forward``) the forward also
+    forms each token's ``d loss_i / d hidden_i`` and saves that and the target instead, and the
+    backward scales its rows by the loss gradient: no recompute.
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, target, ignore_index, label_smoothing, logit_softcap, chunk_tokens, compute_dtype):
-        loss, lse = torch.ops.memopt.linear_cross_entropy_fwd(
-            hidden, weight, bias, target, ignore_index, label_smoothing, logit_softcap, chunk_tokens, compute_dtype
-        )
+    def forward(
+        ctx, hidden, weight, bias, target, ignore_index, label_smoothing, logit_softcap, chunk_tokens, compute_dtype,
+        hidden_anchor=None,
+    ):  # fmt: skip
+        grad_hidden_in_forward = hidden_anchor is not None
+        loss, lse, unit_grad_hidden = torch.ops.memopt.linear_cross_entropy_fwd(
+            hidden, weight, bias, target, ignore_index, label_smoothing, logit_softcap, chunk_tokens, compute_dtype,
+            grad_hidden_in_forward,
+        )  # fmt: skip
         ctx.options = (ignore_index, label_smoothing, logit_softcap, chunk_tokens, compute_dtype)
-        ctx.save_for_backward(hidden, weight, bias, target, lse)
+        ctx.grad_hidden_in_forward = grad_hidden_in_forward
+        if grad_hidden_in_forward:
+            ctx.save_for_backward(unit_grad_hidden, target, hidden_anchor)
+        else:
+            ctx.save_for_backward(hidden, weight, bias, target, lse)
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
+        nones = (None,) * 7
+        if ctx.grad_hidden_in_forward:
+            unit_grad_hidden, target, hidden_anchor = ctx.saved_tensors
+            grad_hidden = torch.ops.memopt.linear_cross_entropy_bwd_from_forward(
+                grad_loss.contiguous(), unit_grad_hidden, target, ctx.options[0], hidden_anchor
+            )
+            return (grad_hidden if ctx.needs_input_grad[0] else None, None, None, *nones)
         hidden, weight, bias, target, lse = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden, grad_weight, grad_bias = torch.ops.memopt.linear_cross_entropy_bwd(
@@ -405,7 +509,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             grad_hidden if need_hidden else None,
             grad_weight if need_weight else None,
             grad_bias if need_bias else None,
-            None, None, None, None, None, None,
+            *nones,
         )
 
 
@@ -491,7 +595,10 @@ def linear_cross_entropy(
 
     The tokens go through in chunks of ``chunk_tokens``; one log-sum-exp per token is kept, and
     the backward rebuilds each chunk's logits (see the module docstring for the trade). Saved for
-    backward besides the inputs: ``lse``, one float32 (float64) per token.
+    backward besides the inputs: ``lse``, one float32 (float64) per token. With a frozen head
+    (``weight`` and ``bias`` need no gradient, ``hidden`` does) the forward forms the hidden
+    gradient instead and saves it (``tokens x d``, hidden's dtype) in place of ``hidden`` and the
+    lse; the backward recomputes nothing.
 
     Args:
         hidden: ``(..., d)`` float16/bfloat16/float32/float64.
@@ -525,8 +632,21 @@ def linear_cross_entropy(
     if chunk_tokens is None:
         chunk_tokens = default_chunk_tokens(vocab)
     target_flat = target.reshape(-1).to(torch.int64)
+    # Note [a frozen LM head]: when only hidden needs a gradient (LoRA / PEFT fine-tuning keeps
+    # the head frozen), each token's loss depends on its own row of hidden alone, so
+    # grad_hidden_i = grad_loss_i * (d loss_i / d hidden_i) for any upstream gradient, reduction
+    # "none" included. The forward forms d loss_i / d hidden_i from its softmax while the chunk's
+    # logits exist, and saves it (tokens x d in hidden's dtype) in place of hidden and the lse:
+    # the same bytes, two tokens x vocab x d matmuls in all (eager's two) instead of three.
+    hidden_2d = hidden.reshape(target_flat.numel(), hidden.shape[-1])  # (not -1: ambiguous when hidden_size is 0)
+    grad_hidden_in_forward = (
+        torch.is_grad_enabled()
+        and hidden.requires_grad
+        and not weight.requires_grad
+        and (bias is None or not bias.requires_grad)
+    )
     loss = LinearCrossEntropyFunction.apply(
-        hidden.reshape(target_flat.numel(), hidden.shape[-1]),  # (not -1: ambiguous when hidden_size is 0)
+        hidden_2d,
         weight,
         bias,
         target_flat,
@@ -535,6 +655,7 @@ def linear_cross_entropy(
         None if logit_softcap is None else float(logit_softcap),
         int(chunk_tokens),
         compute_dtype,
+        hidden_2d[:0].clone() if grad_hidden_in_forward else None,  # no bytes of hidden's: see the op
     )
     if reduction == "none":
         return loss.reshape(target.shape).to(out_dtype)

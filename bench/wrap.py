@@ -29,6 +29,7 @@ are written). On GPU the planner may offload a layer (an upper-case letter).
 No optimizer step: the weights stay the initial ones for every configuration.
 
     python -m bench.wrap --preset cpu      # tiny GPT-2 and Llama, float32, one CPU thread
+    python -m bench.wrap --preset cpu-lora # LoRA (--lora-rank) on small ones at vocab 32,000
     python -m bench.wrap --preset h200     # Llama, hidden 2048, 16 layers, seq 2048, batch 4, bf16
 """
 
@@ -86,6 +87,9 @@ class Settings:
     repeats: int = 5
     budgets: tuple[float, ...] = (0.25, 0.5, 0.75)
     seed: int = 0
+    # A PEFT LoRA adapter of this rank on the attention projections (LORA_TARGETS), the base
+    # model frozen (its LM head too); None: full fine-tuning.
+    lora_rank: int | None = None
     # One intra-op thread on CPU: a descheduled second thread stalls every parallel region on a
     # shared machine (see bench/compare.py).
     threads: int | None = 1
@@ -93,6 +97,11 @@ class Settings:
 
 PRESETS = {
     "cpu": Settings(),
+    # LoRA fine-tuning (rank 8 on the attention projections, the LM head frozen) at a real
+    # vocabulary, where the LM-head loss is a large part of the step: ~2-3 minutes on 2 cores.
+    "cpu-lora": Settings(
+        preset="cpu-lora", hidden=256, intermediate=688, vocab=32000, seq=512, lora_rank=8, budgets=(0.5,),
+    ),
     # 0.85e9 parameters (TinyLlama-like width, 16 layers), 8192 tokens per step.
     "h200": Settings(
         preset="h200", device="cuda", dtype="bfloat16", models=("llama",), hidden=2048, layers=16, heads=16,
@@ -101,9 +110,13 @@ PRESETS = {
 }
 
 
+LORA_TARGETS = {"gpt2": ["c_attn"], "llama": ["q_proj", "v_proj"]}
+
+
 def build_model(name: str, settings: Settings, device: torch.device) -> nn.Module:
     """A randomly initialised causal LM in training mode, dropout 0, on ``device`` and the
-    settings' dtype. Built directly on the device (initialising 1e9 parameters on the host is slow)."""
+    settings' dtype, under a PEFT LoRA adapter when ``settings.lora_rank`` is set. Built directly
+    on the device (initialising 1e9 parameters on the host is slow)."""
     import transformers
 
     if name == "gpt2":
@@ -126,7 +139,14 @@ def build_model(name: str, settings: Settings, device: torch.device) -> nn.Modul
     torch.manual_seed(settings.seed)
     with torch.device(device):
         model = model_class(config)
-    return model.to(DTYPES[settings.dtype]).train()
+    model = model.to(DTYPES[settings.dtype])
+    if settings.lora_rank is not None:
+        import peft
+
+        # lora_dropout 0 (as the model's dropout): every configuration computes the same function.
+        lora = peft.LoraConfig(r=settings.lora_rank, target_modules=LORA_TARGETS[name], lora_dropout=0.0)
+        model = peft.get_peft_model(model, lora)
+    return model.train()
 
 
 def hf_checkpointing(model: nn.Module, enable: bool, selective: bool = False) -> None:
@@ -446,14 +466,14 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, argparse.Namespace]:
     parser.add_argument("--device", type=device_name, help="cpu, cuda, cuda:1 or auto")
     parser.add_argument("--dtype", choices=sorted(DTYPES))
     parser.add_argument("--models", help=f"comma-separated, among {','.join(MODELS)}")
-    for name in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "seq", "batch", "warmup", "repeats", "seed", "threads"):
+    for name in ("hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "seq", "batch", "warmup", "repeats", "seed", "threads", "lora_rank"):
         parser.add_argument("--" + name.replace("_", "-"), type=int_type(name), dest=name)
     parser.add_argument("--budgets", type=positive_floats, help="comma-separated fractions of the plain model's saved bytes, e.g. 0.25,0.5")
     parser.add_argument("--out", type=Path, help="JSON file, or a folder for wrap-<preset>-<device>-<date>.json (default bench/results/)")
     args = parser.parse_args(argv)
     overrides = {
         k: getattr(args, k)
-        for k in ("device", "dtype", "hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "seq", "batch", "warmup", "repeats", "seed", "threads")
+        for k in ("device", "dtype", "hidden", "layers", "heads", "kv_heads", "intermediate", "vocab", "seq", "batch", "warmup", "repeats", "seed", "threads", "lora_rank")
         if getattr(args, k) is not None
     }
     if args.models:

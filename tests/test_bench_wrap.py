@@ -175,3 +175,22 @@ def test_hf_selective_counts_no_bytes_where_torch_hides_them(monkeypatch):
     assert sac["status"] == "ok" and sac["grad_check"] == "ok", sac
     assert sac["saved_bytes"] is None and sac["saved_vs_plain"] is None
     assert sac["step_time_ms_median"] > 0 and sac["time_vs_hf_selective"] == 1.0
+
+
+def test_lora_rows_train_only_the_adapters_and_match_plain(tmp_path):
+    """--lora-rank: every configuration of a PEFT LoRA model (the base and its LM head frozen)
+    runs, with plain's loss and adapter gradients; checkpointing still saves less than plain."""
+    pytest.importorskip("peft")
+    out = tmp_path / "wrap.json"
+    assert bench_wrap.main(["--preset", "cpu", "--models", "llama", "--lora-rank", "4", "--budgets", "0.5", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["arguments"]["lora_rank"] == 4
+    rows = {r["config"]: r for r in result["rows"]}
+    assert list(rows) == [*CONFIG_ROWS, "plan-50%"]
+    for row in rows.values():
+        assert row["status"] == "ok", row
+        assert row["grad_check"] in ("reference", "ok"), row
+    assert rows["memopt-full"]["saved_bytes"] <= rows["hf-checkpoint"]["saved_bytes"] < rows["plain"]["saved_bytes"]
+    model = bench_wrap.build_model("llama", bench_wrap.Settings(lora_rank=4), bench_wrap.resolve_device("cpu"))
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in name for name in trainable)

@@ -133,6 +133,10 @@ step kernels_h200 "${STEP_TIMEOUT_KERNELS_H200:-150}" python -m bench.kernels --
 # The chunked LM-head loss (memopt.linear_cross_entropy) against F.linear + F.cross_entropy: time
 # and the allocator's peak at Llama-3-sized vocabularies.
 step cross_entropy_h200 "${STEP_TIMEOUT_CROSS_ENTROPY:-90}" python -m bench.cross_entropy --preset h200 --out "$OUT"
+# The same with the LM head frozen (LoRA), where memopt forms the hidden gradient in the forward
+# (two matmuls, as eager): one token count, no compile.
+step cross_entropy_h200_frozen "${STEP_TIMEOUT_CROSS_ENTROPY_FROZEN:-45}" python -m bench.cross_entropy --preset h200 \
+  --frozen-weight --tokens 16384 --no-compile --out "$OUT"
 if [ "${BENCH_SWEEPS:-0}" = 1 ]; then
   sweep_configs=eager-sdpa,torch-checkpoint,torch-selective,memopt-selective,memopt-full,memopt-offload
   for sweep in layers seq; do

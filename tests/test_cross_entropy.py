@@ -395,25 +395,70 @@ def test_half_weight_backward_holds_one_vocab_block_in_float32(dtype, monkeypatc
 @pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
 @pytest.mark.parametrize("with_bias", [True, False])
 @pytest.mark.parametrize("chunk_tokens", [1, 7, 1000])
-def test_vocab_blocked_backward_equals_chunked_in_float64(chunk_tokens, with_bias, label_smoothing, logit_softcap, need_hidden, monkeypatch):
-    """The vocab-blocked backward (the float16/bfloat16 weights' path) is exact: run in float64
-    with blocks of 7 rows (1003 = 143 x 7 + 2: a ragged last block; targets in every block,
-    ignored tokens) and steps of at least 20 tokens (97 = 4 x 20 + 17) it gives the chunked
-    backward's gradients to 1e-12."""
+def test_vocab_blocked_backward_equals_reference_in_float64(chunk_tokens, with_bias, label_smoothing, logit_softcap, need_hidden, monkeypatch):
+    """The vocab-blocked backward (every weight gradient's path) is exact: run in float64 with
+    blocks of 7 rows (1003 = 143 x 7 + 2: a ragged last block; targets in every block, ignored
+    tokens) and steps of at least 20 tokens (97 = 4 x 20 + 17) it gives the float64 reference's
+    gradients (autograd through F.linear + F.cross_entropy, reduction "none", a random loss
+    gradient) to 1e-12."""
     monkeypatch.setattr(cross_entropy, "_GRAD_WEIGHT_BLOCK_ELEMENTS", 7 * DIM)
     monkeypatch.setattr(cross_entropy, "_CHUNK_ELEMENTS", 7 * 20)
-    hidden, weight, bias, target = (t.detach() if t is not None else None for t in _inputs(with_bias=with_bias))
+    hidden, weight, bias, target = _inputs(with_bias=with_bias)
+    hidden.requires_grad_(need_hidden)
     options = (-100, label_smoothing, logit_softcap)
-    _, lse, _ = cross_entropy._forward_chunks(hidden, weight, bias, target, *options, CHUNK, torch.float64)
+    _, lse, _ = cross_entropy._forward_chunks(hidden.detach(), weight.detach(), None if bias is None else bias.detach(),
+                                              target, *options, CHUNK, torch.float64)
     grad_loss = torch.randn(TOKENS, dtype=torch.float64)
-    want = cross_entropy._backward_chunks(
-        grad_loss, hidden, weight, bias, target, lse, *options, CHUNK, torch.float64, need_hidden, True
-    )
-    got = cross_entropy._backward_vocab_blocks(
-        grad_loss, hidden, weight, bias, target, lse, *options, chunk_tokens, torch.float64, need_hidden
-    )
-    for name, ours, theirs in zip(("hidden", "weight", "bias"), got, want):
-        _assert_close_relative(ours, theirs, 1e-12, f"grad_{name}")
+    got = cross_entropy._backward_chunks(
+        grad_loss, hidden.detach(), weight.detach(), None if bias is None else bias.detach(), target, lse, *options,
+        chunk_tokens, torch.float64, need_hidden, True,
+    )  # fmt: skip
+    ref = linear_cross_entropy_ref(hidden, weight, target, bias=bias, reduction="none", label_smoothing=label_smoothing,
+                                   logit_softcap=logit_softcap)
+    want = torch.autograd.grad(ref, _leaves(hidden, weight, bias), grad_loss)
+    got = [g for g, t in zip(got, (hidden, weight, bias)) if t is not None and t.requires_grad]
+    assert len(got) == len(want) == 1 + with_bias + need_hidden
+    for ours, theirs in zip(got, want):
+        _assert_close_relative(ours, theirs, 1e-12, "grad")
+
+
+@pytest.mark.parametrize("autocast", [False, True])
+def test_weight_gradient_updates_span_thousands_of_tokens(autocast, monkeypatch):
+    """Note [the weight gradient's sum]: a weight-gradient update's inner dimension is a block's
+    token chunk, ``2^24 // block`` tokens (scaled down here: 2^16 // 128 rows = 512 tokens), not
+    ``chunk_tokens`` (16), so the float32 gradient is read and written once per 512 tokens, not
+    once per 16; under autocast the compute-dtype product added per step is ``block x d``, not
+    ``vocab x d``."""
+    monkeypatch.setattr(cross_entropy, "_CHUNK_ELEMENTS", 2**16)
+    monkeypatch.setattr(cross_entropy, "_GRAD_WEIGHT_BLOCK_ELEMENTS", 128 * 64)
+    tokens, dim, vocab, block, step = 1024, 64, 4096, 128, 512
+    hidden, weight, bias, target = _inputs(tokens, dim, vocab, dtype=torch.float32)
+    products = []
+
+    class _Products(TorchDispatchMode):
+        """(op, first operand's shape) of every matmul into d columns, inside the op's body too."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            body = IMPLEMENTATIONS.get(func._opname) if func.namespace == "memopt" else None
+            if body is not None:
+                with self:
+                    return body(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.addmm_.default, torch.ops.aten.mm.default, torch.ops.aten.mm.out):
+                a, b = (args[1], args[2]) if func is torch.ops.aten.addmm_.default else (args[0], args[1])
+                if b.shape[-1] == dim:
+                    products.append((func.__name__, tuple(a.shape)))
+            return func(*args, **(kwargs or {}))
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = memopt.linear_cross_entropy(hidden, weight, target, bias=bias, chunk_tokens=16)
+    with _Products():
+        loss.backward()
+    weight_updates = [name for name, shape in products if shape == (block, step)]  # (block x step) @ (step x d)
+    assert len(weight_updates) == (vocab // block) * (tokens // step)
+    assert set(weight_updates) == ({"mm.default"} if autocast else {"addmm_.default"})  # autocast: a bf16 block product
+    assert all(shape[0] in (block, step) for _, shape in products), products  # nothing of vocab rows
+    (want,) = torch.autograd.grad(linear_cross_entropy_ref(hidden, weight, target, bias=bias), weight)
+    _assert_close_relative(weight.grad, want, 2e-2 if autocast else 1e-5, "grad_weight")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])

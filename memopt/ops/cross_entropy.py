@@ -19,17 +19,16 @@ forward holds nothing extra: note [a frozen LM head] in ``linear_cross_entropy``
 
 Working set per chunk: the chunk's logits in the compute dtype and one float32 (float64)
 ``chunk x vocab`` buffer (two in a softcapped backward, which keeps ``tanh`` for its
-derivative), plus a compute-dtype copy of ``weight`` when autocast casts it; the
-backward adds the ``vocab x d`` weight gradient and, when the compute dtype differs from the
-weight's (autocast with float32 weights), one compute-dtype ``vocab x d`` product per chunk.
-float16/bfloat16 weights: the backward walks vocabulary blocks of about 2^24 elements
-(``block x d``, outer) x token chunks (inner), summing each block's weight gradient in a float32
-``block x d`` buffer that is cast into the half gradient's rows when the block is done; its
-working set is the half ``vocab x d`` gradient itself, the float32 block buffer and one half
-``block x d`` product, a float32 ``tokens x d`` sum of ``grad_hidden`` (over the blocks, cast
-once at the end) and per (block, chunk) the ``chunk x block`` logits buffers (no more elements
-than ``chunk_tokens x vocab``, nor than 2^24 unless ``chunk_tokens x block`` is) and a half
-``chunk x d`` product.
+derivative), plus a compute-dtype copy of ``weight`` when autocast casts it. When the weight's
+gradient is needed the backward walks vocabulary blocks of about 2^24 elements (``block x d``,
+outer) x token chunks of about ``2^24 / block`` tokens (inner), so that each update of the weight
+gradient spans thousands of tokens (note [the weight gradient's sum] in
+``_backward_vocab_blocks``); it adds the ``vocab x d`` weight gradient itself, under autocast one
+compute-dtype ``block x d`` product per step, for float16/bfloat16 weights a float32 ``block x d``
+sum cast into the gradient's rows when the block is done, and with several blocks a ``tokens x d``
+sum of ``grad_hidden`` (float32 for a float16/bfloat16 hidden, cast once at the end); per (block,
+chunk) the ``chunk x block`` logits buffers hold no more elements than ``chunk_tokens x vocab``,
+nor than 2^24 unless ``chunk_tokens x block`` is.
 
 Layers: one chunked PyTorch implementation shared by every device (matmuls through the device's
 BLAS, cuBLAS on CUDA; the elementwise part in place on the chunk), registered as
@@ -281,19 +280,16 @@ def _backward_chunks(
     hidden's dtype, ``grad_weight (V, d)`` in weight's dtype and ``grad_bias (V,)`` in bias's
     dtype; a gradient not asked for (``need_grad_*`` False, or no bias) is an empty tensor.
     """
-    if need_grad_weight and weight.dtype in _HALF_DTYPES:
+    if need_grad_weight:
         return _backward_vocab_blocks(
             grad_loss, hidden, weight, bias, target, lse, ignore_index, label_smoothing, logit_softcap,
             chunk_tokens, compute_dtype, need_grad_hidden,
         )
+    # No weight gradient (a frozen weight with a trainable bias, or hidden's gradient alone): each
+    # chunk's grad_hidden is one matmul over the whole vocabulary.
     tokens, vocab = hidden.shape[0], weight.shape[0]
     accumulate_dtype = _accumulate_dtype(compute_dtype)
     grad_hidden = hidden.new_empty((tokens, hidden.shape[1]) if need_grad_hidden else (0,))
-    # The weight gradient accumulates over chunks in its own dtype when the matmul runs in it
-    # (one rounding per chunk, as an addmm with beta=1: no weight-sized temporary); under
-    # autocast with float32 weights each chunk's compute-dtype product is added to the float32
-    # gradient. (float16/bfloat16 weights go through _backward_vocab_blocks.)
-    grad_weight = weight.new_zeros(weight.shape if need_grad_weight else (0,))
     grad_bias_acc = hidden.new_zeros(vocab if bias is not None else 0, dtype=accumulate_dtype)
     with autocast_off(hidden.device.type):
         weight_c = weight.to(compute_dtype)
@@ -307,17 +303,11 @@ def _backward_chunks(
             )  # fmt: skip
             if bias is not None:
                 grad_bias_acc += grad_logits.sum(0)
-            grad_logits_c = grad_logits.to(compute_dtype)
             if need_grad_hidden:
-                grad_hidden[start:stop] = torch.mm(grad_logits_c, weight_c)
-            if need_grad_weight:
-                if grad_weight.dtype == compute_dtype:
-                    grad_weight.addmm_(grad_logits_c.t(), hidden_chunk)
-                else:
-                    grad_weight += torch.mm(grad_logits_c.t(), hidden_chunk)
-            del grad_logits, grad_logits_c  # before the next chunk's matmul
+                grad_hidden[start:stop] = torch.mm(grad_logits.to(compute_dtype), weight_c)
+            del grad_logits  # before the next chunk's matmul
     grad_bias = grad_bias_acc if bias is None else grad_bias_acc.to(bias.dtype)
-    return grad_hidden, grad_weight, grad_bias
+    return grad_hidden, weight.new_empty((0,)), grad_bias
 
 
 def _vocab_block_rows(vocab: int, dim: int) -> int:
@@ -329,28 +319,43 @@ def _backward_vocab_blocks(
     grad_loss, hidden, weight, bias, target, lse, ignore_index, label_smoothing, logit_softcap,
     chunk_tokens, compute_dtype, need_grad_hidden,
 ):
-    """``_backward_chunks`` for float16/bfloat16 weights whose gradient is needed: vocabulary
-    blocks (outer) x token chunks (inner).
+    """``_backward_chunks`` when the weight's gradient is needed: vocabulary blocks (outer) x
+    token chunks (inner).
 
-    Note: the weight gradient is a sum over every token. Summed chunk by chunk in half precision,
-    each chunk adds one rounding of the whole sum (bf16, 4096 tokens: relative error 9.3e-3 at 64
-    chunks, 2.1e-2 at 256, eager's 2.9e-3); a float32 ``vocab x d`` sum fixes that but costs twice
-    the gradient's bytes, at the training peak. Here each block's rows are summed over every chunk
-    in a float32 ``block x d`` buffer and cast once into the preallocated half gradient. Per
-    (block, chunk) the logits are rebuilt for the block's classes only; the saved lse is over the
-    whole vocabulary, so the softmax gradient is exact; ``-(1 - eps)`` goes to the targets inside
-    the block. ``grad_hidden`` is then a sum over the blocks, kept in the accumulate dtype
-    (``tokens x d``) and cast once. The token chunk grows to ``min(2^24, chunk_tokens x vocab) //
-    block`` tokens (at least ``chunk_tokens``): no more logits per step than a ``chunk_tokens``
-    chunk of the whole vocabulary, and few launches.
+    Note: [the weight gradient's sum] the weight gradient is a sum over every token, and how it
+    is summed sets both its precision and its speed. Summed token chunk by token chunk (as memopt
+    did before 2026-12-07 for float32 weights), each update of the ``vocab x d`` gradient has the
+    chunk as its inner dimension: at Llama-3's head (d 4096, vocab 128,256) the default chunk is
+    128 tokens, so each update reads and writes the whole float32 gradient (2 GiB) for 134 GFLOP
+    of matmul, and under autocast first makes a compute-dtype ``vocab x d`` product (1 GiB) to
+    add: memory traffic, not the matmuls, would bound the backward. Here the vocabulary goes in
+    blocks of ``block`` rows (``block x d`` about 2^24 elements, 4096 rows at d 4096) and, per
+    block, the tokens in chunks of ``min(2^24, chunk_tokens x vocab) // block`` (at least
+    ``chunk_tokens``): no more logits per step than a ``chunk_tokens`` chunk of the whole
+    vocabulary, and thousands of tokens as each update's inner dimension. Per (block, chunk) the
+    logits are rebuilt for the block's classes only; the saved lse is over the whole vocabulary,
+    so the softmax gradient is exact; ``-(1 - eps)`` goes to the targets inside the block. The
+    block's rows of the weight gradient are summed over every chunk in the gradient itself for
+    float32/float64 weights, and for float16/bfloat16 ones in a float32 ``block x d`` buffer cast
+    once into the gradient's rows (summed chunk by chunk in half precision, each chunk added one
+    rounding of the whole sum: bf16, 4096 tokens, relative error 9.3e-3 at 64 chunks, 2.1e-2 at
+    256, eager's 2.9e-3). ``grad_hidden`` is written once per chunk when the vocabulary is one
+    block, else summed over the blocks in the accumulate dtype and cast once into hidden's.
     """
     tokens, dim = hidden.shape
     vocab = weight.shape[0]
     accumulate_dtype = _accumulate_dtype(compute_dtype)
     block = _vocab_block_rows(vocab, dim)
+    one_block = block >= vocab
     chunk = max(1, min(tokens, max(chunk_tokens, min(_CHUNK_ELEMENTS, chunk_tokens * vocab) // block)))
-    grad_weight = weight.new_empty(weight.shape)
-    grad_hidden_acc = hidden.new_zeros((tokens, dim) if need_grad_hidden else (0,), dtype=accumulate_dtype)
+    half_weight = weight.dtype in _HALF_DTYPES
+    grad_weight = weight.new_empty(weight.shape) if half_weight else weight.new_zeros(weight.shape)
+    if not need_grad_hidden:
+        grad_hidden_acc = hidden.new_empty((0,))
+    elif one_block:
+        grad_hidden_acc = hidden.new_empty((tokens, dim))
+    else:
+        grad_hidden_acc = hidden.new_zeros((tokens, dim), dtype=accumulate_dtype)
     grad_bias_acc = hidden.new_zeros(vocab if bias is not None else 0, dtype=accumulate_dtype)
     with autocast_off(hidden.device.type):
         weight_c = weight.to(compute_dtype)
@@ -359,7 +364,8 @@ def _backward_vocab_blocks(
             v1 = min(v0 + block, vocab)
             weight_block = weight_c[v0:v1]
             bias_block = None if bias_c is None else bias_c[v0:v1]
-            grad_weight_acc = weight.new_zeros((v1 - v0, dim), dtype=accumulate_dtype)
+            # A row slice of the contiguous gradient: the updates below write straight into it.
+            grad_weight_acc = weight.new_zeros((v1 - v0, dim), dtype=accumulate_dtype) if half_weight else grad_weight[v0:v1]
             for start in range(0, tokens, chunk):
                 stop = min(start + chunk, tokens)
                 hidden_chunk = hidden[start:stop].to(compute_dtype)
@@ -371,17 +377,31 @@ def _backward_vocab_blocks(
                     grad_bias_acc[v0:v1] += grad_logits.sum(0)
                 grad_logits_c = grad_logits.to(compute_dtype)
                 if need_grad_hidden:
-                    grad_hidden_acc[start:stop] += torch.mm(grad_logits_c, weight_block)
-                if grad_weight_acc.dtype == compute_dtype:
-                    grad_weight_acc.addmm_(grad_logits_c.t(), hidden_chunk)
-                else:
-                    grad_weight_acc += torch.mm(grad_logits_c.t(), hidden_chunk)
+                    rows = grad_hidden_acc[start:stop]
+                    if one_block and rows.dtype == compute_dtype:
+                        torch.mm(grad_logits_c, weight_block, out=rows)
+                    elif one_block:
+                        rows.copy_(torch.mm(grad_logits_c, weight_block))
+                    else:
+                        _add_product_(rows, grad_logits_c, weight_block)
+                _add_product_(grad_weight_acc, grad_logits_c.t(), hidden_chunk)
                 del grad_logits, grad_logits_c  # before the next step's matmul
-            grad_weight[v0:v1] = grad_weight_acc  # cast once into the gradient's rows
+            if half_weight:
+                grad_weight[v0:v1] = grad_weight_acc  # cast once into the gradient's rows
             del grad_weight_acc
     grad_hidden = grad_hidden_acc.to(hidden.dtype) if need_grad_hidden else hidden.new_empty((0,))
     grad_bias = grad_bias_acc if bias is None else grad_bias_acc.to(bias.dtype)
     return grad_hidden, grad_weight, grad_bias
+
+
+def _add_product_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out += a @ b``: in place (``addmm_``, no temporary) when ``out`` has the matmul's dtype,
+    else through an ``a @ b`` product in the matmul's dtype (autocast: a bf16 product added to a
+    float32 sum)."""
+    if out.dtype == a.dtype:
+        out.addmm_(a, b)
+    else:
+        out += torch.mm(a, b)
 
 
 linear_cross_entropy_bwd = torch.library.custom_op(

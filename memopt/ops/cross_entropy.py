@@ -101,9 +101,7 @@ def _chunk_logits(hidden_chunk, weight_c, bias_c, accumulate_dtype, softcap, kee
     return logits.mul_(softcap), None
 
 
-def _softmax_to_grad_logits_(
-    probs, tanh_part, target_chunk, valid, first_class, vocab, label_smoothing, accumulate_dtype
-):
+def _softmax_to_grad_logits_(probs, tanh_part, target_chunk, valid, first_class, vocab, label_smoothing):
     """Turn ``probs = softmax(z)`` (``chunk x rows``, classes ``[first_class, first_class + rows)``)
     into ``d loss / d z`` for a unit loss gradient, in place: ``softmax(z)_c - (1 - eps)
     [c == target] - eps / vocab``, times ``1 - tanh^2`` under a softcap (``tanh_part``, consumed)."""
@@ -114,7 +112,7 @@ def _softmax_to_grad_logits_(
     rows, classes = probs.shape
     inside = valid & (target_chunk >= first_class) & (target_chunk < first_class + classes)
     columns = (target_chunk - first_class).clamp_(0, classes - 1)
-    take = inside.to(accumulate_dtype).mul_(1.0 - label_smoothing)
+    take = inside.to(probs.dtype).mul_(1.0 - label_smoothing)
     probs[torch.arange(rows, device=probs.device), columns] -= take
     if tanh_part is not None:
         probs.mul_(tanh_part.square_().neg_().add_(1.0))
@@ -135,9 +133,7 @@ def _chunk_grad_logits(
         hidden_chunk, weight_rows, bias_rows, accumulate_dtype, logit_softcap, keep_tanh=True
     )
     probs = logits.sub_(lse_chunk.unsqueeze(1)).exp_()
-    grad_logits = _softmax_to_grad_logits_(
-        probs, tanh_part, target_chunk, valid, first_class, vocab, label_smoothing, accumulate_dtype
-    )
+    grad_logits = _softmax_to_grad_logits_(probs, tanh_part, target_chunk, valid, first_class, vocab, label_smoothing)
     return grad_logits.mul_(_loss_coefficient(grad_loss_chunk, valid, accumulate_dtype).unsqueeze(1))
 
 
@@ -223,10 +219,8 @@ def _forward_chunks(
             logit_sum = logits.sum(1) if label_smoothing > 0.0 else None
             if grad_hidden_in_forward:
                 lse_chunk, probs = _logsumexp_(logits, keep_softmax=True)  # the logits are gone after this
-                grad_logits = _softmax_to_grad_logits_(
-                    probs, tanh_part, target_chunk, valid, 0, vocab, label_smoothing, accumulate_dtype
-                )
-                unit_grad_hidden[start:stop] = torch.mm(grad_logits.to(compute_dtype), weight_c)
+                grad_logits = _softmax_to_grad_logits_(probs, tanh_part, target_chunk, valid, 0, vocab, label_smoothing)
+                _mm_into(unit_grad_hidden[start:stop], grad_logits.to(compute_dtype), weight_c)
                 del probs, grad_logits, tanh_part
             else:
                 lse_chunk = _logsumexp_(logits)  # the logits are gone after this
@@ -378,10 +372,8 @@ def _backward_vocab_blocks(
                 grad_logits_c = grad_logits.to(compute_dtype)
                 if need_grad_hidden:
                     rows = grad_hidden_acc[start:stop]
-                    if one_block and rows.dtype == compute_dtype:
-                        torch.mm(grad_logits_c, weight_block, out=rows)
-                    elif one_block:
-                        rows.copy_(torch.mm(grad_logits_c, weight_block))
+                    if one_block:
+                        _mm_into(rows, grad_logits_c, weight_block)
                     else:
                         _add_product_(rows, grad_logits_c, weight_block)
                 _add_product_(grad_weight_acc, grad_logits_c.t(), hidden_chunk)
@@ -392,6 +384,15 @@ def _backward_vocab_blocks(
     grad_hidden = grad_hidden_acc.to(hidden.dtype) if need_grad_hidden else hidden.new_empty((0,))
     grad_bias = grad_bias_acc if bias is None else grad_bias_acc.to(bias.dtype)
     return grad_hidden, grad_weight, grad_bias
+
+
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out[...] = a @ b``: written in place (``out=``) when ``out`` has the matmul's dtype, else
+    through a product in the matmul's dtype cast on the copy."""
+    if out.dtype == a.dtype:
+        torch.mm(a, b, out=out)
+    else:
+        out.copy_(torch.mm(a, b))
 
 
 def _add_product_(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
